@@ -1,0 +1,34 @@
+# Set-up and checks; see README.md. `make install` is idempotent: the stamp file is rebuilt only
+# when pyproject.toml changes.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# cpu by default; GPU users: make install EXTRA=gpu (after installing CUDA)
+EXTRA ?= cpu
+
+.PHONY: install demo test bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[$(EXTRA),test]'
+	touch $(STAMP)
+
+demo: install
+	-$(BIN)/nandoctor scan sample_configs/nan_in_data/config.yaml
+	-$(BIN)/nandoctor probe sample_configs/log_of_zero/config.yaml --steps 40
+
+test: install
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python benchmarks/run.py
+
+lint: install
+	$(BIN)/ruff check nandoctor tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

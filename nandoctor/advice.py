@@ -1,0 +1,113 @@
+"""The remedies, in one place: what to change for each kind of finding, and for each Paddle op.
+
+Scan and probe ask `advice_for(code, op=..., **facts)`; nothing else in nandoctor writes advice text,
+so the domain knowledge can be read and improved here alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Starting points for ClipGradByGlobalNorm that practitioners use per architecture.
+CLIP_NORM_BY_ARCH = {"transformer": 1.0, "rnn": 0.25, "cnn": 5.0}
+
+_BY_OP: dict[str, list[str]] = {
+    "log": ["Clamp the argument before the log: `paddle.log(paddle.clip(x, min=1e-12))`, or use a fused "
+            "stable form (`F.log_softmax`, `F.binary_cross_entropy_with_logits`) instead of log(softmax/sigmoid)."],
+    "log_grad": ["The log's argument reached 0: its gradient 1/x is infinite there. Clamp it "
+                 "(`paddle.clip(x, min=1e-12)`) before the log, also where `where()` masks the result."],
+    "sqrt": ["sqrt of a negative number: clamp the argument at 0 (`paddle.clip(x, min=0)`) or check its sign."],
+    "sqrt_grad": ["The gradient of sqrt at 0 is infinite: add an epsilon inside, `paddle.sqrt(x + 1e-12)`, "
+                  "e.g. for distances and norms."],
+    "divide": ["Division by zero: add an epsilon to the denominator (`x / (d + 1e-8)`) or guard empty masks "
+               "(`mask.sum().clip(min=1)`)."],
+    "divide_grad": ["The gradient of a division blew up: the denominator is at or near 0. Add an epsilon to it."],
+    "elementwise_div": ["Division by zero: add an epsilon to the denominator or guard empty masks."],
+    "mean": ["A mean over an empty selection is 0/0: check the mask is non-empty (`mask.sum() > 0`) or divide by "
+             "`mask.sum().clip(min=1)`."],
+    "exp": ["exp overflows float32 above ~88: subtract the max first (`x - x.max(axis, keepdim=True)`), "
+            "clamp the argument (`paddle.clip(x, max=80)`), or use `F.softmax`/`paddle.logsumexp`."],
+    "exp_grad": ["exp overflowed: subtract the max or clamp the argument before exp."],
+    "pow": ["A fractional power of a negative number is NaN: use `paddle.abs(x) ** p` with the sign kept apart, "
+            "or clamp at 0 first."],
+    "pow_grad": ["The gradient of x**p with p < 1 is infinite at 0: add an epsilon (`(x + 1e-12) ** p`)."],
+    "acos_grad": ["The gradient of acos at ±1 is infinite: clamp the argument to [-1 + 1e-7, 1 - 1e-7]."],
+    "asin_grad": ["The gradient of asin at ±1 is infinite: clamp the argument to [-1 + 1e-7, 1 - 1e-7]."],
+    "where_grad": ["`where(mask, f(x), 0)` still back-propagates through f(x) at masked positions: make the input "
+                   "safe first (`f(where(mask, x, 1))`) so the unused branch is finite too."],
+    "matmul": ["A matmul overflowed: activations or weights are too large. Check the initialisation "
+               "(Xavier/Kaiming) and normalise inputs; add LayerNorm before large projections."],
+    "softmax": ["Use `F.softmax` on finite logits; with masks, fill with a large negative number (-1e9), not -inf, "
+                "so fully-masked rows stay finite."],
+    "adam_": ["Adam's update turned a parameter non-finite: raise `epsilon` (1e-8 -> 1e-6), lower the learning "
+              "rate, and clip gradients."],
+    "adamw_": ["AdamW's update turned a parameter non-finite: raise `epsilon` (1e-8 -> 1e-6), lower the learning "
+               "rate, and clip gradients."],
+    "sgd_": ["The SGD update turned a parameter non-finite: lower the learning rate and clip gradients."],
+}
+
+_BY_CODE: dict[str, list[str]] = {
+    "data.nonfinite": ["Clean the data: drop or impute NaN/Inf at the source (`np.nan_to_num` or a filter in the "
+                       "Dataset's __getitem__), and add an assertion in the loader so it cannot come back."],
+    "data.label_range": ["Labels must lie in [0, num_classes): check the label mapping, an off-by-one (labels "
+                         "1..C instead of 0..C-1), or an ignore value such as -1 or 255 (pass `ignore_index`)."],
+    "data.seq_len": ["Truncate sequences to the model's maximum (`x[:, :max_len]` in the collate function), or "
+                     "enlarge the position table."],
+    "data.range": ["Normalise the field (subtract the mean, divide by the standard deviation) and remove or clip "
+                   "gross outliers; values far outside the training range overflow activations."],
+    "data.empty": ["The loader yielded an empty batch: use `drop_last=True` or filter empty batches; a mean over "
+                   "nothing is NaN."],
+    "data.constant": ["A field that never changes carries no signal and normalising it divides by a zero std: "
+                      "check the loader reads the right column."],
+    "param.nonfinite": ["A parameter is NaN/Inf before training: the checkpoint is corrupt or was saved after the "
+                        "run diverged. Load an earlier checkpoint or re-initialise that layer."],
+    "param.init_scale": ["Re-initialise with a fan-in aware scheme: `nn.initializer.XavierUniform()` for "
+                         "tanh/linear layers, `nn.initializer.KaimingNormal()` for ReLU layers."],
+    "param.zero": ["An all-zero weight matrix makes every unit identical (no symmetry breaking): use Xavier or "
+                   "Kaiming initialisation for weights; zeros are for biases only."],
+    "activation.nonfinite": ["A layer's output went non-finite in the forward pass: see the op-specific advice, "
+                             "check the layer's inputs for extreme values, and its initialisation."],
+    "loss.nonfinite": ["The loss went non-finite while the model's outputs were finite: the loss formula itself is "
+                       "unstable (log of 0, division by 0). Use the fused, stable loss functions."],
+    "grad.nonfinite": ["A gradient went non-finite in backward while the forward pass was finite: an op with an "
+                       "infinite derivative at the input it got (sqrt, log, pow, acos at their edge)."],
+    "grad.explosion": ["Clip gradients: `optimizer.grad_clip: {global_norm: 1.0}` (ClipGradByGlobalNorm).",
+                       "Lower the learning rate (by 3-10x) and add a warmup of a few hundred steps."],
+    "update.nonfinite": ["The optimizer step turned finite parameters non-finite: lower the learning rate, raise "
+                         "the optimizer's epsilon (1e-8 -> 1e-6), and clip gradients."],
+    "precision.fp16_overflow": ["float16 tops out at 65504: keep this layer in float32 (a custom black list for "
+                                "`paddle.amp.auto_cast`), use bfloat16, or normalise before it (LayerNorm)."],
+    "grad.vanishing": ["Gradients this small underflow in float16 (below ~6e-8): use loss scaling "
+                       "(`paddle.amp.GradScaler(init_loss_scaling=65536)`), or check for saturated activations."],
+    "amp.inactive": ["AMP has no float16 kernels on CPU, so nandoctor judged float16 risk from float32 magnitudes; "
+                     "run the probe on a GPU to exercise real AMP."],
+    "amp.scale_collapse": ["The loss scale keeps falling: some gradient overflows every step. Find it with the "
+                           "first-fault report, keep that layer in float32, or use bfloat16."],
+    "user_code.error": ["Fix the exception in your code at the file and line shown; nandoctor stopped there."],
+    "run.interrupted": ["The run was interrupted: this report holds only the steps seen before Ctrl-C."],
+}
+
+
+def advice_for(code: str, op: str | None = None, **facts: Any) -> list[str]:
+    """The remedies for a finding: op-specific first (most concrete), then the code's general ones.
+
+    `facts` tailor the text: `clip_norm` (a threshold derived from observed norms), `learning_rate`,
+    `expected_std`, `arch`.
+    """
+    out: list[str] = []
+    if op:
+        base = op.removesuffix("_grad") if op not in _BY_OP else op
+        out += _BY_OP.get(op, _BY_OP.get(base, []))
+    if code == "grad.explosion" and facts.get("clip_norm") is not None:
+        lr = facts.get("learning_rate")
+        lr_text = f" (now {lr:g})" if isinstance(lr, (int, float)) else ""
+        out += [f"Clip gradients at about {facts['clip_norm']:.3g}, the norm seen before the growth began: "
+                f"`optimizer.grad_clip: {{global_norm: {facts['clip_norm']:.3g}}}`.",
+                f"Lower the learning rate{lr_text} by 3-10x and add a warmup of a few hundred steps."]
+        return out
+    if code == "param.init_scale" and facts.get("expected_std") is not None:
+        out.append(f"Its standard deviation should be about {facts['expected_std']:.3g} for its fan-in; "
+                   + _BY_CODE[code][0])
+        return out
+    out += _BY_CODE.get(code, [])
+    return list(dict.fromkeys(out))  # op and code advice may overlap; keep the first of each

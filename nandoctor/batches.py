@@ -1,0 +1,138 @@
+"""Whatever the user's loader yields -> named fields, the model's inputs and the label.
+
+Batches come as a single tensor, a tuple/list (named by `data.fields`) or a dict (its own keys); the
+values as Paddle tensors or numpy arrays. Naming happens once here so that every finding can say
+"batch 3, sample 7, field 'x'" in the user's own words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from nandoctor.errors import SpecError
+from nandoctor.spec import DataSpec
+
+
+def default_field_names(n: int) -> list[str]:
+    """Names for an unnamed tuple batch: (x, label) for the common pair, x0..xN otherwise."""
+    if n == 1:
+        return ["x"]
+    if n == 2:
+        return ["x", "label"]
+    return [f"x{i}" for i in range(n)]
+
+
+@dataclass
+class BatchLayout:
+    """How to read a batch: resolved once from the spec and the first batch, then reused."""
+
+    data: DataSpec
+    where: str  # "config.yaml" for messages
+
+    def fields(self, batch: Any, batch_index: int) -> dict[str, Any]:
+        """Name the parts of a batch; a mismatch with `data.fields` is a SpecError naming the batch."""
+        if isinstance(batch, Mapping):
+            out = dict(batch)
+            if self.data.fields is not None:
+                missing = [f for f in self.data.fields if f not in out]
+                if missing:
+                    raise SpecError(f"{self.where}: `data.fields` names {missing}, but batch {batch_index} is a "
+                                    f"dict with keys {list(out)}. Dict batches keep their own keys: drop "
+                                    "`data.fields` or use those keys.")
+        elif isinstance(batch, (tuple, list)):
+            names = self.data.fields or default_field_names(len(batch))
+            if len(names) != len(batch):
+                raise SpecError(f"{self.where}: `data.fields` names {len(names)} fields {names}, but batch "
+                                f"{batch_index} from {self.data.entry} has {len(batch)} parts. List one name "
+                                "per part, in order.")
+            out = dict(zip(names, batch))
+        else:
+            names = self.data.fields or ["x"]
+            if len(names) != 1:
+                raise SpecError(f"{self.where}: `data.fields` names {names}, but batch {batch_index} is a single "
+                                f"{type(batch).__name__}, not a tuple or dict.")
+            out = {names[0]: batch}
+        for key in [self.data.label, *(self.data.inputs or [])]:
+            if key is not None and key not in out:
+                which = "data.label" if key == self.data.label else "data.inputs"
+                raise SpecError(f"{self.where}: `{which}` names field '{key}', but batch {batch_index} has "
+                                f"fields {list(out)}.")
+        return out
+
+    def label_name(self, fields: Mapping[str, Any]) -> str | None:
+        if self.data.label is not None:
+            return self.data.label
+        return "label" if "label" in fields else None
+
+    def input_names(self, fields: Mapping[str, Any]) -> list[str]:
+        if self.data.inputs is not None:
+            return list(self.data.inputs)
+        label = self.label_name(fields)
+        return [k for k in fields if k != label]
+
+    def inputs(self, fields: Mapping[str, Any]) -> list[Any]:
+        return [fields[k] for k in self.input_names(fields)]
+
+    def label(self, fields: Mapping[str, Any]) -> Any:
+        name = self.label_name(fields)
+        return None if name is None else fields[name]
+
+
+def to_numpy(value: Any) -> np.ndarray | None:
+    """A field as a numpy array (no copy for numpy); None for things that are not array-like."""
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "numpy") and callable(value.numpy):
+        return np.asarray(value.numpy())
+    if isinstance(value, (int, float, bool, list, tuple)):
+        try:
+            return np.asarray(value)
+        except (ValueError, TypeError):
+            return None
+    return None
+
+
+def to_tensor(value: Any) -> Any:
+    """Numpy arrays and Python numbers -> Paddle tensors on the current device; tensors pass through."""
+    import paddle
+
+    if isinstance(value, paddle.Tensor):
+        return value
+    if isinstance(value, np.ndarray) or isinstance(value, (int, float, list)):
+        return paddle.to_tensor(value)
+    return value
+
+
+def batch_size(fields: Mapping[str, Any]) -> int | None:
+    """The leading dimension shared by the array fields, or None when they disagree or have none."""
+    sizes = set()
+    for value in fields.values():
+        shape = getattr(value, "shape", None)
+        if shape is not None and len(shape) > 0:
+            sizes.add(int(shape[0]))
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def take(value: Any, indices: list[int]) -> Any:
+    """Rows `indices` of a field, keeping its type (tensor or array); other values pass through."""
+    import paddle
+
+    if isinstance(value, paddle.Tensor):
+        return paddle.gather(value, paddle.to_tensor(indices, dtype="int64"), axis=0)
+    if isinstance(value, np.ndarray):
+        return value[indices]
+    return value
+
+
+def subset(fields: Mapping[str, Any], indices: list[int]) -> dict[str, Any]:
+    """The same batch restricted to some samples; fields without a batch dimension are kept whole."""
+    n = batch_size(fields)
+    out = {}
+    for k, v in fields.items():
+        shape = getattr(v, "shape", None)
+        out[k] = take(v, indices) if shape is not None and len(shape) > 0 and int(shape[0]) == n else v
+    return out

@@ -1,0 +1,161 @@
+"""Importing and calling the user's code: entry strings -> callables; exceptions -> the user's file and line.
+
+Two kinds of failure, kept apart on purpose: an entry that cannot be *loaded* (file missing, import
+error, no such function) is a `SpecError` (exit 2, nothing ran); an entry that raises when *called* is
+a `UserCodeError`, which scan and probe turn into a `user_code.error` finding in a written report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import sys
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable
+
+from nandoctor.errors import SpecError, UserCodeError
+
+_OUR_DIR = Path(__file__).resolve().parent
+
+
+@contextlib.contextmanager
+def user_import_path(base_dir: Path) -> Iterator[None]:
+    """Make the spec's folder importable while the user's code runs (the contract), then undo it."""
+    entry = str(base_dir.resolve())
+    added = entry not in sys.path
+    if added:
+        sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        if added and entry in sys.path:
+            sys.path.remove(entry)
+
+
+def load_entry(entry: str, base_dir: Path, key: str, spec_path: Path) -> Callable[..., Any]:
+    """Resolve "file.py:func" (relative to `base_dir`) or "pkg.module:func" to a callable."""
+    target, attr = entry.rsplit(":", 1)
+    where = f"{spec_path}: `{key}` ({entry!r})"
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        file = (base_dir / target).resolve()
+        if not file.is_file():
+            raise SpecError(f"{where} points at {file}, which does not exist. Entry paths are relative to the "
+                            f"spec's folder ({base_dir}).")
+        module = _import_file(file, where)
+    else:
+        module = _import_module(target, base_dir, where)
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            import difflib
+
+            close = difflib.get_close_matches(part, names, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise SpecError(f"{where}: {getattr(module, '__file__', target)} has no '{part}'.{hint}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise SpecError(f"{where}: '{attr}' is a {type(obj).__name__}, not something nandoctor can call.")
+    return obj
+
+
+def _import_file(file: Path, where: str) -> Any:
+    # A stable, unique module name per file, so two specs' "models.py" never collide in sys.modules.
+    name = f"nandoctor_user_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise SpecError(f"{where}: {file} cannot be imported as Python.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    with user_import_path(file.parent):
+        try:
+            spec.loader.exec_module(module)
+        except BaseException as exc:  # noqa: BLE001 - anything the user's import does is reported, not raised
+            del sys.modules[name]
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            raise SpecError(f"{where}: importing {file} failed{_at(exc, file.parent)}: "
+                            f"{type(exc).__name__}: {exc}. Fix that file; nandoctor ran none of your code yet."
+                            ) from None
+    return module
+
+
+def _import_module(target: str, base_dir: Path, where: str) -> Any:
+    with user_import_path(base_dir):
+        try:
+            return importlib.import_module(target)
+        except ModuleNotFoundError as exc:
+            if exc.name and target.startswith(exc.name):
+                raise SpecError(f"{where}: no module named '{exc.name}' (looked in {base_dir} and the installed "
+                                "packages). For a file next to the spec write \"file.py:function\".") from None
+            raise SpecError(f"{where}: importing '{target}' failed{_at(exc, base_dir)}: "
+                            f"{type(exc).__name__}: {exc}.") from None
+        except Exception as exc:  # noqa: BLE001
+            raise SpecError(f"{where}: importing '{target}' failed{_at(exc, base_dir)}: "
+                            f"{type(exc).__name__}: {exc}.") from None
+
+
+def _at(exc: BaseException, base_dir: Path) -> str:
+    origin = user_origin(exc, base_dir)
+    return f" at {origin}" if origin else ""
+
+
+def user_origin(exc: BaseException, base_dir: Path | None = None) -> str | None:
+    """'models.py:42 in forward' for the innermost traceback frame in the user's code.
+
+    The user's code is anything that is not nandoctor, not Paddle, not the standard library or
+    site-packages; preferring files under `base_dir` when given. SyntaxErrors carry their own place.
+    """
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{_short(Path(exc.filename), base_dir)}:{exc.lineno}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    base = base_dir.resolve() if base_dir else None
+    best = None
+    for frame in frames:
+        file = Path(frame.filename)
+        if _is_user_file(file, base):
+            best = frame
+    if best is None:
+        return None
+    return f"{_short(Path(best.filename), base_dir)}:{best.lineno} in {best.name}"
+
+
+def _is_user_file(file: Path, base: Path | None) -> bool:
+    text = str(file)
+    if text.startswith("<"):
+        return False
+    try:
+        resolved = file.resolve()
+    except OSError:
+        return False
+    if _OUR_DIR in resolved.parents:
+        return False
+    if base is not None and base in resolved.parents:
+        return True
+    lowered = text.replace("\\", "/")
+    return "site-packages" not in lowered and "/lib/python" not in lowered
+
+
+def _short(file: Path, base_dir: Path | None) -> str:
+    if base_dir is not None:
+        try:
+            return str(file.resolve().relative_to(base_dir.resolve()))
+        except ValueError:
+            pass
+    return str(file)
+
+
+def call_user(what: str, fn: Callable[..., Any], *args: Any, base_dir: Path | None = None, **kwargs: Any) -> Any:
+    """Call the user's code; anything it raises comes back as a UserCodeError saying what and where."""
+    try:
+        return fn(*args, **kwargs)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's exception is the finding
+        raise UserCodeError(what, exc, user_origin(exc, base_dir)) from exc

@@ -1,0 +1,307 @@
+"""The report's data model: findings, their locations, the first fault, the timeline and the verdict.
+
+Everything that crosses from scan/probe to the renderers is one of these dataclasses; `Report.to_dict`
+is the contract's JSON (`nandoctor.report/1`) and `Report.from_dict` reads it back for re-rendering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+SCHEMA = "nandoctor.report/1"
+
+
+class Severity(str, Enum):
+    ERROR = "error"
+    WARNING = "warning"
+    INFO = "info"
+
+
+class Phase(str, Enum):
+    DATA = "data"
+    PARAMS = "params"
+    FORWARD = "forward"
+    LOSS = "loss"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+class Verdict(str, Enum):
+    HEALTHY = "healthy"
+    AT_RISK = "at_risk"
+    NAN_FOUND = "nan_found"
+    CRASHED = "crashed"
+
+
+class Code(str, Enum):
+    """Finding codes; the first thirteen are fixed by the contract, the rest are ours."""
+
+    DATA_NONFINITE = "data.nonfinite"
+    DATA_LABEL_RANGE = "data.label_range"
+    DATA_SEQ_LEN = "data.seq_len"
+    DATA_RANGE = "data.range"
+    PARAM_NONFINITE = "param.nonfinite"
+    PARAM_INIT_SCALE = "param.init_scale"
+    ACTIVATION_NONFINITE = "activation.nonfinite"
+    LOSS_NONFINITE = "loss.nonfinite"
+    GRAD_NONFINITE = "grad.nonfinite"
+    GRAD_EXPLOSION = "grad.explosion"
+    UPDATE_NONFINITE = "update.nonfinite"
+    PRECISION_FP16_OVERFLOW = "precision.fp16_overflow"
+    USER_CODE_ERROR = "user_code.error"
+    # nandoctor's own additions
+    DATA_EMPTY = "data.empty"
+    DATA_CONSTANT = "data.constant"
+    PARAM_ZERO = "param.zero"
+    GRAD_VANISHING = "grad.vanishing"
+    AMP_INACTIVE = "amp.inactive"
+    AMP_SCALE_COLLAPSE = "amp.scale_collapse"
+    RUN_INTERRUPTED = "run.interrupted"
+
+
+# Codes that mean "a non-finite value was found": they make the verdict `nan_found`.
+NONFINITE_CODES = frozenset(
+    {
+        Code.DATA_NONFINITE,
+        Code.PARAM_NONFINITE,
+        Code.ACTIVATION_NONFINITE,
+        Code.LOSS_NONFINITE,
+        Code.GRAD_NONFINITE,
+        Code.UPDATE_NONFINITE,
+    }
+)
+
+
+@dataclass
+class Location:
+    """Where a finding is; every field optional because a data finding has no layer, and so on."""
+
+    step: int | None = None
+    phase: Phase | None = None
+    layer: str | None = None
+    op: str | None = None
+    parameter: str | None = None
+    batch_index: int | None = None
+    sample_indices: list[int] | None = None
+    field: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["phase"] = self.phase.value if self.phase else None
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Location:
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        if d.get("phase"):
+            d["phase"] = Phase(d["phase"])
+        return cls(**d)
+
+    def describe(self) -> str:
+        """A short human phrase: 'step 6, backward, layer head.distance, op sqrt_grad'."""
+        parts: list[str] = []
+        if self.step is not None:
+            parts.append(f"step {self.step}")
+        if self.phase is not None:
+            parts.append(self.phase.value)
+        if self.batch_index is not None and self.step is None:
+            parts.append(f"batch {self.batch_index}")
+        if self.sample_indices:
+            shown = ", ".join(str(i) for i in self.sample_indices[:8])
+            more = "…" if len(self.sample_indices) > 8 else ""
+            parts.append(f"sample{'s' if len(self.sample_indices) > 1 else ''} {shown}{more}")
+        if self.field is not None:
+            parts.append(f"field '{self.field}'")
+        if self.layer is not None:
+            parts.append(f"layer {self.layer}")
+        if self.op is not None:
+            parts.append(f"op {self.op}")
+        if self.parameter is not None:
+            parts.append(f"parameter {self.parameter}")
+        return ", ".join(parts) if parts else "—"
+
+
+@dataclass
+class Finding:
+    code: Code
+    severity: Severity
+    message: str
+    location: Location = field(default_factory=Location)
+    evidence: dict[str, Any] = field(default_factory=dict)
+    advice: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "code": self.code.value,
+            "severity": self.severity.value,
+            "message": self.message,
+            "location": self.location.to_dict(),
+            "evidence": _jsonable(self.evidence),
+            "advice": list(self.advice),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Finding:
+        try:
+            code: Code | str = Code(d["code"])
+        except ValueError:  # a newer nandoctor's code: keep it as text rather than refuse the report
+            code = d["code"]
+        return cls(
+            code=code,  # type: ignore[arg-type]
+            severity=Severity(d["severity"]),
+            message=d["message"],
+            location=Location.from_dict(d.get("location")),
+            evidence=dict(d.get("evidence") or {}),
+            advice=list(d.get("advice") or []),
+        )
+
+
+@dataclass
+class FirstFault:
+    """The first place a non-finite value (or a crash) appeared; the contract's `first_fault`."""
+
+    step: int | None
+    phase: Phase
+    layer: str | None = None
+    op: str | None = None
+    parameter: str | None = None
+    batch_index: int | None = None
+    sample_indices: list[int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["phase"] = self.phase.value
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> FirstFault | None:
+        if not d:
+            return None
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        d["phase"] = Phase(d["phase"])
+        return cls(**d)
+
+    def as_location(self) -> Location:
+        return Location(
+            step=self.step,
+            phase=self.phase,
+            layer=self.layer,
+            op=self.op,
+            parameter=self.parameter,
+            batch_index=self.batch_index,
+            sample_indices=self.sample_indices,
+        )
+
+
+@dataclass
+class TimelinePoint:
+    step: int
+    loss: float | None = None
+    grad_norm: float | None = None
+    loss_scale: float | None = None
+    skipped: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _jsonable(v) for k, v in asdict(self).items() if v is not None or k in ("loss", "grad_norm")}
+
+
+@dataclass
+class Report:
+    command: str
+    findings: list[Finding] = field(default_factory=list)
+    first_fault: FirstFault | None = None
+    timeline: list[TimelinePoint] = field(default_factory=list)
+    environment: dict[str, Any] = field(default_factory=dict)
+    # What was run, for reproduction: config path, argv, steps, seed, device ...
+    run: dict[str, Any] = field(default_factory=dict)
+    # Extra per-command material that renderers may show (data field statistics, per-layer maxima ...)
+    details: dict[str, Any] = field(default_factory=dict)
+    # The user's code raised and training could not go on (verdict `crashed`).
+    crashed: bool = False
+    # The run was interrupted (Ctrl-C) and the report holds only what was seen so far.
+    partial: bool = False
+
+    @property
+    def verdict(self) -> Verdict:
+        """Crashed beats NaN beats any other error or warning; the contract's four verdicts."""
+        if self.crashed:
+            return Verdict.CRASHED
+        if any(f.code in NONFINITE_CODES for f in self.findings):
+            return Verdict.NAN_FOUND
+        if any(f.severity in (Severity.ERROR, Severity.WARNING) for f in self.findings):
+            return Verdict.AT_RISK
+        return Verdict.HEALTHY
+
+    @property
+    def exit_code(self) -> int:
+        """0 with no error-severity finding, 1 with one (the contract)."""
+        return 1 if any(f.severity == Severity.ERROR for f in self.findings) else 0
+
+    def counts(self) -> dict[str, int]:
+        out = {s.value: 0 for s in Severity}
+        for f in self.findings:
+            out[f.severity.value] += 1
+        return out
+
+    def sorted_findings(self) -> list[Finding]:
+        """Errors first, then warnings, then info; stable within a severity (order of discovery)."""
+        rank = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
+        return sorted(self.findings, key=lambda f: rank[f.severity])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "command": self.command,
+            "verdict": self.verdict.value,
+            "partial": self.partial,
+            "first_fault": self.first_fault.to_dict() if self.first_fault else None,
+            "findings": [f.to_dict() for f in self.findings],
+            "timeline": [p.to_dict() for p in self.timeline],
+            "environment": _jsonable(self.environment),
+            "run": _jsonable(self.run),
+            "details": _jsonable(self.details),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Report:
+        if d.get("schema") != SCHEMA:
+            raise ValueError(f"not a nandoctor report (schema is {d.get('schema')!r}, expected {SCHEMA!r})")
+        return cls(
+            command=d.get("command", "?"),
+            findings=[Finding.from_dict(f) for f in d.get("findings", [])],
+            first_fault=FirstFault.from_dict(d.get("first_fault")),
+            timeline=[TimelinePoint(**p) for p in d.get("timeline", [])],
+            environment=dict(d.get("environment") or {}),
+            run=dict(d.get("run") or {}),
+            details=dict(d.get("details") or {}),
+            crashed=d.get("verdict") == Verdict.CRASHED.value,
+            partial=bool(d.get("partial", False)),
+        )
+
+
+def _jsonable(value: Any) -> Any:
+    """numpy scalars/arrays and enums -> plain JSON values; NaN/Inf -> strings (JSON has neither)."""
+    import math
+
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        return _jsonable(value.tolist())
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, (bool, int, str)) or value is None:
+        return value
+    return str(value)

@@ -1,0 +1,405 @@
+"""The YAML spec: read safely, validated key by key, turned into typed dataclasses.
+
+Validation happens here, before any of the user's code is imported, so a typo costs a second, not a
+model build. Every error names the file and the key path (`optimizer.grad_clip.global_norm`) and, for
+an unknown key, the nearest valid one. Entry strings are checked for shape here; they are imported by
+`entrypoints.py`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nandoctor.errors import SpecError
+
+BUILTIN_LOSSES = ("cross_entropy", "mse", "l1", "bce_with_logits")
+AMP_DTYPES = ("float16", "bfloat16")
+AMP_LEVELS = ("O1", "O2")
+GRAD_CLIP_KINDS = ("global_norm", "norm", "value")
+_DEVICE_RE = re.compile(r"^(auto|cpu|gpu(:\d+)?)$")
+# "path/to/file.py:callable" or "pkg.module:callable" (callable may be dotted: "Cls.build")
+_ENTRY_RE = re.compile(r"^(?P<target>[^:]+):(?P<attr>[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*)$")
+
+# The allowed keys at each level; the single source for "unknown key" checks and suggestions.
+_SCHEMA: dict[str, tuple[str, ...]] = {
+    "": ("version", "model", "data", "loss", "step", "optimizer", "amp", "checks", "probe"),
+    "model": ("entry", "args"),
+    "data": ("entry", "args", "fields", "inputs", "label"),
+    "loss": ("builtin", "entry"),
+    "step": ("entry",),
+    "optimizer": ("name", "args", "grad_clip"),
+    "optimizer.grad_clip": GRAD_CLIP_KINDS,
+    "amp": ("enabled", "dtype", "level", "init_loss_scaling"),
+    "checks": ("num_classes", "label_range", "max_seq_len", "value_range"),
+    "probe": ("steps", "seed", "device"),
+}
+
+
+@dataclass
+class EntrySpec:
+    """A reference into the user's code, with the keyword arguments to call it with."""
+
+    entry: str
+    args: dict[str, Any] = field(default_factory=dict)
+    key: str = ""  # the key path it came from, for messages ("model.entry")
+
+
+@dataclass
+class DataSpec(EntrySpec):
+    fields: list[str] | None = None
+    inputs: list[str] | None = None
+    label: str | None = None
+
+
+@dataclass
+class LossSpec:
+    builtin: str | None = None
+    entry: str | None = None
+
+
+@dataclass
+class GradClipSpec:
+    kind: str  # global_norm | norm | value
+    value: float
+
+
+@dataclass
+class OptimizerSpec:
+    name: str = "Adam"
+    args: dict[str, Any] = field(default_factory=lambda: {"learning_rate": 1.0e-3})
+    grad_clip: GradClipSpec | None = None
+    given: bool = False  # False when the spec had no `optimizer` and the default is used
+
+
+@dataclass
+class AmpSpec:
+    enabled: bool = False
+    dtype: str = "float16"
+    level: str = "O1"
+    init_loss_scaling: float = 65536.0
+
+
+@dataclass
+class ChecksSpec:
+    num_classes: int | None = None
+    label_range: tuple[float, float] | None = None
+    max_seq_len: int | None = None
+    value_range: tuple[float, float] | None = None
+
+    def label_bounds(self) -> tuple[float, float] | None:
+        """Inclusive [low, high] for labels, from `num_classes` or `label_range`."""
+        if self.num_classes is not None:
+            return (0, self.num_classes - 1)
+        return self.label_range
+
+
+@dataclass
+class ProbeDefaults:
+    steps: int = 200
+    seed: int = 0
+    device: str = "auto"
+
+
+@dataclass
+class Spec:
+    path: Path
+    model: EntrySpec
+    data: DataSpec
+    loss: LossSpec | None
+    step: EntrySpec | None
+    optimizer: OptimizerSpec
+    amp: AmpSpec
+    checks: ChecksSpec
+    probe: ProbeDefaults
+    raw: dict[str, Any]
+
+    @property
+    def base_dir(self) -> Path:
+        """Relative entry paths resolve against the YAML's folder, which is importable at run time."""
+        return self.path.parent
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read and validate a spec file; raise `SpecError` naming the file and key on any problem."""
+    path = Path(path)
+    if not path.exists():
+        raise SpecError(f"{path}: no such file. Pass the path of your nandoctor YAML spec (see README, 'The spec').")
+    if path.is_dir():
+        raise SpecError(f"{path} is a folder; pass the YAML spec file inside it (for example {path}/config.yaml).")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot be read ({exc}).") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(f"{path}{where}: not valid YAML ({problem}). Check the indentation and quoting there.") from None
+    return parse_spec(raw, path)
+
+
+def parse_spec(raw: Any, path: Path) -> Spec:
+    """Validate an already-parsed YAML document; `path` is used for messages and relative entries."""
+    v = _Validator(path)
+    if raw is None:
+        raise SpecError(f"{path}: the file is empty. A spec needs at least `version: 1`, `model`, `data` and `loss`.")
+    if not isinstance(raw, dict):
+        raise SpecError(f"{path}: the top level must be a mapping of keys (version, model, data, ...), "
+                        f"not a {type(raw).__name__}.")
+    v.keys(raw, "")
+    version = raw.get("version")
+    if version is None:
+        v.fail("version", "is missing; add `version: 1` at the top of the file")
+    if version != 1:
+        v.fail("version", f"is {version!r}, but this nandoctor reads spec version 1; set `version: 1`")
+
+    model = v.entry_block(raw, "model", required=True)
+    data_raw = v.mapping(raw, "data", required=True)
+    data_entry = v.entry_block(raw, "data", required=True)
+    data = DataSpec(entry=data_entry.entry, args=data_entry.args, key="data.entry",
+                    fields=v.str_list(data_raw, "data.fields"),
+                    inputs=v.str_list(data_raw, "data.inputs"),
+                    label=v.opt_str(data_raw, "data.label"))
+    if data.fields is not None:
+        if len(set(data.fields)) != len(data.fields):
+            v.fail("data.fields", f"names a field twice ({data.fields}); each field needs its own name")
+        for key, names in (("data.inputs", data.inputs or []), ("data.label", [data.label] if data.label else [])):
+            for name in names:
+                if name not in data.fields:
+                    v.fail(key, f"names field '{name}', which is not in data.fields {data.fields}"
+                           + _did_you_mean(name, data.fields))
+    if data.label and data.inputs and data.label in data.inputs:
+        v.fail("data.inputs", f"includes the label field '{data.label}'; the label goes to the loss, not the model")
+
+    loss, step = _loss_or_step(raw, v)
+    optimizer = _optimizer(raw, v)
+    amp = _amp(raw, v)
+    checks = _checks(raw, v)
+    probe = _probe(raw, v)
+    return Spec(path=path, model=model, data=data, loss=loss, step=step, optimizer=optimizer,
+                amp=amp, checks=checks, probe=probe, raw=raw)
+
+
+def _loss_or_step(raw: dict[str, Any], v: _Validator) -> tuple[LossSpec | None, EntrySpec | None]:
+    has_loss, has_step = raw.get("loss") is not None, raw.get("step") is not None
+    if has_loss and has_step:
+        v.fail("loss", "and `step` are both given; keep exactly one: `loss` (nandoctor calls your model, then "
+               "the loss) or `step` (your function computes the loss from the model and the batch)")
+    if not has_loss and not has_step:
+        v.fail("loss", "is missing; add `loss: {builtin: cross_entropy}` (or mse, l1, bce_with_logits), "
+               "`loss: {entry: \"losses.py:my_loss\"}`, or a `step: {entry: ...}` block")
+    if has_step:
+        step_raw = v.mapping(raw, "step", required=True)
+        v.keys(step_raw, "step")
+        return None, EntrySpec(entry=v.entry_string(step_raw, "step.entry"), key="step.entry")
+    loss_raw = v.mapping(raw, "loss", required=True)
+    v.keys(loss_raw, "loss")
+    builtin, entry = loss_raw.get("builtin"), loss_raw.get("entry")
+    if (builtin is None) == (entry is None):
+        v.fail("loss", "needs exactly one of `builtin` (one of " + ", ".join(BUILTIN_LOSSES) + ") or `entry`")
+    if builtin is not None:
+        if builtin not in BUILTIN_LOSSES:
+            v.fail("loss.builtin", f"is {builtin!r}; choose one of {', '.join(BUILTIN_LOSSES)}"
+                   + _did_you_mean(str(builtin), BUILTIN_LOSSES))
+        return LossSpec(builtin=builtin), None
+    return LossSpec(entry=v.entry_string(loss_raw, "loss.entry")), None
+
+
+def _optimizer(raw: dict[str, Any], v: _Validator) -> OptimizerSpec:
+    opt_raw = v.mapping(raw, "optimizer", required=False)
+    if opt_raw is None:
+        return OptimizerSpec()
+    v.keys(opt_raw, "optimizer")
+    name = opt_raw.get("name", "Adam")
+    if not isinstance(name, str) or not name.isidentifier():
+        v.fail("optimizer.name", f"is {name!r}; give a class name from paddle.optimizer such as Adam, AdamW, SGD")
+    args = v.args(opt_raw, "optimizer.args")
+    for forbidden in ("parameters", "grad_clip"):
+        if forbidden in args:
+            v.fail(f"optimizer.args.{forbidden}", "is set by nandoctor"
+                   + (" from optimizer.grad_clip" if forbidden == "grad_clip" else " from the model") + "; remove it")
+    if "learning_rate" in args and not isinstance(args["learning_rate"], (int, float)):
+        v.fail("optimizer.args.learning_rate", f"is {args['learning_rate']!r}; give a number such as 1.0e-4 "
+               "(YAML reads 1e-4 without a dot as text; write 1.0e-4)")
+    clip = None
+    clip_raw = v.mapping(opt_raw, "optimizer.grad_clip", required=False)
+    if clip_raw is not None:
+        v.keys(clip_raw, "optimizer.grad_clip")
+        if len(clip_raw) != 1:
+            v.fail("optimizer.grad_clip", "needs exactly one of global_norm, norm or value, e.g. {global_norm: 1.0}")
+        kind, value = next(iter(clip_raw.items()))
+        clip = GradClipSpec(kind=kind, value=v.positive_number(value, f"optimizer.grad_clip.{kind}"))
+    return OptimizerSpec(name=name, args=args, grad_clip=clip, given=True)
+
+
+def _amp(raw: dict[str, Any], v: _Validator) -> AmpSpec:
+    amp_raw = v.mapping(raw, "amp", required=False)
+    if amp_raw is None:
+        return AmpSpec()
+    v.keys(amp_raw, "amp")
+    amp = AmpSpec()
+    if "enabled" in amp_raw:
+        if not isinstance(amp_raw["enabled"], bool):
+            v.fail("amp.enabled", f"is {amp_raw['enabled']!r}; write true or false")
+        amp.enabled = amp_raw["enabled"]
+    for key, allowed in (("dtype", AMP_DTYPES), ("level", AMP_LEVELS)):
+        if key in amp_raw:
+            if amp_raw[key] not in allowed:
+                v.fail(f"amp.{key}", f"is {amp_raw[key]!r}; choose one of {', '.join(allowed)}")
+            setattr(amp, key, amp_raw[key])
+    if "init_loss_scaling" in amp_raw:
+        amp.init_loss_scaling = v.positive_number(amp_raw["init_loss_scaling"], "amp.init_loss_scaling")
+    return amp
+
+
+def _checks(raw: dict[str, Any], v: _Validator) -> ChecksSpec:
+    c_raw = v.mapping(raw, "checks", required=False)
+    if c_raw is None:
+        return ChecksSpec()
+    v.keys(c_raw, "checks")
+    checks = ChecksSpec()
+    if c_raw.get("num_classes") is not None:
+        checks.num_classes = v.positive_int(c_raw["num_classes"], "checks.num_classes")
+    if c_raw.get("label_range") is not None:
+        if checks.num_classes is not None:
+            v.fail("checks.label_range", "and checks.num_classes are both given; keep one")
+        checks.label_range = v.interval(c_raw["label_range"], "checks.label_range")
+    if c_raw.get("max_seq_len") is not None:
+        checks.max_seq_len = v.positive_int(c_raw["max_seq_len"], "checks.max_seq_len")
+    if c_raw.get("value_range") is not None:
+        checks.value_range = v.interval(c_raw["value_range"], "checks.value_range")
+    return checks
+
+
+def _probe(raw: dict[str, Any], v: _Validator) -> ProbeDefaults:
+    p_raw = v.mapping(raw, "probe", required=False)
+    if p_raw is None:
+        return ProbeDefaults()
+    v.keys(p_raw, "probe")
+    probe = ProbeDefaults()
+    if p_raw.get("steps") is not None:
+        probe.steps = v.positive_int(p_raw["steps"], "probe.steps")
+    if p_raw.get("seed") is not None:
+        seed = p_raw["seed"]
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+            v.fail("probe.seed", f"is {seed!r}; give a whole number from 0 to 4294967295")
+        probe.seed = seed
+    if p_raw.get("device") is not None:
+        probe.device = check_device(str(p_raw["device"]), f"{v.path}: probe.device")
+    return probe
+
+
+def check_device(device: str, where: str) -> str:
+    """`auto`, `cpu`, `gpu` or `gpu:N`; anything else is a SpecError naming `where`."""
+    if not _DEVICE_RE.match(device):
+        raise SpecError(f"{where} is {device!r}; use auto, cpu, gpu or gpu:N (for example gpu:0).")
+    return device
+
+
+def _did_you_mean(word: str, choices: Any) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+class _Validator:
+    """Small typed getters that raise SpecError with the file and key path in every message."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, key: str, problem: str) -> None:
+        raise SpecError(f"{self.path}: `{key}` {problem}.")
+
+    def keys(self, mapping: dict[str, Any], where: str) -> None:
+        allowed = _SCHEMA[where]
+        for key in mapping:
+            if key not in allowed:
+                full = f"{where}.{key}" if where else str(key)
+                hint = _did_you_mean(str(key), allowed)
+                level = f"under `{where}`" if where else "at the top level"
+                self.fail(full, f"is not a key nandoctor knows{hint}; allowed {level}: {', '.join(allowed)}")
+
+    def mapping(self, parent: dict[str, Any], key: str, required: bool) -> dict[str, Any] | None:
+        name = key.rsplit(".", 1)[-1]
+        value = parent.get(name)
+        if value is None:
+            if required:
+                self.fail(key, "is missing" + _EXAMPLES.get(key, ""))
+            return None
+        if not isinstance(value, dict):
+            self.fail(key, f"must be a mapping of keys, not {type(value).__name__} {value!r}" + _EXAMPLES.get(key, ""))
+        return value
+
+    def entry_block(self, raw: dict[str, Any], key: str, required: bool) -> EntrySpec:
+        block = self.mapping(raw, key, required)
+        assert block is not None
+        self.keys(block, key)
+        return EntrySpec(entry=self.entry_string(block, f"{key}.entry"), args=self.args(block, f"{key}.args"),
+                         key=f"{key}.entry")
+
+    def entry_string(self, block: dict[str, Any], key: str) -> str:
+        value = block.get(key.rsplit(".", 1)[-1])
+        if value is None:
+            self.fail(key, 'is missing; give "file.py:function" (relative to this YAML) or "package.module:function"')
+        if not isinstance(value, str) or not _ENTRY_RE.match(value.strip()):
+            self.fail(key, f'is {value!r}; write it as "file.py:function" (relative to this YAML) or '
+                      '"package.module:function", with one colon before the name to call')
+        return value.strip()
+
+    def args(self, block: dict[str, Any], key: str) -> dict[str, Any]:
+        value = block.get(key.rsplit(".", 1)[-1])
+        if value is None:
+            return {}
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            self.fail(key, f"must be a mapping of keyword arguments such as {{hidden: 128}}, not {value!r}")
+        return dict(value)
+
+    def str_list(self, block: dict[str, Any], key: str) -> list[str] | None:
+        value = block.get(key.rsplit(".", 1)[-1])
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not value or not all(isinstance(x, str) and x for x in value):
+            self.fail(key, f"must be a list of field names such as [x, y], not {value!r}")
+        return list(value)
+
+    def opt_str(self, block: dict[str, Any], key: str) -> str | None:
+        value = block.get(key.rsplit(".", 1)[-1])
+        if value is not None and not isinstance(value, str):
+            self.fail(key, f"must be a field name, not {value!r}")
+        return value
+
+    def positive_int(self, value: Any, key: str) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            self.fail(key, f"is {value!r}; give a whole number above 0")
+        return value
+
+    def positive_number(self, value: Any, key: str) -> float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            self.fail(key, f"is {value!r}; give a number above 0 (write 1.0e-4, with a dot, for small numbers)")
+        return float(value)
+
+    def interval(self, value: Any, key: str) -> tuple[float, float]:
+        ok = (isinstance(value, list) and len(value) == 2
+              and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value))
+        if not ok or value[0] > value[1]:
+            self.fail(key, f"is {value!r}; give [low, high] with low <= high, e.g. [-1.0e4, 1.0e4]")
+        return (value[0], value[1])
+
+
+_EXAMPLES = {
+    "model": '; add e.g. `model: {entry: "models.py:build_model", args: {hidden: 128}}`',
+    "data": '; add e.g. `data: {entry: "data.py:build_loader", fields: [x, y], label: y}`',
+    "step": '; add e.g. `step: {entry: "train.py:compute_loss"}`',
+}
