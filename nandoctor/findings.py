@@ -225,6 +225,9 @@ class Report:
     crashed: bool = False
     # The run was interrupted (Ctrl-C) and the report holds only what was seen so far.
     partial: bool = False
+    # In memory only, never in the JSON: what a bundle needs to reproduce the fault (the offending
+    # batch as numpy arrays, the pre-step model state, the RNG state). See report/bundle.py.
+    artifacts: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def verdict(self) -> Verdict:
