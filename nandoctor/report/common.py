@@ -1,0 +1,210 @@
+"""What the terminal and Markdown renderers share: verdict words, the summary, number text, timelines.
+
+Kept in one place so the two views of a report never disagree on a count or on how a NaN is spelled.
+
+A timeline value may be a float, None, or (after a JSON round trip) the strings "nan"/"inf"/"-inf" that
+`findings._jsonable` writes because JSON has no NaN; every renderer reads them through `as_float`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from nandoctor.findings import Report, TimelinePoint, Verdict
+
+BLOCKS = "▁▂▃▄▅▆▇█"
+NONFINITE_MARK = "✗"
+MISSING_MARK = " "
+
+_TEXT_FLOATS = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf,
+                "infinity": math.inf, "-infinity": -math.inf}
+
+
+def as_float(value: Any) -> float | None:
+    """A timeline or statistic value as a float (NaN/Inf included); None when there is no number."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TEXT_FLOATS:
+            return _TEXT_FLOATS[text]
+        try:
+            return float(text)
+        except ValueError:
+            return None
+    try:
+        return float(value)  # numpy scalars
+    except (TypeError, ValueError):
+        return None
+
+
+VERDICT_TEXT = {
+    Verdict.HEALTHY: "healthy",
+    Verdict.AT_RISK: "at risk",
+    Verdict.NAN_FOUND: "NaN/Inf found",
+    Verdict.CRASHED: "crashed",
+}
+
+
+def summary_parts(report: Report) -> list[str]:
+    """'2 errors', '1 warning', '0 info', '40 steps run' ...: the one-line summary both renderers print."""
+    counts = report.counts()
+    parts = [_plural(counts["error"], "error"), _plural(counts["warning"], "warning"),
+             f"{counts['info']} info"]
+    steps = _first_int(report.details, "steps_run") if report.command == "probe" else None
+    if steps is None and report.command == "probe" and report.timeline:
+        steps = len(report.timeline)
+    if steps is not None:
+        parts.append(_plural(steps, "step") + " run")
+    batches = _first_int(report.details, "batches_scanned", "batches", "num_batches")
+    if batches is not None:
+        parts.append(_plural(batches, "batch", "batches") + " scanned")
+    samples = _first_int(report.details, "samples_scanned", "samples", "num_samples")
+    if samples is not None:
+        parts.append(_plural(samples, "sample"))
+    return parts
+
+
+def _plural(n: int, word: str, many: str | None = None) -> str:
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
+def _first_int(d: dict[str, Any], *keys: str) -> int | None:
+    for key in keys:
+        value = d.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def fmt_value(value: Any, limit: int = 200) -> str:
+    """Any JSON-ish value as short text: numbers via `fmt_number`, lists as [a, b], dicts as k=v."""
+    if isinstance(value, (bool, int, float)):
+        text = fmt_number(value)
+    elif isinstance(value, str) and value.strip().lower() in _TEXT_FLOATS:
+        text = fmt_number(value)  # a NaN/Inf that went through JSON
+    elif isinstance(value, dict):
+        text = ", ".join(f"{k}={fmt_value(v, limit)}" for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        text = "[" + ", ".join(fmt_value(v, limit) for v in value) + "]"
+    elif value is None:
+        text = "—"
+    else:
+        text = str(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def fmt_number(value: Any) -> str:
+    """Compact, stable text for a number: 4 significant digits, NaN/Inf spelled out, '—' for nothing."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int):
+        return str(value)
+    number = as_float(value)
+    if number is None:
+        return "—" if value is None else str(value)
+    if math.isnan(number):
+        return "NaN"
+    if math.isinf(number):
+        return "Inf" if number > 0 else "-Inf"
+    if number == 0:
+        return "0"
+    return f"{number:.4g}"
+
+
+def fault_step(report: Report) -> int | None:
+    return report.first_fault.step if report.first_fault is not None else None
+
+
+def downsample(points: Sequence[TimelinePoint], keep_step: int | None = None,
+               max_rows: int = 30) -> list[TimelinePoint]:
+    """At most about `max_rows` evenly spaced points, always keeping the first, the last and `keep_step`.
+
+    Also keeps the first non-finite point, so a table never hides where the loss or norm broke.
+    """
+    if len(points) <= max_rows:
+        return list(points)
+    n = len(points)
+    keep = {0, n - 1}
+    for i, p in enumerate(points):
+        if p.step == keep_step:
+            keep.add(i)
+    first_bad = next((i for i, p in enumerate(points) if not is_finite_point(p)), None)
+    if first_bad is not None:
+        keep.add(first_bad)
+    room = max(max_rows - len(keep), 0)
+    if room:
+        stride = (n - 1) / (room + 1)
+        keep.update(round(stride * k) for k in range(1, room + 1))
+    return [points[i] for i in sorted(keep)]
+
+
+def is_finite_point(point: TimelinePoint) -> bool:
+    for value in (point.loss, point.grad_norm):
+        number = as_float(value)
+        if number is not None and not math.isfinite(number):
+            return False
+    return True
+
+
+def sparkline(values: Sequence[Any], *, log: bool = False, width: int = 60) -> list[tuple[str, bool]]:
+    """Unicode-block sparkline cells as (char, finite) pairs; non-finite values become ✗, missing a blank.
+
+    With `log`, values are drawn on log10 (non-positive finite values sit at the bottom), which is how
+    gradient norms spanning orders of magnitude stay readable. Longer series are bucketed into `width`
+    cells; a bucket that holds any non-finite value is drawn as non-finite, so the fault never vanishes.
+    """
+    numbers = [as_float(v) for v in values]
+    buckets = _buckets(numbers, width)
+    finite_all = [x for b in buckets for x in b if x is not None and math.isfinite(x)]
+    scaled_all = [_scale(x, log) for x in finite_all]
+    scaled_all = [s for s in scaled_all if s is not None]
+    lo, hi = (min(scaled_all), max(scaled_all)) if scaled_all else (0.0, 0.0)
+    cells: list[tuple[str, bool]] = []
+    for bucket in buckets:
+        present = [x for x in bucket if x is not None]
+        if not present:
+            cells.append((MISSING_MARK, True))
+            continue
+        if any(not math.isfinite(x) for x in present):
+            cells.append((NONFINITE_MARK, False))
+            continue
+        scaled = [s for s in (_scale(x, log) for x in present) if s is not None]
+        level = max(scaled) if scaled else lo
+        index = 0 if hi <= lo else round((level - lo) / (hi - lo) * (len(BLOCKS) - 1))
+        cells.append((BLOCKS[index], True))
+    return cells
+
+
+def _scale(x: float, log: bool) -> float | None:
+    if not log:
+        return x
+    return math.log10(x) if x > 0 else None
+
+
+def _buckets(numbers: list[float | None], width: int) -> list[list[float | None]]:
+    if len(numbers) <= width:
+        return [[x] for x in numbers]
+    size = len(numbers) / width
+    return [numbers[int(k * size):max(int((k + 1) * size), int(k * size) + 1)] for k in range(width)]
+
+
+def range_text(values: Sequence[Any], *, log: bool = False) -> str:
+    """'2.31 → 0.4 (min 0.39, max 2.31)' style caption for a sparkline: first, last, min and max finite."""
+    numbers = [as_float(v) for v in values]
+    present = [x for x in numbers if x is not None]
+    finite = [x for x in present if math.isfinite(x)]
+    if not present:
+        return "no values"
+    text = f"{fmt_number(present[0])} → {fmt_number(present[-1])}"
+    if finite:
+        scale = ", log scale" if log else ""
+        text += f" (min {fmt_number(min(finite))}, max {fmt_number(max(finite))}{scale})"
+    bad = len(present) - len(finite)
+    if bad:
+        text += f", {bad} non-finite"
+    return text

@@ -1,0 +1,187 @@
+"""The terminal view of a report (rich): verdict, summary, first fault, findings with advice, timeline.
+
+One of the three places allowed to write to the terminal (with cli.py and run.py). Every piece of user
+text (layer names, messages, advice) goes in as `rich.text.Text`, never as markup, so a `[` in a
+parameter name cannot break or restyle the output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from nandoctor.findings import Finding, Report, Severity, Verdict
+from nandoctor.report.common import (
+    VERDICT_TEXT,
+    as_float,
+    fmt_value,
+    range_text,
+    sparkline,
+    summary_parts,
+)
+
+VERDICT_STYLE = {
+    Verdict.HEALTHY: "bold green",
+    Verdict.AT_RISK: "bold yellow",
+    Verdict.NAN_FOUND: "bold red",
+    Verdict.CRASHED: "bold red",
+}
+SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
+TENSOR_STAT_ORDER = ("shape", "dtype", "numel", "num_nan", "num_inf", "min", "max", "mean", "std", "abs_max")
+FIELD_COLUMNS = ("dtype", "shape", "min", "max", "mean", "std", "num_nan", "num_inf")
+SPARK_WIDTH = 60
+
+
+def render(report: Report, console: Console) -> None:
+    """The full report, top to bottom in the order a tired reader needs it."""
+    console.print(_headline(report))
+    if report.partial:
+        console.print(Text("Partial report: the run was interrupted; only what was seen before it stopped "
+                           "is below.", style="yellow"))
+    console.print(_summary(report))
+    if report.first_fault is not None:
+        console.print(_first_fault_panel(report))
+    for i, finding in enumerate(report.sorted_findings(), 1):
+        console.print(_finding(i, finding))
+    fields = _fields_table(report)
+    if fields is not None:
+        console.print()
+        console.print(fields)
+    if report.timeline:
+        console.print(_timeline(report, console.width))
+    console.print(_next_steps(report))
+
+
+def render_verdict_line(report: Report, console: Console) -> None:
+    """One line for --quiet: verdict, counts, and where the first fault is."""
+    line = Text()
+    line.append(report.verdict.value, style=VERDICT_STYLE[report.verdict])
+    line.append(": " + ", ".join(summary_parts(report)))
+    if report.first_fault is not None:
+        line.append("; first fault at " + report.first_fault.as_location().describe())
+    elif report.findings:
+        line.append("; first: " + report.sorted_findings()[0].location.describe())
+    if report.partial:
+        line.append(" (partial: interrupted)")
+    console.print(line, soft_wrap=True)
+
+
+def render_environment(env: dict[str, Any], console: Console) -> None:
+    """`nandoctor env`: a two-column table to paste into a bug ticket."""
+    table = Table(title="nandoctor environment", show_header=True, header_style="bold", title_justify="left")
+    table.add_column("item", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    for key, value in env.items():
+        table.add_row(Text(str(key)), Text(fmt_value(value, limit=400)))
+    console.print(table)
+
+
+def _headline(report: Report) -> Text:
+    text = Text()
+    text.append(f"nandoctor {report.command}: ", style="bold")
+    text.append(VERDICT_TEXT[report.verdict], style=VERDICT_STYLE[report.verdict])
+    text.append(f"  ({report.verdict.value})", style="dim")
+    return text
+
+
+def _summary(report: Report) -> Table:
+    counts = report.counts()
+    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 2))
+    parts = summary_parts(report)[3:]  # the counts get their own coloured columns
+    for sev in Severity:
+        table.add_column(sev.value + ("s" if sev != Severity.INFO else ""), justify="right")
+    for part in parts:
+        label = part.partition(" ")[2]
+        table.add_column(label, justify="right")
+    cells = [Text(str(counts[s.value]), style=SEVERITY_STYLE[s] if counts[s.value] else "dim")
+             for s in Severity]
+    cells += [Text(part.partition(" ")[0]) for part in parts]
+    table.add_row(*cells)
+    return table
+
+
+def _first_fault_panel(report: Report) -> Panel:
+    ff = report.first_fault
+    assert ff is not None
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    samples = ", ".join(str(i) for i in ff.sample_indices) if ff.sample_indices else None
+    for label, value in (("step", ff.step), ("phase", ff.phase.value), ("layer", ff.layer), ("op", ff.op),
+                         ("parameter", ff.parameter), ("batch", ff.batch_index), ("samples", samples)):
+        grid.add_row(label, Text(fmt_value(value), style="dim" if value is None else ""))
+    parts: list[Any] = [grid]
+    stats = report.details.get("offending_tensor")
+    if isinstance(stats, dict) and stats:
+        ordered = [k for k in TENSOR_STAT_ORDER if k in stats]
+        ordered += [k for k in stats if k not in TENSOR_STAT_ORDER]
+        parts.append(Text("offending tensor: " + ", ".join(f"{k}={fmt_value(stats[k])}" for k in ordered)))
+    return Panel(Group(*parts), title="first fault", title_align="left", border_style="red", expand=False)
+
+
+def _finding(index: int, finding: Finding) -> Group:
+    head = Text(f"{index}. ")
+    head.append(finding.severity.value.upper(), style=SEVERITY_STYLE[finding.severity])
+    head.append(" ")
+    head.append(getattr(finding.code, "value", str(finding.code)), style="bold")
+    head.append("  " + finding.location.describe(), style="dim")
+    lines: list[Any] = [Text(""), head, Text("   " + finding.message)]
+    for advice in finding.advice:
+        bullet = Text("   • ", style="green")
+        bullet.append(advice)
+        lines.append(bullet)
+    return Group(*lines)
+
+
+def _fields_table(report: Report) -> Table | None:
+    fields = report.details.get("fields")
+    if not isinstance(fields, dict) or not fields:
+        return None
+    stats = [s if isinstance(s, dict) else {} for s in fields.values()]
+    columns = [c for c in FIELD_COLUMNS if any(c in s for s in stats)]
+    table = Table(title="data fields", title_justify="left", header_style="bold")
+    table.add_column("field", style="bold")
+    for column in columns:
+        table.add_column(column, justify="right" if column not in ("dtype", "shape") else "left")
+    for name, s in zip(fields, stats):
+        table.add_row(Text(str(name)), *[Text(fmt_value(s[c]) if c in s else "—") for c in columns])
+    return table
+
+
+def _timeline(report: Report, width: int) -> Group:
+    """Sparklines of loss and gradient norm (log scale); a red ✗ marks each non-finite step."""
+    spark_width = min(SPARK_WIDTH, max(16, width - 60))
+    first, last = report.timeline[0].step, report.timeline[-1].step
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(no_wrap=True)
+    grid.add_column(style="dim", overflow="fold")
+    series = [("loss", [p.loss for p in report.timeline], False),
+              ("grad norm", [p.grad_norm for p in report.timeline], True),
+              ("loss scale", [p.loss_scale for p in report.timeline], True)]
+    for label, values, log in series:
+        if label != "loss" and not any(as_float(v) is not None for v in values):
+            continue
+        spark = Text()
+        for char, finite in sparkline(values, log=log, width=spark_width):
+            spark.append(char, style="" if finite else "bold red")
+        grid.add_row(label, spark, range_text(values, log=log))
+    return Group(Text(""), Text(f"timeline (steps {first}–{last})", style="bold"), grid)
+
+
+def _next_steps(report: Report) -> Text:
+    text = Text("\n")
+    if report.exit_code:
+        text.append("Exit status 1: the report holds an error. ", style="bold")
+    else:
+        text.append("Exit status 0: no errors. ", style="bold")
+    if report.verdict in (Verdict.NAN_FOUND, Verdict.CRASHED):
+        text.append("Apply the advice for the first finding above, then run again to confirm. ")
+    elif report.verdict == Verdict.AT_RISK:
+        text.append("Nothing broke yet, but the warnings above tend to come before a NaN. ")
+    text.append("Re-run with --markdown report.md to attach to a bug ticket.")
+    return text
