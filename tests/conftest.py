@@ -1,0 +1,40 @@
+"""Shared pytest set-up: the --update-golden option and the fixtures every test file may use.
+
+Kept small on purpose; helpers add fixtures here with small edits.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+GOLDEN_DIR = TESTS_DIR / "golden"
+# Test-only helper modules (report_samples.py ...) import as top-level names.
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-golden", action="store_true", default=False,
+                     help="Rewrite tests/golden/ from the current output instead of comparing.")
+
+
+@pytest.fixture
+def golden(request: pytest.FixtureRequest):
+    """golden(name, text): compare text with tests/golden/<name>, or rewrite it under --update-golden."""
+    update = request.config.getoption("--update-golden")
+
+    def check(name: str, text: str) -> None:
+        path = GOLDEN_DIR / name
+        if update:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            return
+        assert path.exists(), f"no golden file {path}; run pytest --update-golden to create it"
+        expected = path.read_text(encoding="utf-8")
+        assert text == expected, f"output differs from {path}; if intended, run pytest --update-golden"
+
+    return check
