@@ -137,15 +137,56 @@ def load_spec(path: str | Path) -> Spec:
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: cannot be read ({exc}).") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: nothing in the YAML runs as code
     except yaml.YAMLError as exc:
         where = ""
         mark = getattr(exc, "problem_mark", None)
         if mark is not None:
             where = f" at line {mark.line + 1}, column {mark.column + 1}"
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SpecError(f"{path}{where}: not valid YAML ({problem}). Check the indentation and quoting there.") from None
-    return parse_spec(raw, path)
+        # The problem mark is where the parser gave up; the context mark is where the broken part began.
+        context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and context_mark is not None and (mark is None or context_mark.line != mark.line):
+            problem += f"; {context} at line {context_mark.line + 1}"
+        raise SpecError(f"{path}{where}: not valid YAML ({problem}). Check the indentation and quoting there."
+                        + _not_yaml_hint(path)) from None
+    try:
+        return parse_spec(raw, path)
+    except SpecError as err:
+        if not isinstance(raw, dict) or "version" not in raw:
+            raise SpecError(f"{err}{_not_yaml_hint(path)}") from None
+        raise
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping; PyYAML would silently keep the last.
+
+    Two `loss:` or `optimizer:` blocks are an easy paste mistake, and the silent winner is rarely the
+    one the user is looking at.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key; SafeLoader reports it itself
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice in the same block; the second would "
+                    "silently replace the first, so keep one", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+def _not_yaml_hint(path: Path) -> str:
+    """A hint for the common slip of passing models.py (or another file) instead of the spec."""
+    if path.suffix.lower() in (".yaml", ".yml"):
+        return ""
+    return (f" ({path.name} does not look like a nandoctor spec: pass the YAML file that names your model, "
+            "data and loss, e.g. config.yaml, not your Python code.)")
 
 
 def parse_spec(raw: Any, path: Path) -> Spec:
@@ -231,6 +272,8 @@ def _optimizer(raw: dict[str, Any], v: _Validator) -> OptimizerSpec:
     if "learning_rate" in args and not isinstance(args["learning_rate"], (int, float)):
         v.fail("optimizer.args.learning_rate", f"is {args['learning_rate']!r}; give a number such as 1.0e-4 "
                "(YAML reads 1e-4 without a dot as text; write 1.0e-4)")
+    if "learning_rate" in args:
+        v.positive_number(args["learning_rate"], "optimizer.args.learning_rate")
     clip = None
     clip_raw = v.mapping(opt_raw, "optimizer.grad_clip", required=False)
     if clip_raw is not None:
@@ -402,4 +445,10 @@ _EXAMPLES = {
     "model": '; add e.g. `model: {entry: "models.py:build_model", args: {hidden: 128}}`',
     "data": '; add e.g. `data: {entry: "data.py:build_loader", fields: [x, y], label: y}`',
     "step": '; add e.g. `step: {entry: "train.py:compute_loss"}`',
+    "loss": "; write e.g. `loss: {builtin: cross_entropy}` or `loss: {entry: \"losses.py:my_loss\"}`",
+    "optimizer": "; write e.g. `optimizer: {name: AdamW, args: {learning_rate: 1.0e-4}}`",
+    "optimizer.grad_clip": "; write e.g. `grad_clip: {global_norm: 1.0}`",
+    "amp": "; write e.g. `amp: {enabled: true, dtype: float16}`",
+    "checks": "; write e.g. `checks: {num_classes: 10}`",
+    "probe": "; write e.g. `probe: {steps: 200, seed: 0, device: auto}`",
 }
