@@ -1,1 +1,212 @@
-"""Static checks before training: the data a loader yields and the parameters a model starts with."""
+"""Static checks before training: the data a loader yields and the parameters a model starts with.
+
+`run_scan` owns the order of work and the handling of the user's exceptions: build the workload,
+check the parameters (params.py), stream the loader once through the data checks (data.py), and
+return a Report. An exception in the user's model or loader becomes a `user_code.error` finding and
+the report keeps everything scanned before it; a model that cannot be built still gets its data
+scanned. Nothing here prints; progress goes through the callback.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from nandoctor import env
+from nandoctor.advice import advice_for
+from nandoctor.batches import BatchLayout, batch_size
+from nandoctor.entrypoints import call_user, user_import_path, user_origin
+from nandoctor.errors import UserCodeError
+from nandoctor.findings import Code, Finding, FirstFault, Location, Phase, Report, Severity
+from nandoctor.progress import ProgressFn, no_progress
+from nandoctor.scan.data import DataLimits, DataScanner
+from nandoctor.scan.model_facts import infer_num_classes, position_tables
+from nandoctor.scan.params import scan_params
+from nandoctor.spec import Spec
+from nandoctor.workload import build_workload, loader_factory
+
+__all__ = ["ScanOptions", "run_scan"]
+
+
+@dataclass
+class ScanOptions:
+    """`batches`: stop after this many batches (None: the whole loader)."""
+
+    batches: int | None = None
+
+
+def run_scan(spec: Spec, options: ScanOptions | None = None, progress: ProgressFn = no_progress) -> Report:
+    """Scan parameters, then data; a SpecError (bad entry point, field names) propagates (exit 2)."""
+    options = options or ScanOptions()
+    report = Report(command="scan", run={"batches": options.batches})
+    report.environment = env.collect()
+    model: Any = None
+    uses_step = spec.step is not None
+    try:
+        workload = build_workload(spec)
+        model, layout, make_loader, uses_step = (workload.model, workload.layout, workload.make_loader,
+                                                 workload.uses_step)
+    except UserCodeError as err:
+        # The data can still be checked without the model: do that rather than stop at the first problem.
+        report.findings.append(_user_code_finding(err, spec, Phase.PARAMS, None,
+                                                  "The model could not be built, so its parameters were not "
+                                                  "checked; the data scan below ran without it."))
+        report.crashed = True
+        layout = BatchLayout(spec.data, str(spec.path))
+        make_loader = loader_factory(spec)
+    if model is not None:
+        progress(0, None, "checking parameters")
+        found, summary = scan_params(model)
+        report.findings += found
+        report.details["parameters"] = summary
+    scanner = DataScanner(_limits(spec, model))
+    try:
+        _scan_loader(spec, layout, make_loader, model, uses_step, scanner, options.batches, progress, report)
+    finally:
+        report.findings += scanner.findings()
+        report.details.update(scanner.details())
+    report.first_fault = _first_fault(report)
+    return report
+
+
+def _limits(spec: Spec, model: Any) -> DataLimits:
+    checks = spec.checks
+    limits = DataLimits(value_range=checks.value_range, max_seq_len=checks.max_seq_len)
+    bounds = checks.label_bounds()
+    if bounds is not None:
+        limits.label_bounds = bounds
+        limits.label_source = "checks.num_classes" if checks.num_classes is not None else "checks.label_range"
+    if model is not None:
+        tables = position_tables(model)
+        if tables:
+            limits.position_table = min(tables, key=lambda t: t[1])
+    return limits
+
+
+def _scan_loader(spec: Spec, layout: BatchLayout, make_loader: Callable[[], Any], model: Any, uses_step: bool,
+                 scanner: DataScanner, limit: int | None, progress: ProgressFn, report: Report) -> None:
+    """One pass over the loader; stops at `limit` batches, at the end, or at the user's exception."""
+    base = spec.base_dir
+    try:
+        loader = make_loader()
+        total = _length(loader)
+        with user_import_path(base):
+            it = call_user(f"data.entry {spec.data.entry} (iter)", iter, loader, base_dir=base)
+    except UserCodeError as err:
+        report.findings.append(_user_code_finding(err, spec, Phase.DATA, None, "No batch could be read."))
+        report.crashed = True
+        return
+    if limit is not None:
+        total = limit if total is None else min(total, limit)
+    need_classes = scanner.limits.label_bounds is None and model is not None
+    index = 0
+    progress(0, total, "scanning data")
+    with user_import_path(base):
+        while limit is None or index < limit:
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            except KeyboardInterrupt:
+                report.partial = True
+                report.findings.append(Finding(
+                    Code.RUN_INTERRUPTED, Severity.INFO,
+                    f"The scan was interrupted after {index} batch(es); the findings cover only those.",
+                    Location(phase=Phase.DATA, batch_index=index), {"batches_scanned": index},
+                    advice_for(Code.RUN_INTERRUPTED.value)))
+                return
+            except Exception as exc:  # noqa: BLE001 - the user's loader raised: that is the finding
+                err = UserCodeError(f"data.entry {spec.data.entry} (producing batch {index})", exc,
+                                    user_origin(exc, base))
+                report.findings.append(_user_code_finding(
+                    err, spec, Phase.DATA, index,
+                    f"The scan stopped there; {index} batch(es) before it were checked."))
+                report.crashed = True
+                return
+            if _is_empty(batch):
+                scanner.add_empty(index)
+            else:
+                fields = layout.fields(batch, index)
+                n = batch_size(fields)
+                if n == 0:
+                    scanner.add_empty(index)
+                else:
+                    if need_classes:
+                        need_classes = False
+                        _infer_classes(spec, layout, model, uses_step, fields, index, scanner, report)
+                    label = layout.label_name(fields)
+                    scanner.add_batch(index, fields, label, layout.input_names(fields), n)
+            index += 1
+            progress(index, total, "scanning data")
+
+
+def _infer_classes(spec: Spec, layout: BatchLayout, model: Any, uses_step: bool, fields: dict[str, Any],
+                   index: int, scanner: DataScanner, report: Report) -> None:
+    """num_classes from the model's output on the first batch; records why when it cannot."""
+    label = layout.label(fields)
+    if label is None:
+        return
+
+    def call(m: Any, *xs: Any) -> Any:
+        return call_user("the model's forward pass", m, *xs, base_dir=spec.base_dir)
+
+    try:
+        n, why = infer_num_classes(model, layout.inputs(fields), label, call)
+    except UserCodeError as err:
+        if uses_step:  # with `step`, the model may not take the fields as they are: no guess, no blame
+            scanner.limits.label_source = None
+            report.details["num_classes_unknown"] = f"the model cannot be called on the fields alone ({err})"
+            return
+        report.findings.append(_user_code_finding(
+            err, spec, Phase.FORWARD, index,
+            "Labels were not range-checked: set checks.num_classes in the spec."))
+        return
+    if n is None:
+        report.details["num_classes_unknown"] = why
+        return
+    scanner.limits.label_bounds = (0, n - 1)
+    scanner.limits.label_source = why
+
+
+def _is_empty(batch: Any) -> bool:
+    try:
+        return isinstance(batch, (list, tuple, dict)) and len(batch) == 0
+    except TypeError:
+        return False
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return int(len(loader))
+    except Exception:  # noqa: BLE001 - iterables without a length (generators, IterableDataset) are fine
+        return None
+
+
+def _user_code_finding(err: UserCodeError, spec: Spec, phase: Phase, batch_index: int | None,
+                       consequence: str) -> Finding:
+    exc = err.exc
+    where = f" Open {err.origin} and fix it." if err.origin else ""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-6))
+    return Finding(
+        Code.USER_CODE_ERROR, Severity.ERROR,
+        f"{err}.{' ' + consequence if consequence else ''}{where}",
+        Location(phase=phase, batch_index=batch_index),
+        {"exception": type(exc).__name__, "error": str(exc), "origin": err.origin, "what": err.what,
+         "traceback": tb.splitlines()[-40:]},
+        advice_for(Code.USER_CODE_ERROR.value))
+
+
+def _first_fault(report: Report) -> FirstFault | None:
+    """The earliest non-finite value or crash in training order: parameters, then batches by index."""
+    order = {Phase.PARAMS: 0, Phase.DATA: 1, Phase.FORWARD: 1}
+    crash = report.crashed
+    candidates = [f for f in report.findings
+                  if f.code in (Code.PARAM_NONFINITE, Code.DATA_NONFINITE)
+                  or (crash and f.code == Code.USER_CODE_ERROR and f.location.phase != Phase.FORWARD)]
+    if not candidates:
+        return None
+    best = min(candidates, key=lambda f: (order.get(f.location.phase, 2), f.location.batch_index or 0))
+    loc = best.location
+    return FirstFault(step=None, phase=loc.phase or Phase.DATA, layer=loc.layer, parameter=loc.parameter,
+                      batch_index=loc.batch_index, sample_indices=loc.sample_indices)

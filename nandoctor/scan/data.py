@@ -1,0 +1,347 @@
+"""The data checks: one streaming pass over the batches, per-field running state, findings at the end.
+
+`DataScanner.add_batch` sees each batch once and keeps only bounded state (see stats.py), so a scan
+of a million batches needs the memory of a scan of ten. Decisions that need the whole picture
+(outliers, constant fields) are made in `findings()`.
+
+Outliers, the one judgement call: a sample is a gross outlier in a float field when its max |value|
+is at least 1000x the field's typical scale *and* beyond the healthy spread. The typical scale is
+the median of the per-sample max |value| over every sample seen (non-zero ones; a streaming median
+from a fixed log-histogram), the spread its median absolute deviation in decades; the threshold is
+median + max(3 decades, 6 MADs). The largest 64 samples per field are kept as candidates and judged
+against the final median, so an outlier in batch 0 is caught as well as one in batch 900. When more
+than 1% of the samples are above the threshold they are a mode of the data, not outliers, and nothing
+is said. Integer and bool fields (ids, labels, masks) are never judged for outliers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from nandoctor.advice import advice_for
+from nandoctor.batches import to_numpy
+from nandoctor.findings import Code, Finding, Location, Phase, Severity
+from nandoctor.scan.stats import MAX_SAMPLES, FieldStats, LogHistogram, Occurrences, TopK
+
+OUTLIER_DECADES = 3.0  # 1000x
+OUTLIER_MADS = 6.0
+OUTLIER_MIN_SAMPLES = 16  # below this the median is not worth trusting
+OUTLIER_MAX_FRACTION = 0.01
+IGNORE_INDEX = -100  # Paddle's default `ignore_index` for cross_entropy: not a bad label
+_LENGTH_FIELDS = ("lengths", "length", "lens", "seq_len", "seq_lens", "seq_lengths")
+
+
+@dataclass
+class DataLimits:
+    """What the data is checked against: the spec's `checks` and facts read from the model."""
+
+    label_bounds: tuple[float, float] | None = None  # inclusive
+    label_source: str | None = None  # "checks.num_classes", "the model's output width on batch 0" ...
+    value_range: tuple[float, float] | None = None
+    max_seq_len: int | None = None
+    position_table: tuple[str, int] | None = None  # (layer name, num_embeddings), the smallest
+
+
+@dataclass
+class _FieldState:
+    stats: FieldStats
+    nonfinite: Occurrences = field(default_factory=Occurrences)
+    out_of_range: Occurrences = field(default_factory=Occurrences)
+    bad_labels: Occurrences = field(default_factory=Occurrences)
+    too_long: dict[str, Occurrences] = field(default_factory=dict)  # per limit source
+    scales: LogHistogram = field(default_factory=LogHistogram)
+    candidates: TopK = field(default_factory=TopK)
+    ignored_labels: int = 0
+
+    def state_size(self) -> int:
+        parts = [self.stats, self.nonfinite, self.out_of_range, self.bad_labels, self.scales, self.candidates,
+                 *self.too_long.values()]
+        return sum(p.state_size() for p in parts)
+
+
+class DataScanner:
+    """Feed it named batches with `add_batch`; ask for `findings()` and `details()` at the end."""
+
+    def __init__(self, limits: DataLimits) -> None:
+        self.limits = limits
+        self.fields: dict[str, _FieldState] = {}
+        self.empty = Occurrences()
+        self.n_batches = 0
+        self.n_samples = 0
+
+    def add_empty(self, batch_index: int) -> None:
+        self.n_batches += 1
+        self.empty.add(batch_index, [], 0)
+
+    def add_batch(self, batch_index: int, fields: dict[str, Any], label: str | None, inputs: list[str],
+                  batch_size: int | None) -> None:
+        """Check one named batch; `label`/`inputs` say each field's role (from the spec's layout)."""
+        self.n_batches += 1
+        self.n_samples += batch_size or 0
+        arrays = {name: to_numpy(value) for name, value in fields.items()}
+        lengths = _real_lengths(arrays, batch_size)
+        for name, arr in arrays.items():
+            role = "label" if name == label else ("input" if name in inputs else "other")
+            state = self.fields.get(name)
+            if state is None:
+                state = self.fields[name] = _FieldState(FieldStats(name, role=role))
+            self._check_field(state, arr, batch_index, lengths)
+
+    def _check_field(self, st: _FieldState, arr: np.ndarray | None, b: int,
+                     lengths: np.ndarray | None) -> None:
+        stats = st.stats
+        if arr is None or arr.dtype.kind not in "fiub":
+            stats.kind = "other"
+            if arr is not None:
+                stats.note_layout(arr)
+            return
+        stats.kind = {"f": "float", "b": "bool"}.get(arr.dtype.kind, "int")
+        stats.note_layout(arr)
+        rows = arr.reshape(1, -1) if arr.ndim == 0 else arr.reshape(arr.shape[0], -1)
+        if stats.kind == "float":
+            finite = np.isfinite(rows)
+            if finite.all():
+                values = rows.ravel()
+            else:
+                self._note_nonfinite(st, arr, rows, finite, b)
+                values = rows[finite]
+            stats.moments.add(values)
+            if self.limits.value_range is not None and stats.role != "label":
+                self._check_range(st, rows, finite, b)
+            maxabs = np.where(finite, np.abs(rows), 0).max(axis=1).astype(np.float64)
+            st.scales.add(maxabs[maxabs > 0])
+            st.candidates.add(maxabs, b)
+        else:
+            stats.moments.add(rows.ravel())
+        if stats.role == "label" and self.limits.label_bounds is not None and stats.kind != "bool":
+            self._check_labels(st, rows, b)
+        if stats.role == "input" and stats.kind == "int" and arr.ndim == 2:
+            self._check_length(st, arr, b, lengths)
+
+    def _note_nonfinite(self, st: _FieldState, arr: np.ndarray, rows: np.ndarray, finite: np.ndarray,
+                        b: int) -> None:
+        nan = int(np.isnan(rows).sum())
+        bad = int((~finite).sum())
+        st.stats.n_nan += nan
+        st.stats.n_inf += bad - nan
+        samples = np.flatnonzero(~finite.all(axis=1)).tolist() if arr.ndim else []
+        positions = np.argwhere(~np.isfinite(arr))[:5].tolist() if arr.ndim else []
+        st.nonfinite.add(b, samples, bad, positions)
+
+    def _check_range(self, st: _FieldState, rows: np.ndarray, finite: np.ndarray, b: int) -> None:
+        lo, hi = self.limits.value_range  # type: ignore[misc]
+        with np.errstate(invalid="ignore"):
+            bad = finite & ((rows < lo) | (rows > hi))
+        if bad.any():
+            bad_values = rows[bad]
+            st.out_of_range.add(b, np.flatnonzero(bad.any(axis=1)).tolist(), int(bad.sum()),
+                                values=[float(bad_values.min()), float(bad_values.max())])
+
+    def _check_labels(self, st: _FieldState, rows: np.ndarray, b: int) -> None:
+        lo, hi = self.limits.label_bounds  # type: ignore[misc]
+        with np.errstate(invalid="ignore"):
+            bad = (rows < lo) | (rows > hi)
+        if lo > IGNORE_INDEX:
+            ignored = rows == IGNORE_INDEX
+            st.ignored_labels += int(ignored.sum())
+            bad &= ~ignored
+        if bad.any():
+            values = np.unique(rows[bad])[:10].tolist()
+            st.bad_labels.add(b, np.flatnonzero(bad.any(axis=1)).tolist(), int(bad.sum()), values=values)
+
+    def _check_length(self, st: _FieldState, arr: np.ndarray, b: int, lengths: np.ndarray | None) -> None:
+        padded = int(arr.shape[1])
+        limits = []
+        if self.limits.max_seq_len is not None:
+            limits.append(("checks.max_seq_len", self.limits.max_seq_len))
+        if self.limits.position_table is not None:
+            layer, size = self.limits.position_table
+            limits.append((f"position table {layer}", size))
+        for source, limit in limits:
+            if padded <= limit:
+                continue
+            if lengths is not None and len(lengths) == arr.shape[0]:
+                samples = np.flatnonzero(lengths > limit).tolist() or list(range(arr.shape[0]))
+            else:
+                samples = list(range(arr.shape[0]))
+            occ = st.too_long.setdefault(source, Occurrences())
+            occ.add(b, samples, len(samples), values=[padded])
+
+    # ---- the end of the pass ------------------------------------------------------------------------
+
+    def findings(self) -> list[Finding]:
+        out: list[Finding] = []
+        if self.empty:
+            out.append(_empty_finding(self.empty))
+        for st in self.fields.values():
+            out += self._field_findings(st)
+        return out
+
+    def _field_findings(self, st: _FieldState) -> list[Finding]:
+        name, stats, out = st.stats.name, st.stats, []
+        if st.nonfinite:
+            o = st.nonfinite
+            out.append(_finding(
+                Code.DATA_NONFINITE, Severity.ERROR, o, name,
+                f"Field '{name}' holds {stats.n_nan} NaN and {stats.n_inf} Inf value(s) in {o.n_samples} "
+                f"sample(s) of {o.n_batches} batch(es); the first is batch {o.first_batch}, "
+                f"{_samples(o.first_samples)}{_pos(o.first_positions)}. A NaN input makes that step's loss "
+                "and gradients NaN: drop or clean these samples in the loader.",
+                {"nan": stats.n_nan, "inf": stats.n_inf}))
+        if st.out_of_range:
+            o = st.out_of_range
+            lo, hi = self.limits.value_range  # type: ignore[misc]
+            out.append(_finding(
+                Code.DATA_RANGE, Severity.WARNING, o, name,
+                f"Field '{name}' has {o.n_values} value(s) outside checks.value_range [{lo:g}, {hi:g}] in "
+                f"{o.n_samples} sample(s); the first is batch {o.first_batch}, {_samples(o.first_samples)} "
+                f"(offending values from {o.values[0]:.4g} to {o.values[-1]:.4g}). Check how this field is "
+                "normalised, or widen checks.value_range if these values are real.",
+                {"kind": "value_range", "value_range": [lo, hi], "examples": o.values}))
+        outlier = self._outlier_finding(st)
+        if outlier is not None:
+            out.append(outlier)
+        if st.bad_labels:
+            o = st.bad_labels
+            lo, hi = self.limits.label_bounds  # type: ignore[misc]
+            out.append(_finding(
+                Code.DATA_LABEL_RANGE, Severity.ERROR, o, name,
+                f"Label field '{name}' has {o.n_values} value(s) outside [{lo:g}, {hi:g}] (num_classes "
+                f"{int(hi) + 1}, from {self.limits.label_source}): batch {o.first_batch}, "
+                f"{_samples(o.first_samples)} (bad values: {_values(o.values)}). cross_entropy raises on "
+                "these on CPU and gives garbage or NaN on GPU: fix the label mapping or set ignore_index.",
+                {"bad_values": o.values, "allowed": [lo, hi],
+                 "num_classes_source": self.limits.label_source}))
+        for source, o in st.too_long.items():
+            if source == "checks.max_seq_len":
+                layer, limit = None, self.limits.max_seq_len
+            else:
+                layer, limit = self.limits.position_table  # type: ignore[misc]
+            what = (f"checks.max_seq_len ({limit})" if layer is None else
+                    f"the model's position table '{layer}' ({limit} positions)")
+            f = _finding(
+                Code.DATA_SEQ_LEN, Severity.ERROR, o, name,
+                f"Field '{name}' has sequences of length {max(o.values)} in {o.n_batches} batch(es), longer "
+                f"than {what}: the first is batch {o.first_batch}, {_samples(o.first_samples)} (length "
+                f"{o.values[0]}). Truncate to {limit} tokens in the collate function"
+                + (" or enlarge that table." if layer else "."),
+                {"limit": limit, "limit_source": source, "lengths": o.values})
+            f.location.layer = layer
+            out.append(f)
+        if (stats.kind == "float" and stats.role != "label" and "mask" not in name.lower()
+                and stats.moments.count >= 2 and stats.moments.min == stats.moments.max):
+            value = stats.moments.min
+            out.append(Finding(
+                Code.DATA_CONSTANT, Severity.WARNING,
+                f"Field '{name}' is {value:g} in every one of its {stats.moments.count} values over "
+                f"{stats.n_batches} batch(es): it carries no signal, and normalising it divides by a zero "
+                "std. Check that the loader reads the right column.",
+                Location(phase=Phase.DATA, field=name),
+                {"value": value, "n_values": stats.moments.count, "n_batches": stats.n_batches},
+                advice_for(Code.DATA_CONSTANT.value)))
+        return out
+
+    def _outlier_finding(self, st: _FieldState) -> Finding | None:
+        hist, name = st.scales, st.stats.name
+        if st.stats.kind != "float" or hist.total < OUTLIER_MIN_SAMPLES:
+            return None
+        med, mad = hist.log_median(), hist.log_mad()
+        assert med is not None and mad is not None
+        threshold = med + max(OUTLIER_DECADES, OUTLIER_MADS * mad)
+        flagged = [(v, b, s) for v, b, s in st.candidates.items() if v > 0 and math.log10(v) >= threshold]
+        if not flagged:
+            return None
+        n_above = max(hist.count_at_least(threshold), len(flagged))
+        if n_above > max(1, OUTLIER_MAX_FRACTION * hist.total):
+            return None  # a mode of the data, not a few bad samples
+        first = min(b for _, b, _ in flagged)
+        samples = sorted(s for _, b, s in flagged if b == first)
+        worst = flagged[0]
+        typical = 10.0 ** med
+        listed = sorted(flagged, key=lambda t: (t[1], t[2]))[:20]
+        return Finding(
+            Code.DATA_RANGE, Severity.WARNING,
+            f"Field '{name}': batch {first}, {_samples(samples)} has max |value| {worst[0]:.3g}"
+            f"{'' if worst[1] == first else f' (the largest, batch {worst[1]} sample {worst[2]})'}, "
+            f"{worst[0] / typical:.3g}x the field's typical per-sample max |value| ({typical:.3g}); "
+            f"{n_above} such sample(s) in all. Outliers this large overflow activations: remove or clip "
+            "them, or check how this field is scaled.",
+            Location(phase=Phase.DATA, batch_index=first, sample_indices=samples[:MAX_SAMPLES], field=name),
+            {"kind": "outlier", "typical_max_abs": typical, "threshold": 10.0 ** threshold,
+             "n_outlier_samples": n_above,
+             "outliers": [{"batch_index": b, "sample": s, "max_abs": v} for v, b, s in listed]},
+            advice_for(Code.DATA_RANGE.value))
+
+    def details(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "batches": self.n_batches, "samples": self.n_samples,
+            "fields": {name: st.stats.summary() for name, st in self.fields.items()},
+            "num_classes": None if self.limits.label_bounds is None else int(self.limits.label_bounds[1]) + 1,
+            "num_classes_source": self.limits.label_source,
+        }
+        if self.limits.position_table is not None:
+            layer, size = self.limits.position_table
+            out["position_table"] = {"layer": layer, "size": size}
+        ignored = {n: st.ignored_labels for n, st in self.fields.items() if st.ignored_labels}
+        if ignored:
+            out["ignored_labels"] = {"value": IGNORE_INDEX, "counts": ignored}
+        return out
+
+    def state_size(self) -> int:
+        """Items held in the running state: flat in the number of batches (a test checks it)."""
+        return self.empty.state_size() + sum(st.state_size() for st in self.fields.values())
+
+
+def _real_lengths(arrays: dict[str, np.ndarray | None], batch_size: int | None) -> np.ndarray | None:
+    """Per-sample unpadded lengths from a 2-D `*mask*` field (last non-zero + 1) or a 1-D `lengths` field.
+
+    Deliberately simple: only these two conventions, and only to say *which* samples are too long;
+    the padded length is what is compared with the limit, because that is what the model indexes.
+    """
+    for name, arr in arrays.items():
+        if arr is None or batch_size is None:
+            continue
+        low = name.lower()
+        if "mask" in low and arr.ndim == 2 and arr.shape[0] == batch_size and arr.dtype.kind in "fiub":
+            nz = arr != 0
+            last = arr.shape[1] - np.argmax(nz[:, ::-1], axis=1)
+            return np.where(nz.any(axis=1), last, 0)
+        if low in _LENGTH_FIELDS and arr.ndim == 1 and arr.shape[0] == batch_size and arr.dtype.kind in "iu":
+            return arr.astype(np.int64)
+    return None
+
+
+def _finding(code: Code, severity: Severity, o: Occurrences, name: str, message: str,
+             extra: dict[str, Any]) -> Finding:
+    return Finding(code, severity, message,
+                   Location(phase=Phase.DATA, batch_index=o.first_batch,
+                            sample_indices=o.first_samples or None, field=name),
+                   {**extra, **o.evidence()}, advice_for(code.value))
+
+
+def _empty_finding(o: Occurrences) -> Finding:
+    return Finding(Code.DATA_EMPTY, Severity.ERROR,
+                   f"The loader yielded {o.n_batches} empty batch(es); the first is batch {o.first_batch}. "
+                   "A mean over an empty batch is NaN: drop empty batches (`drop_last=True`, or filter them "
+                   "in the loader).",
+                   Location(phase=Phase.DATA, batch_index=o.first_batch),
+                   {"batches": o.batches, "n_batches": o.n_batches}, advice_for(Code.DATA_EMPTY.value))
+
+
+def _samples(samples: list[int]) -> str:
+    if not samples:
+        return "the whole field"
+    shown = ", ".join(str(s) for s in samples[:8]) + (", …" if len(samples) > 8 else "")
+    return f"sample{'s' if len(samples) > 1 else ''} {shown}"
+
+
+def _pos(positions: list[list[int]]) -> str:
+    return f" (first at index {tuple(positions[0])})" if positions else ""
+
+
+def _values(values: list[Any]) -> str:
+    return ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)

@@ -1,0 +1,12 @@
+"""A small CNN (Conv-BN-ReLU x2, pooling, linear head) with Paddle's default initialisation."""
+
+import paddle
+import paddle.nn as nn
+
+
+def build_model(channels=1, num_classes=4):
+    paddle.seed(0)
+    return nn.Sequential(
+        nn.Conv2D(channels, 8, 3, padding=1), nn.BatchNorm2D(8), nn.ReLU(), nn.MaxPool2D(2),
+        nn.Conv2D(8, 16, 3, padding=1), nn.BatchNorm2D(16), nn.ReLU(), nn.AdaptiveAvgPool2D(1),
+        nn.Flatten(), nn.Linear(16, num_classes))
