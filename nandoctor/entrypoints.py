@@ -91,7 +91,9 @@ def _import_module(target: str, base_dir: Path, where: str) -> Any:
         try:
             return importlib.import_module(target)
         except ModuleNotFoundError as exc:
-            if exc.name and target.startswith(exc.name):
+            # Only when the entry's own module (or a parent package) is missing; a missing dependency
+            # inside the user's module is reported as an import failure with its file and line below.
+            if exc.name and (target == exc.name or target.startswith(exc.name + ".")):
                 raise SpecError(f"{where}: no module named '{exc.name}' (looked in {base_dir} and the installed "
                                 "packages). For a file next to the spec write \"file.py:function\".") from None
             raise SpecError(f"{where}: importing '{target}' failed{_at(exc, base_dir)}: "

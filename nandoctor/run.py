@@ -28,6 +28,8 @@ def run_command(command: str, config: Path, console: Console, *, json_path: Path
                 quiet: bool = False, argv: list[str] | None = None, **options: Any) -> int:
     """Run `scan` or `probe` on a spec and write every output asked for; returns the exit status."""
     spec = load_spec(config)
+    if options.get("device") is not None:  # a typo in --device should not wait for imports or a model build
+        check_device(options["device"], "--device")
     for path in (json_path, markdown_path):
         if path is not None:
             check_writable_file(path)
