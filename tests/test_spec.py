@@ -199,6 +199,13 @@ def test_user_module_missing_dependency_names_the_line(project: Path):
     assert "needs.py:2" in msg and "not_installed_pkg_xyz" in msg
 
 
+def test_module_entry_missing_dependency_is_not_the_module_missing(project: Path):
+    # "pkgx_models" exists; the package it imports, "pkgx", does not: name the user's line, not "no module".
+    (project / "pkgx_models.py").write_text("import pkgx\n")
+    msg = _entry_error(project, "pkgx_models:build")
+    assert "importing 'pkgx_models' failed at pkgx_models.py:1" in msg and "No module named 'pkgx'" in msg
+
+
 def test_user_module_syntax_error(project: Path):
     (project / "syntax.py").write_text("def build_model(:\n    pass\n")
     msg = _entry_error(project, "syntax.py:build_model")
