@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from nandoctor.errors import OutputError, SpecError
-from nandoctor.findings import Report
+from nandoctor.findings import SCHEMA, Report
 from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.spec import check_device, load_spec
 
@@ -91,10 +91,16 @@ def rerender(report_json: Path, console: Console, *, markdown_path: Path | None 
         raise SpecError(f"{report_json}: no such file. Pass a report.json written by --json or --bundle.") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SpecError(f"{report_json}: not a readable JSON report ({exc}).") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        found = f"schema {data.get('schema')!r}" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+        raise SpecError(f"{report_json}: not a nandoctor report ({found}; expected \"schema\": \"{SCHEMA}\"). "
+                        "Pass a report.json written by --json or --bundle.")
     try:
         report = Report.from_dict(data)
     except (ValueError, KeyError, TypeError) as exc:
-        raise SpecError(f"{report_json}: {exc}.") from None
+        problem = f"the key {exc} is missing" if isinstance(exc, KeyError) else str(exc)
+        raise SpecError(f"{report_json}: not a complete nandoctor report ({problem}). Was it edited by hand or "
+                        "cut short? Re-create it with --json.") from None
     if markdown_path is not None:
         check_writable_file(markdown_path)
         from nandoctor.report import markdown as markdown_report
