@@ -84,7 +84,7 @@ class LogHistogram:
         if not self.total:
             return None
         cum = np.cumsum(self.bins)
-        return self._centre(int(np.searchsorted(cum, (self.total + 1) / 2)))
+        return self._centre(int(np.searchsorted(cum, (self.total + 1) // 2)))
 
     def log_mad(self) -> float | None:
         """Median absolute deviation of log10(values), in decades: how wide the healthy spread is."""
@@ -95,7 +95,7 @@ class LogHistogram:
         dev = np.abs(centres - med)
         order = np.argsort(dev, kind="stable")
         cum = np.cumsum(self.bins[order])
-        return float(dev[order][int(np.searchsorted(cum, (self.total + 1) / 2))])
+        return float(dev[order][int(np.searchsorted(cum, (self.total + 1) // 2))])
 
     def count_at_least(self, log_threshold: float) -> int:
         """How many values were at or above 10**log_threshold (to within one bin)."""
