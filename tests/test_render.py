@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from report_samples import healthy_report, probe_nan_report, scan_report
@@ -173,7 +174,8 @@ def test_console_probe_report_shows_fault_advice_and_sparklines():
     text = _console_text(probe_nan_report())
     assert "nandoctor probe: NaN/Inf found" in text and "nan_found" in text
     assert "head.distance" in text and "sqrt_grad" in text
-    assert "first fault" in text and "samples    3, 7" in text
+    assert "first fault" in text and re.search(r"│ samples +3, 7 ", text)
+    assert not re.search(r"│ parameter ", text)  # a field with no value is left out of the panel
     assert "num_inf=2" in text  # offending tensor statistics
     assert "grad.nonfinite" in text and "ERROR" in text and "WARNING" in text
     assert "• The gradient of sqrt at 0 is infinite" in text
@@ -199,7 +201,7 @@ def test_console_scan_report_shows_field_table():
     text = _console_text(scan_report())
     assert "data fields" in text
     x_row = next(line for line in text.splitlines() if line.startswith("│ x "))
-    assert "float32" in x_row and "NaN" in x_row and "-3.2" in x_row
+    assert "float32" in x_row and "NaN" in x_row and "-3.2" in x_row and "32×16" in x_row
     assert "12" in text and "batches scanned" in text
     assert "field 'x'" in text
 

@@ -98,6 +98,51 @@ def fmt_value(value: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+# Data-field columns: (header, keys the scan may use for it), in reading order; missing keys show "—".
+FIELD_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("role", ("role",)), ("dtype", ("dtype",)), ("shape", ("shape", "shapes")), ("min", ("min",)),
+    ("max", ("max",)), ("mean", ("mean",)), ("std", ("std",)), ("NaN", ("num_nan", "nan")),
+    ("Inf", ("num_inf", "inf")),
+)
+# Statistics of the offending tensor, in the order people look for them.
+TENSOR_STAT_ORDER = ("shape", "dtype", "numel", "num_nan", "num_inf", "min", "max", "mean", "std", "abs_max")
+
+
+def field_table(fields: Any) -> tuple[list[str], list[list[str]]] | None:
+    """`report.details["fields"]` as (headers, rows of text); None when there is nothing to show.
+
+    Tolerant on purpose: a column appears only when some field has it, and a field without it shows "—".
+    """
+    if not isinstance(fields, dict) or not fields:
+        return None
+    stats = [s if isinstance(s, dict) else {} for s in fields.values()]
+    columns = [(h, keys) for h, keys in FIELD_COLUMNS if any(k in s for s in stats for k in keys)]
+    rows = []
+    for name, s in zip(fields, stats):
+        row = [str(name)]
+        for header, keys in columns:
+            key = next((k for k in keys if k in s), None)
+            value = s[key] if key is not None else None
+            row.append(fmt_shape(value) if header == "shape" else fmt_value(value))
+        rows.append(row)
+    return ["field"] + [h for h, _ in columns], rows
+
+
+def fmt_shape(value: Any) -> str:
+    """[16, 16] -> '16×16'; [[16, 16], [8, 16]] (shapes seen) -> '16×16, 8×16'; at most four shapes."""
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (list, tuple)) for v in value):
+        shown = ", ".join(fmt_shape(v) for v in value[:4])
+        return shown + (f" (+{len(value) - 4} more)" if len(value) > 4 else "")
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+        return "×".join(str(v) for v in value) if value else "scalar"
+    return fmt_value(value)
+
+
+def ordered_stats(stats: dict[str, Any]) -> list[tuple[str, Any]]:
+    first = [(k, stats[k]) for k in TENSOR_STAT_ORDER if k in stats]
+    return first + [(k, v) for k, v in stats.items() if k not in TENSOR_STAT_ORDER]
+
+
 def fmt_number(value: Any) -> str:
     """Compact, stable text for a number: 4 significant digits, NaN/Inf spelled out, '—' for nothing."""
     if isinstance(value, bool):

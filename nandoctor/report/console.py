@@ -18,7 +18,9 @@ from nandoctor.findings import Finding, Report, Severity, Verdict
 from nandoctor.report.common import (
     VERDICT_TEXT,
     as_float,
+    field_table,
     fmt_value,
+    ordered_stats,
     range_text,
     sparkline,
     summary_parts,
@@ -31,8 +33,6 @@ VERDICT_STYLE = {
     Verdict.CRASHED: "bold red",
 }
 SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
-TENSOR_STAT_ORDER = ("shape", "dtype", "numel", "num_nan", "num_inf", "min", "max", "mean", "std", "abs_max")
-FIELD_COLUMNS = ("dtype", "shape", "min", "max", "mean", "std", "num_nan", "num_inf")
 SPARK_WIDTH = 60
 
 
@@ -113,13 +113,13 @@ def _first_fault_panel(report: Report) -> Panel:
     samples = ", ".join(str(i) for i in ff.sample_indices) if ff.sample_indices else None
     for label, value in (("step", ff.step), ("phase", ff.phase.value), ("layer", ff.layer), ("op", ff.op),
                          ("parameter", ff.parameter), ("batch", ff.batch_index), ("samples", samples)):
-        grid.add_row(label, Text(fmt_value(value), style="dim" if value is None else ""))
+        if value is not None:  # a data fault has no step, layer or op: rows of dashes would only be noise
+            grid.add_row(label, Text(fmt_value(value)))
     parts: list[Any] = [grid]
     stats = report.details.get("offending_tensor")
     if isinstance(stats, dict) and stats:
-        ordered = [k for k in TENSOR_STAT_ORDER if k in stats]
-        ordered += [k for k in stats if k not in TENSOR_STAT_ORDER]
-        parts.append(Text("offending tensor: " + ", ".join(f"{k}={fmt_value(stats[k])}" for k in ordered)))
+        shown = ", ".join(f"{k}={fmt_value(v)}" for k, v in ordered_stats(stats))
+        parts.append(Text("offending tensor: " + shown))
     return Panel(Group(*parts), title="first fault", title_align="left", border_style="red", expand=False)
 
 
@@ -138,17 +138,16 @@ def _finding(index: int, finding: Finding) -> Group:
 
 
 def _fields_table(report: Report) -> Table | None:
-    fields = report.details.get("fields")
-    if not isinstance(fields, dict) or not fields:
+    found = field_table(report.details.get("fields"))
+    if found is None:
         return None
-    stats = [s if isinstance(s, dict) else {} for s in fields.values()]
-    columns = [c for c in FIELD_COLUMNS if any(c in s for s in stats)]
+    headers, rows = found
     table = Table(title="data fields", title_justify="left", header_style="bold")
-    table.add_column("field", style="bold")
-    for column in columns:
-        table.add_column(column, justify="right" if column not in ("dtype", "shape") else "left")
-    for name, s in zip(fields, stats):
-        table.add_row(Text(str(name)), *[Text(fmt_value(s[c]) if c in s else "—") for c in columns])
+    for header in headers:
+        table.add_column(header, justify="left" if header in ("field", "role", "dtype", "shape") else "right",
+                         style="bold" if header == "field" else "")
+    for row in rows:
+        table.add_row(*[Text(x) for x in row])
     return table
 
 

@@ -16,15 +16,14 @@ from nandoctor.report.common import (
     as_float,
     downsample,
     fault_step,
+    field_table,
     fmt_number,
     fmt_value,
+    ordered_stats,
     summary_parts,
 )
 
 TIMELINE_ROWS = 30
-# Statistics of the offending tensor and of data fields, in the order people look for them.
-TENSOR_STAT_ORDER = ("shape", "dtype", "numel", "num_nan", "num_inf", "min", "max", "mean", "std", "abs_max")
-FIELD_COLUMNS = ("dtype", "shape", "min", "max", "mean", "std", "num_nan", "num_inf")
 
 
 def render(report: Report) -> str:
@@ -78,13 +77,8 @@ def _first_fault(report: Report) -> list[str]:
     stats = report.details.get("offending_tensor")
     if isinstance(stats, dict) and stats:
         out += ["Offending tensor:", ""]
-        out += table(("statistic", "value"), [(cell(k), cell(fmt_value(v))) for k, v in _ordered(stats)])
+        out += table(("statistic", "value"), [(cell(k), cell(fmt_value(v))) for k, v in ordered_stats(stats)])
     return out
-
-
-def _ordered(stats: dict[str, Any]) -> list[tuple[str, Any]]:
-    first = [(k, stats[k]) for k in TENSOR_STAT_ORDER if k in stats]
-    return first + [(k, v) for k, v in stats.items() if k not in TENSOR_STAT_ORDER]
 
 
 def _findings(report: Report) -> list[str]:
@@ -144,14 +138,12 @@ def _timeline(report: Report) -> list[str]:
 
 
 def _fields(report: Report) -> list[str]:
-    fields = report.details.get("fields")
-    if not isinstance(fields, dict) or not fields:
+    found = field_table(report.details.get("fields"))
+    if found is None:
         return []
-    stats = [s if isinstance(s, dict) else {} for s in fields.values()]
-    columns = [c for c in FIELD_COLUMNS if any(c in s for s in stats)]
-    rows = [[cell(name, code=True)] + [cell(fmt_value(s[c])) if c in s else "—" for c in columns]
-            for name, s in zip(fields, stats)]
-    return ["## Data fields", ""] + table(["field", *columns], rows)
+    headers, rows = found
+    return ["## Data fields", ""] + table(headers, [[cell(row[0], code=True)] + [cell(x) for x in row[1:]]
+                                                    for row in rows])
 
 
 def _plots(report: Report) -> list[str]:
@@ -181,7 +173,7 @@ def _reproduce(report: Report) -> list[str]:
         out += ["```shell", str(command), "```", ""]
     else:
         out += ["The command line was not recorded.", ""]
-    extra = {k: v for k, v in report.run.items() if k not in ("command_line",)}
+    extra = {k: v for k, v in report.run.items() if k != "command_line" and v is not None}
     if extra:
         out += ["Run settings: " + ", ".join(f"{k} `{fmt_value(v)}`" for k, v in extra.items()), ""]
     return out
