@@ -153,3 +153,39 @@ def test_json_written_by_renderer_reads_back_equal(tmp_path: Path):
     back = Report.from_dict(data)
     assert back.to_dict() == data
     assert back.exit_code == original.exit_code and back.verdict == original.verdict
+
+
+# --- scan end to end: what reaches the terminal and the files -------------------------------------------
+
+NAN_PROJECT = {
+    "models.py": "def build_model():\n    import paddle\n\n    return paddle.nn.Linear(3, 2)\n",
+    "data.py": ("import numpy as np\n\n\ndef build_loader():\n    x = np.ones((4, 3), 'float32')\n"
+                "    x[2, 1] = np.nan\n    return [(np.ones((4, 3), 'float32'), np.zeros(4, 'int64')),\n"
+                "            (x, np.zeros(4, 'int64'))]\n"),
+    "config.yaml": ('version: 1\nmodel: {entry: "models.py:build_model"}\n'
+                    'data: {entry: "data.py:build_loader", fields: [x, y], label: y}\n'
+                    "loss: {builtin: cross_entropy}\n"),
+}
+
+
+@pytest.fixture
+def nan_project(tmp_path: Path) -> Path:
+    for name, text in NAN_PROJECT.items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def test_scan_quiet_json_and_markdown(nan_project: Path):
+    config, out_json, out_md = nan_project / "config.yaml", nan_project / "r.json", nan_project / "r.md"
+    result = _cli("scan", str(config), "--quiet", "--json", str(out_json), "--markdown", str(out_md))
+    assert result.exit_code == 1, result.output
+    assert result.stdout.count("\n") == 1  # --quiet: one line
+    assert result.stdout.startswith("nan_found: 1 error") and "batch 1, sample 2, field 'x'" in result.stdout
+    text = out_json.read_text(encoding="utf-8")
+    data = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} literal in JSON"))
+    assert data["verdict"] == "nan_found" and data["first_fault"]["batch_index"] == 1
+    assert data["first_fault"]["sample_indices"] == [2]
+    markdown = out_md.read_text(encoding="utf-8")
+    assert markdown.startswith("# nandoctor scan: NaN/Inf found")
+    assert "## How to reproduce\n\n```shell\nnandoctor " in markdown  # argv under CliRunner is pytest's
+    assert markdown == markdown_report.render(Report.from_dict(data))

@@ -228,7 +228,8 @@ def test_verdict_line_is_one_line_with_first_fault():
     console_report.render_verdict_line(probe_nan_report(), con)
     text = con.export_text()
     assert text.count("\n") == 1
-    assert text.startswith("nan_found: 1 error, 1 warning, 1 info, 40 steps run; first fault at step 36")
+    assert text.startswith("nan_found: 1 error, 1 warning, 1 info, 40 steps run; "
+                           "first fault: grad.nonfinite at step 36")
     assert "layer head.distance, op sqrt_grad" in text
 
 

@@ -61,10 +61,14 @@ def render_verdict_line(report: Report, console: Console) -> None:
     line = Text()
     line.append(report.verdict.value, style=VERDICT_STYLE[report.verdict])
     line.append(": " + ", ".join(summary_parts(report)))
+    lead = _lead_finding(report)
     if report.first_fault is not None:
-        line.append("; first fault at " + report.first_fault.as_location().describe())
+        where = lead.location if lead is not None else report.first_fault.as_location()
+        code = f"{_code(lead)} " if lead is not None else ""
+        line.append(f"; first fault: {code}at {where.describe()}")
     elif report.findings:
-        line.append("; first: " + report.sorted_findings()[0].location.describe())
+        first = report.sorted_findings()[0]
+        line.append(f"; first: {_code(first)} at {first.location.describe()}")
     if report.partial:
         line.append(" (partial: interrupted)")
     console.print(line, soft_wrap=True)
@@ -78,6 +82,22 @@ def render_environment(env: dict[str, Any], console: Console) -> None:
     for key, value in env.items():
         table.add_row(Text(str(key)), Text(fmt_value(value, limit=400)))
     console.print(table)
+
+
+def _lead_finding(report: Report) -> Finding | None:
+    """The finding that is the first fault (same step, phase and batch), which also knows the field."""
+    ff = report.first_fault
+    if ff is None:
+        return None
+    for finding in report.sorted_findings():
+        loc = finding.location
+        if (loc.step, loc.phase, loc.batch_index) == (ff.step, ff.phase, ff.batch_index):
+            return finding
+    return None
+
+
+def _code(finding: Finding) -> str:
+    return getattr(finding.code, "value", str(finding.code))
 
 
 def _headline(report: Report) -> Text:
@@ -127,7 +147,7 @@ def _finding(index: int, finding: Finding) -> Group:
     head = Text(f"{index}. ")
     head.append(finding.severity.value.upper(), style=SEVERITY_STYLE[finding.severity])
     head.append(" ")
-    head.append(getattr(finding.code, "value", str(finding.code)), style="bold")
+    head.append(_code(finding), style="bold")
     head.append("  " + finding.location.describe(), style="dim")
     lines: list[Any] = [Text(""), head, Text("   " + finding.message)]
     for advice in finding.advice:
