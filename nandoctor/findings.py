@@ -136,7 +136,7 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "code": self.code.value,
+            "code": getattr(self.code, "value", self.code),  # a newer nandoctor's code is kept as text
             "severity": self.severity.value,
             "message": self.message,
             "location": self.location.to_dict(),

@@ -238,3 +238,23 @@ def test_render_environment_table():
     console_report.render_environment({"paddle": "3.3.1", "gpus": ["A100", "A100"], "flags": {"F": "1"}}, con)
     text = con.export_text()
     assert "paddle" in text and "3.3.1" in text and "[A100, A100]" in text and "F=1" in text
+
+
+def test_report_from_a_newer_nandoctor_still_renders():
+    """A finding code this version does not know is kept as text and shown, not refused."""
+    data = _strict_loads(json_report.render(scan_report()))
+    data["findings"][0]["code"] = "data.future_check"
+    back = Report.from_dict(data)
+    assert "`data.future_check`" in markdown_report.render(back)
+    assert "data.future_check" in _console_text(back)
+    assert "data.future_check" in json_report.render(back)
+
+
+def test_next_step_line_matches_the_verdict():
+    report = scan_report()
+    report.findings = [f for f in report.findings if f.code.value == "data.label_range"]  # an error, no NaN
+    text = _console_text(report)
+    assert "at_risk" in text and "Exit status 1" in text and "Fix the errors above" in text
+    assert "Nothing broke yet" not in text
+    report.findings[0].severity = Severity.WARNING
+    assert "Nothing broke yet" in _console_text(report)

@@ -200,6 +200,8 @@ def _next_steps(report: Report) -> Text:
         text.append("Exit status 0: no errors. ", style="bold")
     if report.verdict in (Verdict.NAN_FOUND, Verdict.CRASHED):
         text.append("Apply the advice for the first finding above, then run again to confirm. ")
+    elif report.exit_code:
+        text.append("Fix the errors above (each names where and what to change), then run again. ")
     elif report.verdict == Verdict.AT_RISK:
         text.append("Nothing broke yet, but the warnings above tend to come before a NaN. ")
     text.append("Re-run with --markdown report.md to attach to a bug ticket.")
