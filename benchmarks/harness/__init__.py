@@ -1,0 +1,1 @@
+"""The harness behind `benchmarks/run.py`: workloads, timed child processes, in-process workers, table."""

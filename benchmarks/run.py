@@ -1,0 +1,224 @@
+"""`make bench`: nandoctor's cost measured against plain Paddle, printed as ONE table of ratios.
+
+Every ratio comes from runs made side by side in the same invocation (paired, alternating), because
+absolute times on a shared 2-core machine are noise and ratios of back-to-back runs are not. What each
+row measures, on which workload and settings, is in benchmarks/README.md.
+
+    .venv/bin/python benchmarks/run.py            # full: about 10 minutes on 2 cores
+    .venv/bin/python benchmarks/run.py --quick    # tiny settings, every row, under a minute
+    .venv/bin/python benchmarks/run.py --runs 5   # more pairs per row, steadier medians
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import procs, workloads  # noqa: E402
+from harness.table import Row, median, render  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "harness" / "worker.py"
+PY = sys.executable
+
+
+@dataclass
+class Setting:
+    """Sizes of one benchmark run: full (realistic) or quick (tiny)."""
+
+    quick: bool
+    runs: int
+    steps: int = 60  # row 1: whole-process steps, as `nandoctor probe CONFIG --steps 60`
+    step_steps: int = 30  # row 2: steps per in-process run
+    warmup: int = 5  # steps left out of per-step medians (start-up, allocator warm-up)
+    checker_steps: int = 2  # row 3: checked steps per block (~18x a plain step on CPU)
+    fault_steps: int = 60  # row 4: the fault is at step 50
+
+    @classmethod
+    def make(cls, quick: bool, runs: int | None) -> Setting:
+        if quick:
+            return cls(True, runs or 1, steps=6, step_steps=8, warmup=2, checker_steps=1, fault_steps=8)
+        return cls(False, runs or 3)
+
+
+def say(message: str) -> None:
+    """Progress on stderr, so stdout holds only the table."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def first_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:100] if lines else ""
+
+
+def whole_process(s: Setting, scratch: Path) -> tuple[list[Row], list[Row]]:
+    """Rows 1 and 6 (probe): `nandoctor probe CONFIG --steps N` vs the plain script, paired processes."""
+    time_rows, rss_rows = [], []
+    for name in workloads.TRAINING:
+        w = workloads.load(name, s.quick, scratch)
+        say(f"row 1/6: {name}: {s.runs} pair(s) of probe vs plain processes, {s.steps} steps")
+        paired = procs.run_paired([PY, "-m", "nandoctor", "probe", str(w.config), "--steps", str(s.steps)],
+                                  [PY, str(w.plain), str(w.config), "--steps", str(s.steps)], s.runs)
+        bad = [r for r in paired.a + paired.b if r.returncode != 0]
+        ok = not any(r.returncode not in (0, 1) for r in bad)
+        note = ""
+        if bad:
+            note = f"exit {bad[0].returncode}: {first_line(bad[0].stderr_tail)}"
+            if ok:
+                note = "probe reported a finding on a healthy workload (exit 1)"
+        ta, tb = median([r.seconds for r in paired.a]), median([r.seconds for r in paired.b])
+        ratios = [a.seconds / b.seconds for a, b in zip(paired.a, paired.b)]
+        time_rows.append(Row("1 whole process", name, f"{w.describe}, {s.steps} steps",
+                             median(ratios) if ok else None, "x", "<= 1.10",
+                             note or f"probe {ta:.1f}s / plain {tb:.1f}s, pairs {fmt(ratios)}"))
+        rss = [a.max_rss_mb / b.max_rss_mb for a, b in zip(paired.a, paired.b)]
+        ra, rb = median([r.max_rss_mb for r in paired.a]), median([r.max_rss_mb for r in paired.b])
+        rss_rows.append(Row("6 peak RSS probe", name, f"{w.describe}, {s.steps} steps",
+                            median(rss) if ok else None, "x", "<= 1.15",
+                            note or f"probe {ra:.0f} MB / plain {rb:.0f} MB"))
+    return time_rows, rss_rows
+
+
+def fmt(values: list[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values)
+
+
+def worker(mode: str, w: workloads.Workload, s: Setting, steps: int) -> dict:
+    return procs.run_worker([PY, str(WORKER), mode, str(w.config), str(w.plain), "--steps", str(steps),
+                             "--runs", str(s.runs), "--warmup", str(s.warmup),
+                             "--checker-steps", str(s.checker_steps)])
+
+
+def per_step(s: Setting, scratch: Path) -> list[Row]:
+    rows = []
+    for name in workloads.TRAINING:
+        w = workloads.load(name, s.quick, scratch)
+        say(f"row 2: {name}: probe vs plain steps in one process, {s.runs} pair(s) of {s.step_steps} steps")
+        res = worker("steps", w, s, s.step_steps)
+        setting = f"{w.describe}, steady state"
+        if "error" in res:
+            rows.append(Row("2 per step", name, setting, None, "x", "<= 1.05", res["error"][:100]))
+            continue
+        rows.append(Row("2 per step", name, setting, median(res["ratios"]), "x", "<= 1.05",
+                        f"probe {median(res['probe_ms']):.1f} ms / plain {median(res['plain_ms']):.1f} ms, "
+                        f"pairs {fmt(res['ratios'])}"))
+    return rows
+
+
+def checker(s: Setting, scratch: Path) -> list[Row]:
+    w = workloads.load("transformer", s.quick, scratch)
+    say(f"row 3: transformer: Paddle's tensor checker on every step vs off, {s.runs} pair(s)")
+    res = worker("checker", w, s, max(s.warmup, 3))
+    setting = f"{w.describe}, CHECK_NAN_INF_AND_ABORT"
+    if "error" in res:
+        return [Row("3 anchor: tensor checker", "transformer", setting, None, "x", "", res["error"][:100])]
+    return [Row("3 anchor: tensor checker", "transformer", setting, median(res["ratios"]), "x", "",
+                f"checked {median(res['checker_ms']):.0f} ms / plain {median(res['plain_ms']):.0f} ms a step"
+                )]
+
+
+def localize(s: Setting, scratch: Path) -> list[Row]:
+    w = workloads.load("transformer", s.quick, scratch, fault=True)
+    say(f"row 4: transformer with a fault: detection to finished report, {s.runs} run(s)")
+    res = worker("localize", w, s, s.fault_steps)
+    fault_step = workloads.QUICK_FAULT["empty_sample_at"][0] if s.quick else 50
+    setting = f"{w.describe}, NaN at step {fault_step}"
+    if "error" in res:
+        return [Row("4 localisation", "transformer", setting, None, "s", "<= 30", res["error"][:100])]
+    runs = res["runs"]
+    values = [r["reported_s"] if r["reported_s"] is not None else r["derived_s"] for r in runs]
+    values = [v for v in values if v is not None]
+    ff = runs[-1]["first_fault"] or {}
+    found = f"no fault found (verdict {runs[-1]['verdict']})"
+    if ff:
+        found = (f"found step {ff.get('step')} {ff.get('phase')} layer {ff.get('layer')} op {ff.get('op')} "
+                 f"samples {ff.get('sample_indices')}")
+    how = "probe's own timing" if runs[-1]["reported_s"] is not None else "end - last step - 1 median step"
+    return [Row("4 localisation", "transformer", setting, median(values), "s", "<= 30", f"{found}; {how}")]
+
+
+def scan(s: Setting, scratch: Path) -> list[Row]:
+    """Row 5 (throughput, in process) and row 6 (peak RSS of `nandoctor scan` vs the plain loop)."""
+    w = workloads.load("scan_data", s.quick, scratch)
+    say(f"row 5: scan vs bare iteration over the same loader, {s.runs} pair(s)")
+    res = worker("scan", w, s, 0)
+    rows = []
+    if "error" in res:
+        rows.append(Row("5 scan throughput", "scan_data", w.describe, None, "x", ">= 0.80",
+                        res["error"][:100]))
+    else:
+        note = (f"scan {median(res['scan_sps']) / 1000:.0f}k / bare {median(res['bare_sps']) / 1000:.0f}k "
+                f"samples/s, verdict {res['verdict']}")
+        rows.append(Row("5 scan throughput", "scan_data", w.describe, median(res["ratios"]), "x", ">= 0.80",
+                        note))
+    data = w.settings["data"]["args"]
+    epoch = -(-data["samples"] // data["batch_size"])
+    say(f"row 6: `nandoctor scan` vs plain loop over one epoch ({epoch} steps), {s.runs} pair(s)")
+    paired = procs.run_paired([PY, "-m", "nandoctor", "scan", str(w.config)],
+                              [PY, str(w.plain), str(w.config), "--steps", str(epoch)], s.runs)
+    bad = [r for r in paired.a + paired.b if r.returncode != 0]
+    ratio = median([a.max_rss_mb / b.max_rss_mb for a, b in zip(paired.a, paired.b)])
+    ra, rb = median([r.max_rss_mb for r in paired.a]), median([r.max_rss_mb for r in paired.b])
+    note = (f"exit {bad[0].returncode}: {first_line(bad[0].stderr_tail)}" if bad
+            else f"scan {ra:.0f} MB / plain epoch {rb:.0f} MB")
+    rows.append(Row("6 peak RSS scan", "scan_data", f"{w.describe}, 1 epoch", None if bad else ratio, "x",
+                    "<= 1.15", note))
+    return rows
+
+
+def machine_state() -> str:
+    load = " ".join(f"{v:.2f}" for v in os.getloadavg())
+    return (f"{time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()} {os.cpu_count()} cpus  load {load}  "
+            f"python {platform.python_version()}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Benchmarks of nandoctor against plain Paddle: one table of "
+                                     "ratios (see benchmarks/README.md).")
+    parser.add_argument("--quick", action="store_true", help="tiny models and few steps: checks that every "
+                        "row runs, in well under a minute (numbers meaningless)")
+    parser.add_argument("--runs", type=int, default=None, help="pairs per row (default 3; 1 with --quick)")
+    parser.add_argument("--rows", default="1,2,3,4,5,6",
+                        help="comma-separated rows to run (6 comes with 1 and 5)")
+    args = parser.parse_args()
+    s = Setting.make(args.quick, args.runs)
+    wanted = set(args.rows.split(","))
+    state = machine_state()
+    started = time.perf_counter()
+    say("warming the file cache (one untimed import of paddle and nandoctor)")
+    procs.run_timed([PY, "-c", "import paddle, nandoctor.cli"])
+    rows: list[Row] = []
+    rss: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="nandoctor-bench-") as tmp:
+        scratch = Path(tmp)
+        if wanted & {"1", "6"}:
+            t, rss = whole_process(s, scratch)
+            rows += t
+        if "2" in wanted:
+            rows += per_step(s, scratch)
+        if "3" in wanted:
+            rows += checker(s, scratch)
+        if "4" in wanted:
+            rows += localize(s, scratch)
+        if wanted & {"5", "6"}:
+            scan_rows = scan(s, scratch)
+            rows += [r for r in scan_rows if r.row.startswith("5")]
+            rss += [r for r in scan_rows if r.row.startswith("6")]
+    rows += rss
+    mode = "QUICK (tiny settings; numbers are not meaningful)" if s.quick else "full"
+    header = (f"nandoctor benchmarks, {mode}: {s.runs} pair(s) per row, median of paired ratios "
+              f"(probe/plain etc.), {time.perf_counter() - started:.0f} s in all\nmachine: {state}")
+    print(render(rows, header), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
