@@ -1,0 +1,205 @@
+"""Every probe sample config through the real CLI (`nandoctor probe CONFIG --json PATH`), vs. ground truth.
+
+The expectations below were measured without nandoctor: a plain Paddle loop over each sample's own model,
+data, loss and optimizer, with per-layer forward hooks, per-step gradient and parameter checks, a replay
+of the failing step under Paddle's tensor checker (CHECK_NAN_INF_AND_ABORT) for the op, and a replay of
+each sample of the failing batch alone for the sample indices. Each config.yaml's comment says the same
+in words. Each probe runs once per module (a cache), so the file costs one short probe per sample.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from nandoctor.cli import app
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_configs"
+
+
+class _Any:
+    """A first_fault value the ground truth does not pin down (say, which samples, when all of them fail)."""
+
+    def __repr__(self) -> str:
+        return "ANY"
+
+
+ANY: Any = _Any()
+FAULT_KEYS = ("step", "phase", "layer", "op", "parameter", "batch_index", "sample_indices")
+
+
+@dataclass
+class Expect:
+    verdict: str
+    exit_code: int
+    # first_fault: the exact dict, None for no fault; a value may be ANY or a frozenset of accepted values
+    fault: dict[str, Any] | None
+    # error and warning codes that must all be present; any other error/warning code fails the test
+    codes: set[str]
+    # error/warning codes that may also appear (true, but not what the sample is about)
+    allowed: set[str] = field(default_factory=set)
+    # info codes that must be present (other info codes are ignored)
+    info: set[str] = field(default_factory=set)
+    # code -> location fields its finding must have
+    where: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # warning codes that must be reported at a step before first_fault.step
+    before_fault: set[str] = field(default_factory=set)
+
+
+def fault(step: int | None, phase: Any, layer: Any = None, op: Any = None, parameter: Any = None,
+          batch_index: Any = None, sample_indices: Any = None) -> dict[str, Any]:
+    return dict(zip(FAULT_KEYS, (step, phase, layer, op, parameter, batch_index, sample_indices)))
+
+
+NAN = "nan_found"
+EXPECTED: dict[str, Expect] = {
+    # loss: log(1 - sigmoid(z)) = -inf for the two samples whose feature was in the wrong unit
+    "log_of_zero": Expect(NAN, 1, fault(12, "loss", None, "log", None, 12, [3, 11]), {"loss.nonfinite"}),
+    # 0/0 in a masked mean pool for the two all-padding sequences
+    "div_by_zero_layer": Expect(NAN, 1, fault(9, "forward", "pool", "divide", None, 9, [2, 5]),
+                                {"activation.nonfinite"}),
+    # forward finite; sqrt'(0) = inf for the duplicate pair. The parameter whose gradient first turns
+    # NaN is not pinned down (the contract's own example leaves it null).
+    "sqrt_at_zero": Expect(NAN, 1, fault(6, "backward", "head.distance", "sqrt_grad", ANY, 6, [3]),
+                           {"grad.nonfinite"}),
+    "exp_overflow": Expect(NAN, 1, fault(8, "forward", "head.softmax", "exp", None, 8, [1, 4]),
+                           {"activation.nonfinite"}),
+    "neg_fractional_pow": Expect(NAN, 1, fault(5, "forward", "features.compress", "pow", None, 5, [0, 4]),
+                                 {"activation.nonfinite"}),
+    # the forward log's -inf is discarded by where(); the first NaN that reaches training is log_grad's
+    # (only features.logfeat.scale gets a NaN gradient, if the probe names a parameter)
+    "masked_where_grad": Expect(NAN, 1, fault(7, "backward", "features.logfeat", "log_grad",
+                                              frozenset({None, "features.logfeat.scale"}), 7, [2, 6]),
+                                {"grad.nonfinite"}),
+    # the whole batch has no labelled token: no subset of samples is to blame
+    "empty_mask_mean": Expect(NAN, 1, fault(4, "loss", None, "divide", None, 4, None), {"loss.nonfinite"}),
+    # weights diverge: every sample overflows, so which samples is not asserted
+    "lr_divergence": Expect(NAN, 1, fault(16, "forward", "out", "matmul", None, 16, ANY),
+                            {"activation.nonfinite", "grad.explosion"}, before_fault={"grad.explosion"}),
+    "exploding_rnn": Expect(NAN, 1, fault(14, "forward", "rnn", "rnn_intermediate", None, 14, ANY),
+                            {"activation.nonfinite", "grad.explosion"}, before_fault={"grad.explosion"}),
+    "bad_init_overflow": Expect(NAN, 1, fault(0, "forward", "rate", "exp", None, 0, [5]),
+                                {"activation.nonfinite"}, allowed={"param.init_scale"}),
+    # Adam with epsilon 0: 0/0 in the update of the weight row fed by an always-zero input channel
+    "nonfinite_update": Expect(NAN, 1, fault(0, "optimizer", ANY, frozenset({"adam_", "adam"}),
+                                             "encoder.0.weight", 0, ANY),
+                               {"update.nonfinite"},
+                               where={"update.nonfinite": {"parameter": "encoder.0.weight"}}),
+    "nan_parameter": Expect(NAN, 1, fault(None, "params", ANY, None, "encoder.norm.weight", None, None),
+                            {"param.nonfinite"},
+                            where={"param.nonfinite": {"parameter": "encoder.norm.weight"}}),
+    "crash_in_user_code": Expect("crashed", 1, fault(6, "forward", "encoder", None, None, 6, ANY),
+                                 {"user_code.error"}),
+    "fp16_overflow_risk": Expect("at_risk", 0, None, {"precision.fp16_overflow"}, info={"amp.inactive"},
+                                 where={"precision.fp16_overflow": {"layer": "spectrum.energy"}}),
+    # the CPU crash in cross_entropy, translated; the raw user_code.error may come along
+    "label_crash": Expect("crashed", 1, fault(3, frozenset({"data", "loss"}), ANY, ANY, None, 3, [5]),
+                          {"data.label_range"}, allowed={"user_code.error"}),
+}
+# healthy_mlp and healthy_cnn are the scan helper's; they have no probe defaults, hence the step count
+HEALTHY_STEPS = {"healthy_rnn": None, "healthy_transformer": None, "healthy_mlp": 30, "healthy_cnn": 30}
+HEALTHY = sorted(n for n in HEALTHY_STEPS if (SAMPLES / n / "config.yaml").is_file())
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory: pytest.TempPathFactory):
+    """probe(name) -> (exit status, JSON report); each sample is probed once per module."""
+    cache: dict[str, tuple[int, dict[str, Any]]] = {}
+    folder = tmp_path_factory.mktemp("probe_samples")
+
+    def run(name: str) -> tuple[int, dict[str, Any]]:
+        if name not in cache:
+            out = folder / f"{name}.json"
+            args = ["probe", str(SAMPLES / name / "config.yaml"), "--json", str(out)]
+            if HEALTHY_STEPS.get(name):
+                args += ["--steps", str(HEALTHY_STEPS[name])]
+            result = CliRunner().invoke(app, args)
+            assert out.is_file(), f"no JSON report written (exit {result.exit_code}):\n{result.output}"
+            cache[name] = (result.exit_code, json.loads(out.read_text(encoding="utf-8")))
+        return cache[name]
+
+    return run
+
+
+def _matches(actual: Any, expected: Any) -> bool:
+    if expected is ANY:
+        return True
+    if isinstance(expected, frozenset):
+        return actual in expected
+    return actual == expected
+
+
+def test_every_sample_folder_has_an_expectation():
+    """A new probe sample without a row here would go untested; scan samples live in test_scan_samples."""
+    from test_scan_samples import EXPECTED as SCAN_EXPECTED
+
+    folders = {p.parent.name for p in SAMPLES.glob("*/config.yaml")}
+    untested = folders - set(EXPECTED) - set(HEALTHY) - set(SCAN_EXPECTED) - {"healthy_mlp", "healthy_cnn"}
+    assert not untested, f"sample configs with no expectation: {sorted(untested)}"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_first_fault(name, probe):
+    exp = EXPECTED[name]
+    _, report = probe(name)
+    ff = report["first_fault"]
+    if exp.fault is None:
+        assert ff is None, ff
+        return
+    assert ff is not None, f"no first_fault; findings: {[f['code'] for f in report['findings']]}"
+    wrong = {k: (ff.get(k), v) for k, v in exp.fault.items() if not _matches(ff.get(k), v)}
+    assert not wrong, f"first_fault fields (got, expected): {wrong}; first_fault = {ff}"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_verdict_exit_status_and_codes(name, probe):
+    exp = EXPECTED[name]
+    status, report = probe(name)
+    assert report["command"] == "probe"
+    serious = {f["code"] for f in report["findings"] if f["severity"] in ("error", "warning")}
+    info = {f["code"] for f in report["findings"] if f["severity"] == "info"}
+    assert exp.codes <= serious, f"missing {exp.codes - serious}; got {sorted(serious)}"
+    assert serious <= exp.codes | exp.allowed, f"unexpected {serious - exp.codes - exp.allowed}"
+    assert exp.info <= info, f"missing info {exp.info - info}; got {sorted(info)}"
+    assert (report["verdict"], status) == (exp.verdict, exp.exit_code)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_findings_say_where_and_what_to_do(name, probe):
+    """The fault's finding carries the first_fault location; every finding has a message and advice."""
+    exp = EXPECTED[name]
+    _, report = probe(name)
+    for f in report["findings"]:
+        if f["severity"] in ("error", "warning"):
+            assert f["message"] and f["advice"], f
+    for code, fields in exp.where.items():
+        locs = [f["location"] for f in report["findings"] if f["code"] == code]
+        assert any(all(_matches(loc.get(k), v) for k, v in fields.items()) for loc in locs), (code, locs)
+    ff = report["first_fault"]
+    if ff is not None and ff["phase"] not in ("data",):
+        steps = {(f["location"]["step"], f["location"]["phase"]) for f in report["findings"]
+                 if f["severity"] == "error" and f["code"] in exp.codes}
+        assert (ff["step"], ff["phase"]) in steps, f"no error finding at the first fault {ff}: {steps}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in EXPECTED.items() if e.before_fault))
+def test_warning_comes_before_the_fault(name, probe):
+    _, report = probe(name)
+    fault_step = report["first_fault"]["step"]
+    for code in EXPECTED[name].before_fault:
+        steps = [f["location"]["step"] for f in report["findings"] if f["code"] == code]
+        assert any(s is not None and s < fault_step for s in steps), (code, steps, fault_step)
+
+
+@pytest.mark.parametrize("name", HEALTHY)
+def test_healthy_sample_is_clean(name, probe):
+    status, report = probe(name)
+    serious = [(f["code"], f["message"]) for f in report["findings"] if f["severity"] in ("error", "warning")]
+    assert serious == [] and report["first_fault"] is None
+    assert (report["verdict"], status) == ("healthy", 0)
+    assert len(report["timeline"]) >= 10  # it really trained
