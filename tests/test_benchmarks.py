@@ -1,0 +1,95 @@
+"""`benchmarks/run.py --quick` runs every row end to end and prints the one table; no timing is asserted.
+
+Also checks what makes the ratios fair: the plain loop trains exactly what nandoctor trains (same
+losses step for step), and the quick configs still point at the committed model code.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+from harness import workloads  # noqa: E402
+from harness.table import Row, render  # noqa: E402
+
+EXPECTED_ROWS = (
+    [("1", w) for w in workloads.TRAINING] + [("2", w) for w in workloads.TRAINING]
+    + [("3", "transformer"), ("4", "transformer"), ("5", "scan_data")]
+    + [("6", w) for w in workloads.TRAINING] + [("6", "scan_data")]
+)
+
+
+@pytest.fixture(scope="module")
+def quick_output() -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / "run.py"), "--quick"], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+
+
+def table_rows(stdout: str) -> list[list[str]]:
+    """The body rows of the printed table, split on runs of two or more spaces."""
+    import re
+
+    lines = stdout.splitlines()
+    rules = [i for i, ln in enumerate(lines) if ln.startswith("-----")]
+    assert len(rules) == 3, f"expected a table with header and body rules:\n{stdout}"
+    return [re.split(r"\s{2,}", ln.strip()) for ln in lines[rules[1] + 1:rules[2]]]
+
+
+def test_quick_prints_one_table_with_every_row_measured(quick_output: subprocess.CompletedProcess) -> None:
+    assert quick_output.returncode == 0, quick_output.stderr[-3000:]
+    out = quick_output.stdout
+    assert out.count("measure") == 1 and "target" in out and "result" in out
+    rows = table_rows(out)
+    assert [(r[0], r[2]) for r in rows] == EXPECTED_ROWS
+    for r in rows:
+        # every row measured something and judged it (pass, MISS, or info for the anchor): none failed to run
+        assert r[6] in ("pass", "MISS", "info"), f"row not measured: {r}"
+        assert r[4].endswith("x") or r[4].endswith(" s"), r
+    assert "1 pair(s) per row" in out and "machine:" in out
+
+
+def test_probe_and_plain_loop_train_the_same_thing(tmp_path: Path) -> None:
+    """Same seed, model, data, loss and optimizer: the probe's loss timeline equals the plain loop's."""
+    from nandoctor.probe import ProbeOptions, run_probe
+    from nandoctor.spec import load_spec
+
+    w = workloads.load("deep_mlp", True, tmp_path)
+    report = run_probe(load_spec(w.config), ProbeOptions(steps=5, seed=0, device="cpu"))
+    assert report.verdict.value == "healthy"
+    out = tmp_path / "plain.json"
+    subprocess.run([sys.executable, str(w.plain), str(w.config), "--steps", "5", "--json", str(out)],
+                   check=True, capture_output=True, timeout=120)
+    import json
+
+    plain = json.loads(out.read_text())["loss"]
+    probe = [p.loss for p in report.timeline]
+    assert probe == pytest.approx(plain, rel=1e-5)
+
+
+def test_quick_configs_point_at_the_committed_code(tmp_path: Path) -> None:
+    for name in (*workloads.TRAINING, "scan_data"):
+        w = workloads.load(name, True, tmp_path)
+        raw = w.settings
+        for block in ("model", "data"):
+            file = Path(raw[block]["entry"].split(":")[0])
+            assert file.is_absolute() and file == workloads.ROOT / name / "model.py"
+        assert w.plain.is_file()
+    fault = workloads.load("transformer", True, tmp_path, fault=True).settings
+    assert fault["data"]["args"]["empty_sample_at"] == workloads.QUICK_FAULT["empty_sample_at"]
+
+
+def test_table_judges_targets_both_ways() -> None:
+    rows = [Row("1 whole process", "w", "s", 1.2, "x", "<= 1.10"),
+            Row("5 scan throughput", "w", "s", 0.9, "x", ">= 0.80"),
+            Row("4 localisation", "w", "s", None, "s", "<= 30", "why"),
+            Row("3 anchor", "w", "s", 18.0, "x", "")]
+    assert [r.status for r in rows] == ["MISS", "pass", "n/a", "info"]
+    text = render(rows, "head")
+    assert "1 pass, 1 miss, 1 not measured, 1 info" in text
