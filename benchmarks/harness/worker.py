@@ -66,7 +66,9 @@ def mode_steps(args: argparse.Namespace) -> dict[str, Any]:
         probe_steps = diffs(stamps)[args.warmup:]
         plain_steps = train(settings, plain.build_model, plain.build_loader, plain.loss_fn, args.steps, 0
                             )["step_seconds"][args.warmup + 1:]
-        pairs.append((statistics.median(probe_steps), statistics.median(plain_steps)))
+        # The mean, not the median: a probe that samples per-layer stats every k-th step must pay for
+        # those steps here, and a median would hide them.
+        pairs.append((statistics.fmean(probe_steps), statistics.fmean(plain_steps)))
     return {"probe_ms": [1000 * p for p, _ in pairs], "plain_ms": [1000 * q for _, q in pairs],
             "ratios": [p / q for p, q in pairs]}
 
