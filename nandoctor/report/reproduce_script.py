@@ -1,0 +1,352 @@
+"""reproduce.py: re-run the failing step of this nandoctor bundle and print where it first goes NaN/Inf.
+
+This file is copied verbatim into every bundle written by `nandoctor probe/scan --bundle DIR`. It needs
+only paddle, numpy and pyyaml, plus the files next to it: spec.yaml, code/ (the model's own .py files),
+state.pdparams (the parameters just before the failing step), batch.npz (the offending batch, one array
+per field), rng_state.pkl (when saved) and report.json (what nandoctor found, to compare against).
+
+    python reproduce.py            # from any folder
+
+For a training fault it rebuilds the model from code/ with spec.yaml's arguments, loads the state and
+the batch, restores the RNG state, and runs forward + loss + backward (and the optimizer step when the
+fault was there) with Paddle's tensor checker on, which stops at the first operator that outputs NaN
+or Inf. Forward hooks keep a stack of the layers being run, and gradient hooks on each layer's output
+track which layer the backward pass is in, so the fault is printed as op, phase and layer. For a data
+fault it re-checks the saved batch for NaN/Inf and prints the field and samples.
+
+Exit status: 1 when a fault reproduced, 0 when the step ran clean, 2 when the bundle cannot be replayed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import pickle
+import re
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+HERE = Path(__file__).resolve().parent
+FAULT_KEYS = ("op", "phase", "layer")
+
+
+class BundleError(Exception):
+    """The bundle is missing a file or names code that cannot be loaded."""
+
+
+def main() -> int:
+    warnings.filterwarnings("ignore", message=".*ccache.*")  # Paddle's import-time build-tool notice
+    try:
+        report = json.loads((HERE / "report.json").read_text(encoding="utf-8"))
+        spec = yaml.safe_load((HERE / "spec.yaml").read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        print(f"reproduce.py: cannot read the bundle in {HERE}: {exc}", file=sys.stderr)
+        return 2
+    expected = report.get("first_fault") or {}
+    if expected:
+        print("nandoctor reported: " + describe(expected))
+    batch = load_batch()
+    phase = expected.get("phase")
+    try:
+        if phase == "params":
+            found = check_state(expected)
+        elif report.get("command") == "scan" or phase == "data":
+            found = check_data(batch, spec, expected)
+        else:
+            found = replay_step(spec, batch, expected)
+    except BundleError as exc:
+        print(f"reproduce.py: {exc}", file=sys.stderr)
+        return 2
+    if found is None:
+        print("no fault: the step ran without NaN/Inf here (a different Paddle version or device can differ; "
+              "see environment.json).")
+        return 0
+    print("first fault: " + describe(found))
+    if expected:
+        same = all(found.get(k) == expected.get(k) for k in FAULT_KEYS if expected.get(k) is not None)
+        print("matches the report: " + ("yes" if same else "no (see the report above)"))
+    return 1
+
+
+def describe(fault: dict[str, Any]) -> str:
+    """'op=sqrt_grad phase=backward layer=head.distance' plus whatever else is known."""
+    parts = [f"{k}={fault.get(k) if fault.get(k) is not None else '-'}" for k in FAULT_KEYS]
+    for key in ("parameter", "field", "batch_index", "sample_indices", "error"):
+        if fault.get(key) not in (None, []):
+            value = fault[key]
+            parts.append(f"{key.replace('batch_index', 'batch').replace('sample_indices', 'samples')}="
+                         f"{','.join(map(str, value)) if isinstance(value, list) else value}")
+    return " ".join(parts)
+
+
+# --- the data ----------------------------------------------------------------------------------------
+
+
+def load_batch() -> dict[str, np.ndarray] | None:
+    """The saved batch, fields in the loader's order; None when the bundle has none."""
+    file = HERE / "batch.npz"
+    if not file.is_file():
+        return None
+    with np.load(file, allow_pickle=False) as data:
+        return {name: data[name] for name in data.files}
+
+
+def check_data(batch: dict[str, np.ndarray] | None, spec: dict[str, Any], expected: dict[str, Any]
+               ) -> dict[str, Any] | None:
+    """The first field (in loader order) holding NaN/Inf, and the samples that hold it."""
+    if batch is None:
+        raise BundleError("this bundle holds no batch.npz, so there is no data to re-check.")
+    for name, array in batch.items():
+        if not np.issubdtype(array.dtype, np.floating) and not np.issubdtype(array.dtype, np.complexfloating):
+            continue
+        bad = ~np.isfinite(array)
+        if bad.any():
+            samples = np.nonzero(bad.reshape(len(array), -1).any(axis=1))[0].tolist() if array.ndim else []
+            return {"op": None, "phase": "data", "layer": None, "field": name,
+                    "batch_index": expected.get("batch_index"), "sample_indices": samples}
+    return None
+
+
+def check_state(expected: dict[str, Any]) -> dict[str, Any] | None:
+    """A parameter that is already NaN/Inf before training (phase params)."""
+    for name, value in load_state().items():
+        array = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+            return {"op": None, "phase": "params", "layer": None, "parameter": name}
+    return None
+
+
+def load_state() -> dict[str, Any]:
+    import paddle
+
+    file = HERE / "state.pdparams"
+    if not file.is_file():
+        return {}
+    return paddle.load(str(file))
+
+
+# --- the user's code ---------------------------------------------------------------------------------
+
+
+def load_entry(entry: str) -> Any:
+    """'model.py:build_model' from code/ (or 'pkg.module:func' from code/ or the installed packages)."""
+    target, _, attr = entry.rpartition(":")
+    code = HERE / "code"
+    if str(code) not in sys.path:
+        sys.path.insert(0, str(code))
+    try:
+        if target.endswith(".py"):
+            file = code / target
+            if not file.is_file():
+                raise BundleError(f"{entry!r}: {file} is not in the bundle (was it outside the spec's "
+                                  "folder?).")
+            module_spec = importlib.util.spec_from_file_location(f"bundle_{file.stem}", file)
+            assert module_spec is not None and module_spec.loader is not None
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_spec.name] = module
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except ImportError as exc:
+        raise BundleError(f"cannot import {entry!r}: {exc}. Install the package it needs.") from None
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def builtin_loss(name: str) -> Any:
+    """The four builtin losses, as nandoctor computes them (inlined: nandoctor need not be installed)."""
+    import paddle
+    import paddle.nn.functional as F
+
+    def cross_entropy(outputs: Any, label: Any) -> Any:
+        if label.dtype not in (paddle.int64, paddle.int32):
+            label = label.astype("int64")
+        if len(label.shape) == len(outputs.shape) - 1:
+            label = label.unsqueeze(-1)
+        return F.cross_entropy(outputs, label)
+
+    def like(outputs: Any, label: Any) -> Any:
+        return label.astype(outputs.dtype).reshape(outputs.shape)
+
+    return {"cross_entropy": cross_entropy,
+            "bce_with_logits": lambda o, y: F.binary_cross_entropy_with_logits(o, like(o, y)),
+            "mse": lambda o, y: F.mse_loss(o, like(o, y)),
+            "l1": lambda o, y: F.l1_loss(o, like(o, y))}[name]
+
+
+def build_optimizer(spec: dict[str, Any], model: Any) -> Any:
+    import paddle
+
+    opt = spec.get("optimizer") or {}
+    clip = None
+    for kind, cls in (("global_norm", paddle.nn.ClipGradByGlobalNorm), ("norm", paddle.nn.ClipGradByNorm),
+                      ("value", paddle.nn.ClipGradByValue)):
+        if kind in (opt.get("grad_clip") or {}):
+            clip = cls(opt["grad_clip"][kind])
+    cls = getattr(paddle.optimizer, opt.get("name", "Adam"))
+    return cls(parameters=model.parameters(), grad_clip=clip, **(opt.get("args") or {"learning_rate": 1e-3}))
+
+
+# --- the replay --------------------------------------------------------------------------------------
+
+
+class Tracker:
+    """Which layer runs: a stack in forward; in backward, the last layer whose output gradient arrived."""
+
+    def __init__(self, model: Any) -> None:
+        self.phase = "forward"
+        self.stack: list[str] = []
+        self.entered = 0  # layers entered so far: a `step` function that fails outside them is in its loss
+        self.backward_layer: str | None = None
+        self.claimed: dict[int, Any] = {}  # id -> tensor (kept alive so ids are not reused)
+        self.handles = []
+        for name, layer in model.named_sublayers():
+            self.handles.append(layer.register_forward_pre_hook(self._enter(name)))
+            self.handles.append(layer.register_forward_post_hook(self._leave(name)))
+
+    def _enter(self, name: str) -> Any:
+        def hook(layer: Any, inputs: Any) -> None:
+            self.stack.append(name)
+            self.entered += 1
+
+        return hook
+
+    def _leave(self, name: str) -> Any:
+        def hook(layer: Any, inputs: Any, outputs: Any) -> None:
+            if self.stack and self.stack[-1] == name:
+                self.stack.pop()
+            for out in outputs if isinstance(outputs, (tuple, list)) else [outputs]:
+                # The innermost layer that returned a tensor owns it (Head returning distance(...) as is).
+                if hasattr(out, "register_hook") and not out.stop_gradient and id(out) not in self.claimed:
+                    self.claimed[id(out)] = out
+                    out.register_hook(self._grad_arrived(name))
+
+        return hook
+
+    def _grad_arrived(self, name: str) -> Any:
+        def hook(grad: Any) -> None:
+            self.backward_layer = name  # the ops that run next are this layer's backward
+
+        return hook
+
+    def layer(self) -> str | None:
+        if self.phase == "forward":
+            return self.stack[-1] if self.stack else None
+        if self.phase == "backward":
+            return self.backward_layer
+        return None
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expected: dict[str, Any]
+                ) -> dict[str, Any] | None:
+    import paddle
+    from paddle.amp.debugging import DebugMode, TensorCheckerConfig
+
+    if batch is None:
+        raise BundleError("this bundle holds no batch.npz (the run captured no batch), so the step cannot be "
+                          "replayed.")
+    model_spec, data = spec.get("model") or {}, spec.get("data") or {}
+    model = load_entry(model_spec["entry"])(**(model_spec.get("args") or {}))
+    state = load_state()
+    if state:
+        model.set_state_dict(state)
+    model.train()
+    fields = {name: paddle.to_tensor(array) for name, array in batch.items()}
+    label_name = data.get("label") or ("label" if "label" in fields else None)
+    inputs = data.get("inputs") or [k for k in fields if k != label_name]
+    if spec.get("step"):
+        step_fn = load_entry(spec["step"]["entry"])
+    else:
+        loss_spec = spec.get("loss") or {}
+        builtin = loss_spec.get("builtin")
+        loss_fn = builtin_loss(builtin) if builtin else load_entry(loss_spec["entry"])
+    optimizer = build_optimizer(spec, model) if expected.get("phase") == "optimizer" else None
+
+    tracker = Tracker(model)
+    log = quiet_paddle()
+    # The checker reseeds Paddle when enabled, so the saved RNG state is restored after it.
+    paddle.amp.debugging.enable_tensor_checker(
+        TensorCheckerConfig(enable=True, debug_mode=DebugMode.CHECK_NAN_INF_AND_ABORT))
+    rng = HERE / "rng_state.pkl"
+    if rng.is_file():
+        paddle.set_rng_state(pickle.loads(rng.read_bytes()))
+    else:
+        print("note: no rng_state.pkl in the bundle; a model with dropout may replay with other masks")
+    try:
+        if spec.get("step"):
+            tracker.phase = "step"  # the user's step runs model and loss: the layer stack tells which
+            loss = step_fn(model, fields)
+        else:
+            outputs = model(*[fields[k] for k in inputs])
+            tracker.phase = "loss"
+            label = fields.get(label_name) if label_name else None
+            loss = loss_fn(outputs) if label is None else loss_fn(outputs, label)
+        tracker.phase = "loss"
+        if not bool(paddle.isfinite(loss).all()):
+            return {"op": None, "phase": "loss", "layer": None, "error": f"loss is {float(loss)}"}
+        tracker.phase = "backward"
+        loss.backward()
+        if optimizer is not None:
+            tracker.phase = "optimizer"
+            optimizer.step()
+        return None
+    except Exception as exc:  # noqa: BLE001 - the checker's abort, or the user's code raising
+        return fault_from(exc, tracker)
+    finally:
+        paddle.amp.debugging.disable_tensor_checker()
+        tracker.remove()
+        restore_output(log)
+
+
+def quiet_paddle() -> tuple[str, int, int]:
+    """Send Paddle's checker log (a Python stack per op, thousands of lines) to a file, not the terminal."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd, path = tempfile.mkstemp(prefix="nandoctor-reproduce-", suffix=".log")
+    saved = (os.dup(1), os.dup(2))
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return path, saved[0], saved[1]
+
+
+def restore_output(log: tuple[str, int, int]) -> None:
+    path, out, err = log
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.close(out)
+    os.close(err)
+    print(f"Paddle's checker log (the Python stack where each op was created): {path}")
+
+
+def fault_from(exc: Exception, tracker: Tracker) -> dict[str, Any]:
+    message = str(exc)
+    op = re.search(r"op=([\w.]+)", message)
+    phase = tracker.phase
+    if phase == "step":
+        phase = "forward" if tracker.stack or not tracker.entered else "loss"
+    layer = tracker.stack[-1] if phase == "forward" and tracker.stack else tracker.layer()
+    found: dict[str, Any] = {"op": op.group(1) if op else None, "phase": phase, "layer": layer}
+    if not (op and "NAN OR INF" in message.upper()):
+        found["error"] = f"{type(exc).__name__}: {message.strip().splitlines()[-1][:300] if message else ''}"
+    return found
+
+
+if __name__ == "__main__":
+    sys.exit(main())
