@@ -78,7 +78,9 @@ def main() -> int:
 
 def describe(fault: dict[str, Any]) -> str:
     """'op=sqrt_grad phase=backward layer=head.distance' plus whatever else is known."""
-    parts = [f"{k}={fault.get(k) if fault.get(k) is not None else '-'}" for k in FAULT_KEYS]
+    training = fault.get("phase") not in ("data", "params")  # op and layer mean nothing for a data fault
+    parts = [f"{k}={fault.get(k) if fault.get(k) is not None else '-'}" for k in FAULT_KEYS
+             if training or k == "phase"]
     for key in ("parameter", "field", "batch_index", "sample_indices", "error"):
         if fault.get(key) not in (None, []):
             value = fault[key]

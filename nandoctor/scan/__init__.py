@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from nandoctor import env
 from nandoctor.advice import advice_for
+from nandoctor.artifacts import capture
 from nandoctor.batches import BatchLayout, batch_size
 from nandoctor.entrypoints import call_user, user_import_path, user_origin
 from nandoctor.errors import UserCodeError
@@ -137,8 +138,16 @@ def _scan_loader(spec: Spec, layout: BatchLayout, make_loader: Callable[[], Any]
                         _infer_classes(spec, layout, model, uses_step, fields, index, scanner, report)
                     label = layout.label_name(fields)
                     scanner.add_batch(index, fields, label, layout.input_names(fields), n)
+                    if "batch" not in report.artifacts and _has_data_error(scanner, index):
+                        capture(report, fields, step=None, batch_index=index)  # for --bundle
             index += 1
             progress(index, total, "scanning data")
+
+
+def _has_data_error(scanner: DataScanner, index: int) -> bool:
+    """Batch `index` was the first to show NaN/Inf, a bad label or an over-long sequence in some field."""
+    return any(occ.first_batch == index for st in scanner.fields.values()
+               for occ in (st.nonfinite, st.bad_labels, *st.too_long.values()))
 
 
 def _infer_classes(spec: Spec, layout: BatchLayout, model: Any, uses_step: bool, fields: dict[str, Any],

@@ -1,0 +1,58 @@
+"""What scan and probe capture at a fault so a bundle can replay it: batch, model state, RNG state.
+
+Captured only when a fault is found (a copy of one batch and one state dict), so a healthy run pays
+nothing. Everything is copied to numpy at capture time: the user's loader may reuse its buffers and the
+model keeps training (or is torn down) after the capture. The result goes into `Report.artifacts`,
+which stays in memory and never enters the JSON; `report/bundle.py` writes it to disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from nandoctor.batches import to_numpy
+
+
+def batch_arrays(fields: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Each field as its own numpy copy; fields that are not arrays (strings, objects) are left out."""
+    out: dict[str, np.ndarray] = {}
+    for name, value in fields.items():
+        array = to_numpy(value)
+        if array is not None and array.dtype != object:
+            out[str(name)] = np.array(array, copy=True)
+    return out
+
+
+def model_state(model: Any) -> dict[str, np.ndarray]:
+    """{name: array} of `model.state_dict()` (parameters and buffers, the names users know)."""
+    return {name: np.array(value.numpy(), copy=True) for name, value in model.state_dict().items()}
+
+
+def rng_state() -> Any:
+    """Paddle's generator states (picklable); None if this Paddle cannot give them."""
+    try:
+        import paddle
+
+        return paddle.get_rng_state()
+    except Exception:  # noqa: BLE001 - an RNG state is a nicety for dropout; never fail a run over it
+        return None
+
+
+def capture(report: Any, fields: Mapping[str, Any], *, step: int | None, batch_index: int | None,
+            model: Any = None, rng: Any = None) -> None:
+    """Store the fault's material in `report.artifacts`, once: the first fault wins."""
+    if report.artifacts.get("batch") is not None:
+        return
+    report.artifacts["batch"] = batch_arrays(fields)
+    report.artifacts["step"] = step
+    report.artifacts["batch_index"] = batch_index
+    if model is not None:
+        try:
+            report.artifacts["model_state"] = model_state(model)
+        except Exception:  # noqa: BLE001 - a model whose state cannot be read still gets a bundle
+            pass
+    if rng is not None:
+        report.artifacts["rng_state"] = rng
