@@ -7,7 +7,6 @@ exit 2; no traceback for a mistake the user made.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -59,7 +58,7 @@ def scan(
 
     try:
         code = run_command("scan", config, _console(), json_path=json_path, markdown_path=markdown_path,
-                           bundle=bundle, force=force, quiet=quiet, batches=batches, argv=sys.argv)
+                           bundle=bundle, force=force, quiet=quiet, batches=batches)
     except NandoctorError as err:
         raise _fail(err) from None
     raise typer.Exit(code)
@@ -85,8 +84,7 @@ def probe(
 
     try:
         code = run_command("probe", config, _console(), json_path=json_path, markdown_path=markdown_path,
-                           bundle=bundle, force=force, quiet=quiet, steps=steps, seed=seed, device=device,
-                           argv=sys.argv)
+                           bundle=bundle, force=force, quiet=quiet, steps=steps, seed=seed, device=device)
     except NandoctorError as err:
         raise _fail(err) from None
     raise typer.Exit(code)

@@ -25,7 +25,7 @@ from nandoctor.spec import check_device, load_spec
 
 def run_command(command: str, config: Path, console: Console, *, json_path: Path | None = None,
                 markdown_path: Path | None = None, bundle: Path | None = None, force: bool = False,
-                quiet: bool = False, argv: list[str] | None = None, **options: Any) -> int:
+                quiet: bool = False, **options: Any) -> int:
     """Run `scan` or `probe` on a spec and write every output asked for; returns the exit status."""
     spec = load_spec(config)
     if options.get("device") is not None:  # a typo in --device should not wait for imports or a model build
@@ -41,21 +41,21 @@ def run_command(command: str, config: Path, console: Console, *, json_path: Path
         if command == "scan":
             from nandoctor.scan import ScanOptions, run_scan
 
-            report = run_scan(spec, ScanOptions(batches=options.get("batches")), on_progress)
+            batches = options.get("batches")
+            report = run_scan(spec, ScanOptions(batches=batches), on_progress)
+            flags = {"--batches": batches}
         else:
             from nandoctor.probe import ProbeOptions, run_probe
 
-            device = options.get("device")
-            if device is not None:
-                check_device(device, "--device")
             opts = ProbeOptions(
                 steps=options.get("steps") or spec.probe.steps,
                 seed=options["seed"] if options.get("seed") is not None else spec.probe.seed,
-                device=device or spec.probe.device,
+                device=options.get("device") or spec.probe.device,
             )
             report = run_probe(spec, opts, on_progress)
+            flags = {"--steps": opts.steps, "--seed": opts.seed, "--device": opts.device}
     report.run.setdefault("config", str(config))
-    report.run["command_line"] = reproduce_command(argv, command, config)
+    report.run["command_line"] = reproduce_command(command, config, flags)
     write_outputs(report, console, json_path=json_path, markdown_path=markdown_path, quiet=quiet)
     if bundle is not None:
         from nandoctor.report.bundle import write_bundle
@@ -134,11 +134,17 @@ def write_text(path: Path, text: str) -> None:
         raise OutputError(f"cannot write {path}: {exc.strerror or exc}.") from None
 
 
-def reproduce_command(argv: list[str] | None, command: str, config: Path) -> str:
-    """The command that reproduces this report, as the user typed it (minus output flags' noise)."""
-    if argv and len(argv) > 1:
-        return "nandoctor " + " ".join(shlex.quote(a) for a in argv[1:])
-    return f"nandoctor {command} {shlex.quote(str(config))}"
+def reproduce_command(command: str, config: Path, flags: dict[str, Any]) -> str:
+    """The command that reproduces this report, with every value that shaped the run spelled out.
+
+    Built from the resolved options rather than sys.argv, so defaults taken from the spec (steps, seed,
+    device) are pinned and output flags (--json, --bundle) are left out.
+    """
+    parts = ["nandoctor", command, shlex.quote(str(config))]
+    for flag, value in flags.items():
+        if value is not None:
+            parts += [flag, shlex.quote(str(value))]
+    return " ".join(parts)
 
 
 @contextlib.contextmanager
