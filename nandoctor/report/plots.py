@@ -158,10 +158,8 @@ def plot_activation_heatmap(report: Report, path: Path) -> bool:
             if mark_fp16:
                 hi = max(hi, FP16_MAX * 2)  # keep 65504 on the colour bar, to read off the fp16 headroom
             lo = min(lo, hi / 10)
-            cmap = plt.get_cmap("viridis").copy()
-            cmap.set_over("crimson")  # NaN/Inf cells: beyond every finite value
-            cmap.set_under("white")
-            cmap.set_bad("lightgrey")  # missing
+            # NaN/Inf cells are drawn "over" every finite value (crimson); missing ones grey.
+            cmap = plt.get_cmap("viridis").with_extremes(over="crimson", under="white", bad="lightgrey")
             shown = np.where(np.isinf(data), hi * 10, data)
             shown = np.where(shown <= 0, lo / 10, shown)
             norm = LogNorm(vmin=lo, vmax=hi, clip=False)
