@@ -333,3 +333,24 @@ def test_probe_bundle_end_to_end_reproduces_the_reported_fault(tmp_path: Path):
     assert _first_fault_line(done.stdout) == (f"first fault: op={fault['op']} phase={fault['phase']} "
                                               f"layer={fault['layer']}")
     assert fault["op"] == "sqrt_grad" and fault["layer"] == "head.distance"
+
+
+def test_code_copy_follows_entries_and_skips_big_files(tmp_path: Path):
+    """Top-level .py files, a package named by a module entry, a sub-folder file entry; not a 2 MB file."""
+    (tmp_path / "nets").mkdir()
+    (tmp_path / "nets" / "__init__.py").write_text("")
+    (tmp_path / "nets" / "models.py").write_text(INTERRUPT_FILES["model.py"])
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "data.py").write_text(INTERRUPT_FILES["data.py"])
+    (tmp_path / "sub" / "unrelated.py").write_text("")
+    (tmp_path / "helpers.py").write_text("")
+    (tmp_path / "table.py").write_text("T = [" + "0, " * 700_000 + "]\n")
+    config = tmp_path / "config.yaml"
+    config.write_text(INTERRUPT_FILES["config.yaml"].replace("model.py:build_model", "nets.models:build_model")
+                      .replace("data.py:build_loader", "sub/data.py:build_loader").replace("stop_at: 3", "stop_at: 9"))
+    out = tmp_path / "out" / "b"
+    result = _cli("scan", str(config), "--bundle", str(out), "--quiet")
+    assert result.exit_code == 1, result.output
+    copied = sorted(str(p.relative_to(out / "code")) for p in (out / "code").rglob("*.py"))
+    assert copied == ["helpers.py", "nets/__init__.py", "nets/models.py", "sub/data.py"]
+    assert "code/table.py not copied" in (out / "README.txt").read_text()

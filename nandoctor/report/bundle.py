@@ -188,7 +188,7 @@ def _copy_code(spec: Spec, dest: Path) -> list[str]:
 
 
 def _entry_files(spec: Spec) -> list[Path]:
-    """Files under the spec folder named by model/data/loss/step entries ("sub/models.py:build")."""
+    """Files under the spec folder that model/data/loss/step entries name ("sub/models.py:build", "pkg.mod:f")."""
     base = spec.base_dir.resolve()
     entries = [spec.model.entry, spec.data.entry]
     if spec.loss is not None and spec.loss.entry:
@@ -199,6 +199,10 @@ def _entry_files(spec: Spec) -> list[Path]:
     for entry in entries:
         target = entry.rsplit(":", 1)[0]
         if not target.endswith(".py"):
+            # "pkg.module:func" with pkg a package folder next to the spec: the whole package comes along
+            package = base / target.split(".")[0]
+            if (package / "__init__.py").is_file():
+                out += sorted(p.resolve() for p in package.rglob("*.py") if "__pycache__" not in p.parts)
             continue
         file = (base / target).resolve()
         if file.is_file() and file.is_relative_to(base):
