@@ -19,6 +19,7 @@ Exit status: 1 when a fault reproduced, 0 when the step ran clean, 2 when the bu
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -28,6 +29,7 @@ import re
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +212,7 @@ class Tracker:
         self.stack: list[str] = []
         self.entered = 0  # layers entered so far: a `step` function that fails outside them is in its loss
         self.backward_layer: str | None = None
+        self.nonfinite_layer: str | None = None  # the first layer whose forward output was NaN/Inf
         self.claimed: dict[int, Any] = {}  # id -> tensor (kept alive so ids are not reused)
         self.handles = []
         for name, layer in model.named_sublayers():
@@ -228,6 +231,8 @@ class Tracker:
             if self.stack and self.stack[-1] == name:
                 self.stack.pop()
             for out in outputs if isinstance(outputs, (tuple, list)) else [outputs]:
+                if self.nonfinite_layer is None and _nonfinite(out):
+                    self.nonfinite_layer = name  # post-hooks run innermost first: the layer that made it
                 # The innermost layer that returned a tensor owns it (Head returning distance(...) as is).
                 if hasattr(out, "register_hook") and not out.stop_gradient and id(out) not in self.claimed:
                     self.claimed[id(out)] = out
@@ -241,6 +246,9 @@ class Tracker:
 
         return hook
 
+    def reset(self) -> None:
+        self.phase, self.stack, self.entered, self.backward_layer = "forward", [], 0, None
+
     def layer(self) -> str | None:
         if self.phase == "forward":
             return self.stack[-1] if self.stack else None
@@ -253,10 +261,17 @@ class Tracker:
             handle.remove()
 
 
+def _nonfinite(tensor: Any) -> bool:
+    import paddle
+
+    if not isinstance(tensor, paddle.Tensor) or not tensor.is_floating_point() or tensor.size == 0:
+        return False
+    return not bool(paddle.isfinite(tensor).all())
+
+
 def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expected: dict[str, Any]
                 ) -> dict[str, Any] | None:
     import paddle
-    from paddle.amp.debugging import DebugMode, TensorCheckerConfig
 
     if batch is None:
         raise BundleError("this bundle holds no batch.npz (the run captured no batch), so the step cannot be "
@@ -278,40 +293,85 @@ def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expec
         loss_fn = builtin_loss(builtin) if builtin else load_entry(loss_spec["entry"])
     optimizer = build_optimizer(spec, model) if expected.get("phase") == "optimizer" else None
 
-    tracker = Tracker(model)
-    log = quiet_paddle()
-    # The checker reseeds Paddle when enabled, so the saved RNG state is restored after it.
-    paddle.amp.debugging.enable_tensor_checker(
-        TensorCheckerConfig(enable=True, debug_mode=DebugMode.CHECK_NAN_INF_AND_ABORT))
-    rng = HERE / "rng_state.pkl"
-    if rng.is_file():
-        paddle.set_rng_state(pickle.loads(rng.read_bytes()))
-    else:
-        print("note: no rng_state.pkl in the bundle; a model with dropout may replay with other masks")
-    try:
+    def forward_and_loss() -> Any:
         if spec.get("step"):
             tracker.phase = "step"  # the user's step runs model and loss: the layer stack tells which
             loss = step_fn(model, fields)
         else:
+            tracker.phase = "forward"
             outputs = model(*[fields[k] for k in inputs])
             tracker.phase = "loss"
             label = fields.get(label_name) if label_name else None
             loss = loss_fn(outputs) if label is None else loss_fn(outputs, label)
         tracker.phase = "loss"
-        if not bool(paddle.isfinite(loss).all()):
-            return {"op": None, "phase": "loss", "layer": None, "error": f"loss is {float(loss)}"}
-        tracker.phase = "backward"
-        loss.backward()
-        if optimizer is not None:
-            tracker.phase = "optimizer"
-            optimizer.step()
+        return loss
+
+    rng = load_rng()
+    if rng is None:
+        print("note: no rng_state.pkl in the bundle; a model with dropout may replay with other masks")
+    tracker = Tracker(model)
+    log = quiet_paddle()
+    try:
+        # Pass 1, checker off: which phase first turns non-finite. The checker alone would also stop at
+        # an Inf that a where() or a mask throws away, which never reaches training.
+        set_rng(rng)
+        try:
+            loss = forward_and_loss()
+        except Exception as exc:  # noqa: BLE001 - the user's code raised: that is the fault
+            return fault_from(exc, tracker)
+        bad_layer = tracker.nonfinite_layer
+        if bad_layer is not None or not bool(paddle.isfinite(loss).all()):
+            # Pass 2: the same forward and loss from the same state and RNG, checker on, names the op.
+            if state:
+                model.set_state_dict(state)
+            tracker.reset()
+            with tensor_checker(rng):
+                try:
+                    forward_and_loss()
+                except Exception as exc:  # noqa: BLE001 - the checker's abort
+                    return fault_from(exc, tracker)
+            return {"op": None, "phase": "forward" if bad_layer else "loss", "layer": bad_layer}
+        # Forward and loss are finite: only the backward pass (and the update) run under the checker.
+        with tensor_checker(None):
+            try:
+                tracker.phase = "backward"
+                loss.backward()
+                if optimizer is not None:
+                    tracker.phase = "optimizer"
+                    optimizer.step()
+            except Exception as exc:  # noqa: BLE001 - the checker's abort, or the user's code raising
+                return fault_from(exc, tracker)
         return None
-    except Exception as exc:  # noqa: BLE001 - the checker's abort, or the user's code raising
-        return fault_from(exc, tracker)
     finally:
-        paddle.amp.debugging.disable_tensor_checker()
         tracker.remove()
         restore_output(log)
+
+
+def load_rng() -> Any:
+    file = HERE / "rng_state.pkl"
+    return pickle.loads(file.read_bytes()) if file.is_file() else None
+
+
+def set_rng(rng: Any) -> None:
+    import paddle
+
+    if rng is not None:
+        paddle.set_rng_state(rng)
+
+
+@contextlib.contextmanager
+def tensor_checker(rng: Any) -> Iterator[None]:
+    """Paddle's tensor checker, aborting at the first op that outputs NaN/Inf; off again afterwards."""
+    import paddle
+    from paddle.amp.debugging import DebugMode, TensorCheckerConfig
+
+    paddle.amp.debugging.enable_tensor_checker(
+        TensorCheckerConfig(enable=True, debug_mode=DebugMode.CHECK_NAN_INF_AND_ABORT))
+    set_rng(rng)  # enabling the checker reseeds Paddle, so the saved state goes back after it
+    try:
+        yield
+    finally:
+        paddle.amp.debugging.disable_tensor_checker()
 
 
 def quiet_paddle() -> tuple[str, int, int]:
