@@ -136,6 +136,33 @@ def test_reproduce_prints_the_reported_first_fault(sqrt_bundle: Path, tmp_path: 
     assert "matches the report: yes" in result.stdout
 
 
+# Each of these faults comes from the data, so the sample's fresh model at the bad batch shows it too.
+FRESH_STATE_FAULTS = {
+    # forward finite (where() drops the log's -inf); the first NaN that reaches training is log_grad's
+    "masked_where_grad": (7, "first fault: op=log_grad phase=backward layer=features.logfeat"),
+    "div_by_zero_layer": (9, "first fault: op=divide phase=forward layer=pool"),
+    "empty_mask_mean": (4, "first fault: op=divide phase=loss layer=-"),
+    "neg_fractional_pow": (5, "first fault: op=pow phase=forward layer=features.compress"),
+}
+
+
+@pytest.mark.parametrize("sample", sorted(FRESH_STATE_FAULTS))
+def test_reproduce_names_phase_op_and_layer(sample: str, tmp_path: Path):
+    from nandoctor.workload import build_workload
+
+    batch_index, expected = FRESH_STATE_FAULTS[sample]
+    spec = load_spec(SAMPLES / sample / "config.yaml")
+    workload = build_workload(spec)
+    fields = workload.layout.fields(list(workload.make_loader())[batch_index], batch_index)
+    report = Report(command="probe")
+    report.artifacts = {"batch": fields, "model_state": {k: v.numpy() for k, v in
+                                                         workload.model.state_dict().items()}}
+    write_bundle(report, spec, tmp_path / "b")
+    result = _reproduce(tmp_path / "b", tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert _first_fault_line(result.stdout) == expected
+
+
 def test_reproduce_exits_0_when_the_step_is_clean(tmp_path: Path):
     """The same bundle with the duplicate pair made distinct: nothing to reproduce, exit 0."""
     report, spec = _sqrt_report()
@@ -151,8 +178,8 @@ def test_reproduce_exits_0_when_the_step_is_clean(tmp_path: Path):
 def test_reproduce_needs_no_nandoctor(sqrt_bundle: Path):
     source = (sqrt_bundle / "reproduce.py").read_text()
     imports = re.findall(r"^\s*(?:from|import) ([\w.]+)", source, flags=re.M)
-    allowed = {"__future__", "importlib", "json", "os", "pickle", "re", "sys", "tempfile", "warnings",
-               "pathlib", "typing", "numpy", "yaml", "paddle"}
+    allowed = {"__future__", "collections", "contextlib", "importlib", "json", "os", "pickle", "re", "sys",
+               "tempfile", "warnings", "pathlib", "typing", "numpy", "yaml", "paddle"}
     assert {name.split(".")[0] for name in imports} <= allowed
 
 
