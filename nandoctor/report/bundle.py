@@ -114,7 +114,10 @@ def _fill(report: Report, spec: Spec, folder: Path) -> None:
     shutil.copyfile(spec.path, folder / "spec.yaml")
     notes += _copy_code(spec, folder / "code")
     shutil.copyfile(REPRODUCE_SOURCE, folder / "reproduce.py")
-    _write(folder / "README.txt", _readme(report, notes))
+    _write(folder / "README.txt", _readme(report, notes, folder))
+    with (folder / "report.md").open("a", encoding="utf-8") as md:
+        md.write("\n## In this bundle\n\n" + "\n".join(
+            f"- `{name}`: {what}" for name, what in _contents(folder)) + "\n")
 
 
 def _save_artifacts(report: Report, folder: Path) -> list[str]:
@@ -210,26 +213,35 @@ def _entry_files(spec: Spec) -> list[Path]:
     return out
 
 
-def _readme(report: Report, notes: list[str]) -> str:
+CONTENTS = (
+    ("reproduce.py", "re-runs the failing step with Paddle's tensor checker and prints the first fault "
+                     "(`python reproduce.py`; needs paddle, numpy, pyyaml; exit 1 when it reproduces, 0 when not)"),
+    ("report.md", "this report"),
+    ("report.json", "the same, machine-readable (`nandoctor report report.json` re-renders it)"),
+    ("batch.npz", "the offending batch, one array per field (`numpy.load`)"),
+    ("state.pdparams", "the model's parameters and buffers just before the failing step (`paddle.load`)"),
+    ("rng_state.pkl", "Paddle's RNG state before the step, so dropout masks match in the replay"),
+    ("spec.yaml", "the nandoctor spec as given"),
+    ("code", "the user's .py files the spec points at"),
+    ("command.txt", "the command that produced this report"),
+    ("environment.json", "versions of nandoctor, Paddle, Python and the device"),
+    ("plots", "loss and gradient norm per step; per-layer activation maxima"),
+)
+
+
+def _contents(folder: Path) -> list[tuple[str, str]]:
+    """The CONTENTS entries that exist in this bundle (a scan bundle has no state, say)."""
+    return [(name, what) for name, what in CONTENTS if (folder / name).exists() or name == "report.md"]
+
+
+def _readme(report: Report, notes: list[str], folder: Path) -> str:
     ff = report.first_fault
     lines = [f"nandoctor {report.command} bundle: verdict {report.verdict.value}"
              + (" (partial: the run was interrupted)" if report.partial else ""), ""]
     if ff is not None:
-        lines.append("First fault: " + ff.as_location().describe())
-        lines.append("")
-    lines += [
-        "report.md         the report (GitHub Markdown; paste into the ticket)",
-        "report.json       the same, machine-readable (nandoctor report report.json re-renders it)",
-        "reproduce.py      re-runs the failing step with Paddle's tensor checker: python reproduce.py",
-        "                  (needs paddle, numpy, pyyaml; exits 1 when the fault reproduces, 0 when not)",
-        "batch.npz         the offending batch, one array per field (numpy.load)",
-        "state.pdparams    the model's parameters just before the failing step (paddle.load)",
-        "rng_state.pkl     Paddle's RNG state before the step (so dropout masks match), when it was saved",
-        "spec.yaml, code/  the nandoctor spec and the user's .py files it points at",
-        "command.txt       the command that produced this report",
-        "environment.json  versions of nandoctor, Paddle, Python, the device",
-        "plots/            loss and gradient norm per step; per-layer activation maxima",
-    ]
+        lines += ["First fault: " + ff.as_location().describe(), ""]
+    lines += [f"{name + ('/' if (folder / name).is_dir() else ''):<17} {what.replace('`', '')}"
+              for name, what in _contents(folder)]
     if notes:
         lines += ["", "Not included:"] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
