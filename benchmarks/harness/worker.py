@@ -43,7 +43,8 @@ def probe_run(config: Path, steps: int) -> tuple[Any, list[float], float]:
     stamps: list[float] = []
 
     def progress(done: int, total: int | None, description: str) -> None:
-        if "step" in description:
+        # Only the per-step calls: a replay or localisation phase may report progress too.
+        if description == "probe step":
             stamps.append(time.perf_counter())
 
     spec = load_spec(config)
