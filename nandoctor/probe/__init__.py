@@ -1,1 +1,253 @@
-"""A short instrumented training run that detects cheaply and localises the first fault by replay."""
+"""A short instrumented training run that detects cheaply and localises the first fault by replay.
+
+`run_probe` owns the order of work: seed, build the workload and optimizer, check the parameters,
+run the loop (loop.py), and turn what stopped it into findings: a replay for a non-finite value
+(localize.py, samples.py), a translation for a crash (crash.py), warnings (warnings.py). The model's
+hooks, Paddle's tensor checker and the train/eval mode are always restored before returning.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from nandoctor import env
+from nandoctor.artifacts import capture
+from nandoctor.device import resolve_device, use_device
+from nandoctor.errors import UserCodeError
+from nandoctor.findings import Code, Finding, Phase, Report, TimelinePoint
+from nandoctor.probe import faults
+from nandoctor.probe.crash import CrashContext, crash_findings
+from nandoctor.probe.loop import LoopResult, ProbeLoop
+from nandoctor.probe.monitors import param_nonfinite
+from nandoctor.progress import ProgressFn, no_progress
+from nandoctor.spec import Spec
+from nandoctor.workload import build_optimizer, build_workload
+
+__all__ = ["ProbeOptions", "run_probe"]
+
+_MAX_ROWS = 64
+_MAX_COLS = 200
+
+
+@dataclass
+class ProbeOptions:
+    steps: int = 200
+    seed: int = 0
+    device: str = "auto"
+
+
+def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progress) -> Report:
+    """Train for up to `options.steps` steps and report the first fault; SpecError propagates (exit 2)."""
+    import paddle
+
+    device = resolve_device(options.device)
+    report = Report(command="probe", run={"steps": options.steps, "seed": options.seed, "device": device,
+                                          "amp": spec.amp.enabled})
+    report.environment = env.collect()
+    report.environment["device"] = device
+    use_device(device)
+    paddle.seed(options.seed)
+    np.random.seed(options.seed % 2**32)
+    random.seed(options.seed)
+    progress(0, options.steps, "building the model")
+    try:
+        workload = build_workload(spec)
+    except UserCodeError as err:
+        ctx = CrashContext(step=0, batch_index=None, epoch=0, phase=Phase.PARAMS, what=err.what)
+        found, loc = crash_findings(err.exc, ctx, spec.base_dir, None, {}, None, None, None)
+        report.findings += found
+        report.crashed = True
+        loc.step = None
+        faults.set_first(report, loc)
+        return report
+    model = workload.model
+    optimizer = build_optimizer(spec, model)
+    report.details["clip"] = _clip(spec)
+    fp16 = spec.amp.enabled and spec.amp.dtype == "float16"
+    if spec.amp.enabled:
+        report.run["amp_dtype"] = spec.amp.dtype
+        report.run["amp_level"] = spec.amp.level
+        if device == "cpu":
+            faults.amp_inactive(report, spec.amp.dtype)
+        else:
+            report.details["amp_note"] = ("the probe runs float32 on GPU too and judges float16 risk from float32 "
+                                          "magnitudes")
+    bad = param_nonfinite(model)
+    if bad:
+        faults.params_before_training(report, bad)
+        report.details["steps_run"] = 0
+        capture(report, {}, step=None, batch_index=None, model=model)
+        return report
+    from nandoctor.probe.warnings import WarningTracker
+
+    was_training = model.training
+    model.train()
+    loop = ProbeLoop(workload, optimizer, options.steps, progress, None)
+    try:
+        # The tracker needs the monitor's layer and parameter order; the loop builds the monitor.
+        loop.warn = _LazyTracker(lambda: WarningTracker(loop.monitor.layer_names, loop.monitor.param_names,
+                                                        fp16=fp16, amp=spec.amp.enabled,
+                                                        learning_rate=_lr(optimizer)))
+        res = loop.run()
+        _timeline(report, res)
+        _details(report, res, loop)
+        _handle_fault(report, res, workload, optimizer, loop)
+        report.findings += loop.warn.findings(res)
+        if res.interrupted:
+            faults.interrupted(report, res.steps_run)
+    except KeyboardInterrupt:
+        faults.interrupted(report, len(report.timeline))
+    finally:
+        loop.close()
+        _disable_checker()
+        if not was_training:
+            model.eval()
+    return report
+
+
+class _LazyTracker:
+    """Builds the WarningTracker on first use (after the loop made its monitor)."""
+
+    def __init__(self, make: Any) -> None:
+        self.make = make
+        self.tracker: Any = None
+
+    def update(self, record: Any) -> bool:
+        if self.tracker is None:
+            self.tracker = self.make()
+        return self.tracker.update(record)
+
+    def findings(self, res: LoopResult) -> list[Finding]:
+        if self.tracker is None:
+            return []
+        out = self.tracker.findings()
+        if res.fault is not None and res.fault.kind != "crash":
+            fault_step = res.fault.step
+            out = [f for f in out if f.code != Code.GRAD_EXPLOSION or (f.location.step or 0) < fault_step]
+        return out
+
+
+def _handle_fault(report: Report, res: LoopResult, workload: Any, optimizer: Any, loop: ProbeLoop) -> None:
+    fault = res.fault
+    if fault is None:
+        return
+    model = workload.model
+    if fault.kind == "data":
+        faults.data_fault(report, fault)
+        if fault.fields is not None:
+            capture(report, fault.fields, step=fault.step, batch_index=fault.batch_index, model=model)
+    elif fault.kind == "update":
+        faults.update_fault(report, fault, optimizer)
+    elif fault.kind == "crash":
+        exc = fault.exc
+        what = {Phase.DATA: f"data.entry {workload.spec.data.entry}",
+                Phase.FORWARD: "the model's forward pass or loss", Phase.BACKWARD: "loss.backward()",
+                Phase.OPTIMIZER: "optimizer.step()"}.get(fault.phase, "your code")
+        if isinstance(exc, UserCodeError):
+            what, exc = exc.what, exc.exc
+        ctx = CrashContext(step=fault.step, batch_index=fault.batch_index, epoch=fault.epoch,
+                           phase=fault.phase or Phase.FORWARD, what=what)
+        layer_ids = {id(layer): name for name, layer in model.named_sublayers()}
+        fields = fault.fields
+        label_name = workload.layout.label_name(fields) if fields is not None else None
+        found, loc = crash_findings(exc, ctx, workload.spec.base_dir, model, layer_ids, fields, label_name,
+                                    workload.spec.checks.label_bounds())
+        report.findings += found
+        report.crashed = True
+        faults.set_first(report, loc)
+        if fields is not None:
+            capture(report, fields, step=fault.step, batch_index=fault.batch_index, model=model)
+    else:
+        _localise(report, fault, workload)
+
+
+def _localise(report: Report, fault: Any, workload: Any) -> None:
+    import math
+
+    from nandoctor.probe.localize import localize
+    from nandoctor.probe.samples import find_samples
+
+    model = workload.model
+    st = fault.stats
+    capture(report, fault.fields, step=fault.step, batch_index=fault.batch_index, model=model, rng=fault.rng)
+    loc, replayer = localize(workload, fault.fields, fault.rng, math.isfinite(st.loss))
+    try:
+        bis = find_samples(replayer, fault.fields, loc.phase.value)
+    finally:
+        replayer.restore()
+    notes = list(bis.notes)
+    if any(isinstance(layer, (_bn_types())) for _, layer in model.named_sublayers()):
+        notes.append("the model has batch-norm layers, kept in train mode for the replays (the failing "
+                     "condition); subsets see different batch statistics")
+    report.details["bisection"] = {"evaluations": bis.evaluations, "capped": bis.capped}
+    faults.nonfinite_fault(report, fault, loc, bis.samples, notes)
+
+
+def _bn_types() -> tuple[type, ...]:
+    import paddle
+
+    return (paddle.nn.BatchNorm1D, paddle.nn.BatchNorm2D, paddle.nn.BatchNorm3D, paddle.nn.BatchNorm)
+
+
+def _timeline(report: Report, res: LoopResult) -> None:
+    report.timeline = [TimelinePoint(step=r.step, loss=r.loss, grad_norm=r.grad_norm, loss_scale=r.loss_scale,
+                                     skipped=r.skipped) for r in res.records]
+
+
+def _details(report: Report, res: LoopResult, loop: ProbeLoop) -> None:
+    mon = loop.monitor
+    report.details["steps_run"] = res.steps_run
+    report.details["epochs"] = res.epochs
+    report.run["steps_run"] = res.steps_run
+    if res.stats_every:
+        report.details["stats_every"] = res.stats_every[-1]
+    if mon is None:
+        return
+    act = [(r.step, r.act_max) for r in res.records if r.act_max is not None]
+    if act and mon.layer_names:
+        report.details["activation_max"] = _matrix(mon.layer_names, act, "layers")
+    grads = [(r.step, np.sqrt(r.grad_sq)) for r in res.records if r.grad_sq is not None]
+    if grads and mon.param_names:
+        report.details["grad_norms"] = _matrix(mon.param_names, grads, "parameters")
+
+
+def _matrix(names: list[str], cols: list[tuple[int, np.ndarray]], key: str) -> dict[str, Any]:
+    """{key: names, steps, values[row][col]}: at most ~200 steps (evenly, keeping the last) and 64 rows
+    (the largest by max value)."""
+    if len(cols) > _MAX_COLS:
+        keep = sorted(set(np.linspace(0, len(cols) - 1, _MAX_COLS).round().astype(int).tolist()))
+        cols = [cols[i] for i in keep]
+    mat = np.stack([c for _, c in cols], axis=1)  # rows x steps
+    rows = list(range(len(names)))
+    if len(rows) > _MAX_ROWS:
+        with np.errstate(all="ignore"):
+            score = np.nan_to_num(np.nanmax(np.where(np.isnan(mat), -np.inf, mat), axis=1), nan=-np.inf,
+                                  posinf=np.finfo("float64").max)
+        rows = sorted(np.argsort(-score, kind="stable")[:_MAX_ROWS].tolist())
+    values = [[None if np.isnan(v) else float(v) for v in mat[i]] for i in rows]
+    return {key: [names[i] for i in rows], "steps": [s for s, _ in cols], "values": values}
+
+
+def _clip(spec: Spec) -> float | None:
+    clip = spec.optimizer.grad_clip
+    return float(clip.value) if clip is not None and clip.kind in ("global_norm", "norm") else None
+
+
+def _lr(optimizer: Any) -> float | None:
+    try:
+        return float(optimizer.get_lr())
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _disable_checker() -> None:
+    try:
+        from paddle.amp import debugging
+
+        debugging.disable_tensor_checker()
+    except Exception:  # noqa: BLE001 - nothing to undo
+        pass

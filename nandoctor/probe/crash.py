@@ -1,0 +1,178 @@
+"""The user's code raised during the probe: where (step, phase, layer, file:line) and, for Paddle errors
+we know, what in the data caused it (a label beyond the classes, an id beyond an embedding table).
+
+The raw exception always becomes a `user_code.error`; a known Paddle error adds the data finding that
+says which batch and samples to fix, because "IndexError in cross_entropy.cc:65" is not actionable at
+2 a.m. and "batch 3, sample 5 has label 5 but the model has 5 classes" is.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nandoctor.advice import advice_for
+from nandoctor.batches import to_numpy
+from nandoctor.entrypoints import user_origin
+from nandoctor.findings import Code, Finding, Location, Phase, Severity
+
+_LABEL_RE = re.compile(r"label value should less than|received label value as|Expected lbl < axis_dim", re.I)
+_EMBED_RE = re.compile(r"OP\(embedding\)|Expected ids\[i\] < row_number|lookup_table", re.I)
+
+
+@dataclass
+class CrashContext:
+    """What the loop knows when the user's code raises."""
+
+    step: int
+    batch_index: int | None
+    epoch: int
+    phase: Phase  # where the loop was: data, forward (model+loss), backward, optimizer
+    what: str  # "the model's forward pass and loss", "data.entry ...", ...
+
+
+def innermost_layer(exc: BaseException, layer_ids: dict[int, str]) -> str | None:
+    """The dotted name of the deepest model sublayer whose method is on the traceback, via `self`."""
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if obj is not None and id(obj) in layer_ids:
+            found = layer_ids[id(obj)]
+        tb = tb.tb_next
+    return found
+
+
+def crash_findings(exc: BaseException, ctx: CrashContext, base_dir: Path, model: Any, layer_ids: dict[int, str],
+                   fields: dict[str, Any] | None, label_name: str | None,
+                   label_bounds: tuple[float, float] | None) -> tuple[list[Finding], Location]:
+    """The findings for one exception and the location that becomes first_fault."""
+    layer = innermost_layer(exc, layer_ids) if model is not None else None
+    phase = ctx.phase
+    if phase == Phase.FORWARD and layer is None:
+        phase = Phase.LOSS  # raised outside every model layer: the loss function or the user's step code
+    origin = user_origin(exc, base_dir)
+    loc = Location(step=ctx.step, phase=phase, layer=layer, batch_index=ctx.batch_index)
+    findings: list[Finding] = []
+    text = str(exc)
+    if fields is not None and _LABEL_RE.search(text):
+        translated = _label_range(exc, ctx, loc, fields, label_name, label_bounds)
+        if translated is not None:
+            findings.append(translated)
+            loc = translated.location
+    elif fields is not None and _EMBED_RE.search(text) and model is not None:
+        translated = _embedding(exc, ctx, loc, fields, model, layer)
+        if translated is not None:
+            findings.append(translated)
+            loc = translated.location
+    where = f" at {origin}" if origin else ""
+    in_layer = f" inside layer {layer}" if layer else ""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
+    findings.append(Finding(
+        Code.USER_CODE_ERROR, Severity.ERROR,
+        f"{ctx.what} raised {type(exc).__name__}{where}{in_layer} at step {ctx.step}"
+        f"{_batch_text(ctx)}: {_first_line(text)}. Training stopped there; open "
+        f"{origin or 'the traceback in the evidence'} and fix it.",
+        Location(step=ctx.step, phase=phase, layer=layer, batch_index=ctx.batch_index),
+        {"exception": type(exc).__name__, "error": text[:2000], "origin": origin, "what": ctx.what,
+         "epoch": ctx.epoch, "traceback": tb.splitlines()[-40:]},
+        advice_for(Code.USER_CODE_ERROR.value)))
+    return findings, loc
+
+
+def _batch_text(ctx: CrashContext) -> str:
+    if ctx.batch_index is None:
+        return ""
+    return f" (batch {ctx.batch_index} of epoch {ctx.epoch})"
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else "(no message)"
+    return line[:300]
+
+
+def _label_range(exc: BaseException, ctx: CrashContext, loc: Location, fields: dict[str, Any],
+                 label_name: str | None, bounds: tuple[float, float] | None) -> Finding | None:
+    """cross_entropy's OutOfRange -> which samples hold which labels, against how many classes."""
+    if label_name is None or label_name not in fields:
+        return None
+    labels = to_numpy(fields[label_name])
+    if labels is None:
+        return None
+    flat = labels.reshape(labels.shape[0], -1) if labels.ndim > 0 else labels.reshape(1, 1)
+    m = re.search(r"axis dimension is (\d+)|axis_dim_:(\d+)", str(exc))
+    source = "the checks in the spec"
+    if bounds is None and m:
+        n = int(m.group(1) or m.group(2))
+        bounds = (0, n - 1)
+        source = f"the width of the model's output ({n})"
+    if bounds is None:
+        return None
+    low, high = bounds
+    bad = ((flat < low) | (flat > high)) & (flat != -100)
+    rows = sorted(int(i) for i in np.where(bad.any(axis=1))[0])
+    if not rows:
+        return None
+    values = sorted({int(v) for v in flat[bad].tolist()})[:10]
+    loc = Location(step=ctx.step, phase=Phase.DATA, layer=None, batch_index=ctx.batch_index,
+                   sample_indices=rows, field=label_name)
+    return Finding(
+        Code.DATA_LABEL_RANGE, Severity.ERROR,
+        f"Batch {ctx.batch_index} (step {ctx.step}) has label(s) {values} in field '{label_name}' at sample(s) "
+        f"{rows[:20]}, outside [{int(low)}, {int(high)}] ({source}); cross_entropy raised on them. Fix the label "
+        f"mapping or size the model's head for {int(max(values)) + 1} classes.",
+        loc, {"bad_labels": values, "bounds": [low, high], "bounds_from": source, "epoch": ctx.epoch},
+        advice_for(Code.DATA_LABEL_RANGE.value))
+
+
+def _embedding(exc: BaseException, ctx: CrashContext, loc: Location, fields: dict[str, Any], model: Any,
+               layer: str | None) -> Finding | None:
+    """An id beyond an nn.Embedding table: a position table means too long a sequence, else an id range."""
+    import paddle
+
+    target = None
+    if layer is not None:
+        sub = dict(model.named_sublayers()).get(layer)
+        if isinstance(sub, paddle.nn.Embedding):
+            target = (layer, sub)
+    if target is None:
+        return None
+    name, emb = target
+    rows_in_table = int(emb.weight.shape[0])
+    m = re.search(r"ids\[i\]:(-?\d+)", str(exc)) or re.search(r"but got (-?\d+)", str(exc))
+    got = int(m.group(1)) if m else None
+    is_position = "pos" in name.lower()
+    code = Code.DATA_SEQ_LEN if is_position else Code.DATA_RANGE
+    samples, field = _rows_beyond(fields, rows_in_table) if not is_position else (None, None)
+    if is_position:
+        lengths = [int(np.shape(to_numpy(v))[1]) for v in fields.values()
+                   if to_numpy(v) is not None and to_numpy(v).ndim >= 2]
+        seq = max(lengths) if lengths else got
+        message = (f"Batch {ctx.batch_index} (step {ctx.step}) holds sequences of length {seq}, but the position "
+                   f"table {name} has {rows_in_table} rows; the embedding lookup raised. Truncate to "
+                   f"{rows_in_table} tokens or enlarge {name}.")
+    else:
+        message = (f"Batch {ctx.batch_index} (step {ctx.step}) holds id {got} in field '{field}' at sample(s) "
+                   f"{(samples or [])[:20]}, but embedding {name} has {rows_in_table} rows (ids 0..{rows_in_table - 1})"
+                   "; the lookup raised. Fix the vocabulary/id mapping or enlarge the table.")
+    loc = Location(step=ctx.step, phase=Phase.DATA, layer=name, batch_index=ctx.batch_index, sample_indices=samples,
+                   field=field)
+    return Finding(code, Severity.ERROR, message, loc,
+                   {"table_rows": rows_in_table, "id": got, "epoch": ctx.epoch}, advice_for(code.value))
+
+
+def _rows_beyond(fields: dict[str, Any], rows: int) -> tuple[list[int] | None, str | None]:
+    """The first integer field holding ids >= rows (or < 0), and which samples hold them."""
+    for key, value in fields.items():
+        arr = to_numpy(value)
+        if arr is None or arr.dtype.kind not in "iu" or arr.ndim == 0:
+            continue
+        bad = ((arr >= rows) | (arr < 0)).reshape(arr.shape[0], -1).any(axis=1)
+        if bad.any():
+            return sorted(int(i) for i in np.where(bad)[0]), str(key)
+    return None, None

@@ -1,0 +1,123 @@
+"""A detected fault -> the report's findings and first_fault (data, params, forward/loss/backward, update).
+
+Kept apart from the loop so the wording of every message (what, where, what to do) is in one place;
+advice text itself comes from `nandoctor.advice`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nandoctor.advice import advice_for
+from nandoctor.findings import Code, Finding, FirstFault, Location, Phase, Report, Severity
+from nandoctor.probe.localize import Localization
+from nandoctor.probe.loop import Fault
+
+# Paddle optimizer class -> the in-place update op the tensor checker names (checked on 3.3.1: Adam's
+# update is `adam_`; the others follow the same `<name>_` pattern).
+_UPDATE_OPS = {"Adam": "adam_", "AdamW": "adamw_", "SGD": "sgd_", "Momentum": "momentum_", "Adagrad": "adagrad_",
+               "Adadelta": "adadelta_", "Adamax": "adamax_", "RMSProp": "rmsprop_", "Lamb": "lamb_",
+               "NAdam": "nadam_", "RAdam": "radam_", "ASGD": "asgd_", "Rprop": "rprop_"}
+
+
+def update_op(optimizer: Any) -> str:
+    name = type(optimizer).__name__
+    return _UPDATE_OPS.get(name, f"{name.lower()}_")
+
+
+def set_first(report: Report, loc: Location) -> None:
+    report.first_fault = FirstFault(step=loc.step, phase=loc.phase or Phase.FORWARD, layer=loc.layer, op=loc.op,
+                                    parameter=loc.parameter, batch_index=loc.batch_index,
+                                    sample_indices=loc.sample_indices)
+
+
+def params_before_training(report: Report, names: list[str]) -> None:
+    loc = Location(step=None, phase=Phase.PARAMS, parameter=names[0])
+    shown = ", ".join(names[:8]) + ("…" if len(names) > 8 else "")
+    report.findings.append(Finding(
+        Code.PARAM_NONFINITE, Severity.ERROR,
+        f"Parameter {names[0]} holds NaN/Inf before any training step ({len(names)} tensor(s) affected: {shown}). "
+        "The probe did not train: every step would be non-finite from the start.",
+        loc, {"parameters": names}, advice_for(Code.PARAM_NONFINITE.value)))
+    set_first(report, loc)
+
+
+def data_fault(report: Report, fault: Fault) -> None:
+    for i, (name, rows) in enumerate(fault.bad_fields.items()):
+        loc = Location(step=fault.step, phase=Phase.DATA, batch_index=fault.batch_index,
+                       sample_indices=rows or None, field=name)
+        shown = ", ".join(str(r) for r in rows[:10]) + ("…" if len(rows) > 10 else "")
+        report.findings.append(Finding(
+            Code.DATA_NONFINITE, Severity.ERROR,
+            f"Field '{name}' of batch {fault.batch_index} (step {fault.step}, epoch {fault.epoch}) holds NaN/Inf "
+            f"in sample(s) {shown}. The probe stopped before the model saw it.",
+            loc, {"epoch": fault.epoch, "rows": rows[:100]}, advice_for(Code.DATA_NONFINITE.value)))
+        if i == 0:
+            set_first(report, loc)
+
+
+def update_fault(report: Report, fault: Fault, optimizer: Any) -> None:
+    op = update_op(optimizer)
+    loc = Location(step=fault.step, phase=Phase.OPTIMIZER, op=op, parameter=fault.bad_params[0],
+                   batch_index=fault.batch_index)
+    shown = ", ".join(fault.bad_params[:8]) + ("…" if len(fault.bad_params) > 8 else "")
+    norm = f" (gradient norm {fault.grad_norm:.3g}, finite)" if fault.grad_norm is not None else ""
+    report.findings.append(Finding(
+        Code.UPDATE_NONFINITE, Severity.ERROR,
+        f"The {type(optimizer).__name__} update at step {fault.step}{norm} wrote NaN/Inf into {fault.bad_params[0]}"
+        f" ({len(fault.bad_params)} parameter(s): {shown}); the gradients were finite, so the optimizer's own "
+        "arithmetic did it.",
+        loc, {"parameters": fault.bad_params, "grad_norm": fault.grad_norm, "epoch": fault.epoch},
+        advice_for(Code.UPDATE_NONFINITE.value, op=op)))
+    set_first(report, loc)
+
+
+def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: list[int] | None,
+                    sample_notes: list[str]) -> None:
+    st = fault.stats
+    phase = loc_.phase
+    code = {Phase.FORWARD: Code.ACTIVATION_NONFINITE, Phase.LOSS: Code.LOSS_NONFINITE,
+            Phase.BACKWARD: Code.GRAD_NONFINITE}[phase]
+    loc = Location(step=fault.step, phase=phase, layer=loc_.layer, op=loc_.op, parameter=loc_.parameter,
+                   batch_index=fault.batch_index, sample_indices=samples)
+    where = f"in layer {loc_.layer}" if loc_.layer else "outside every model layer (the loss or step code)"
+    op = f" (op {loc_.op})" if loc_.op else ""
+    who = (f"sample(s) {', '.join(str(s) for s in samples[:10])} of batch {fault.batch_index}" if samples
+           else f"batch {fault.batch_index} as a whole (no subset of samples faults alone)")
+    if phase == Phase.BACKWARD:
+        par = f"; first non-finite parameter gradient: {loc_.parameter}" if loc_.parameter else ""
+        what = (f"A gradient became NaN/Inf in the backward pass at step {fault.step}, {where}{op}{par}, while the "
+                f"loss was finite ({st.loss:.4g}). Caused by {who}.")
+    elif phase == Phase.FORWARD:
+        what = f"Layer {loc_.layer}'s forward output became NaN/Inf at step {fault.step}{op}. Caused by {who}."
+    else:
+        what = (f"The loss became NaN/Inf at step {fault.step} {where}{op} while the model's outputs were finite. "
+                f"Caused by {who}.")
+    evidence: dict[str, Any] = {"epoch": fault.epoch, "loss": st.loss, "grad_norm": st.grad_norm}
+    if loc_.bad_parameters:
+        evidence["nonfinite_grad_parameters"] = loc_.bad_parameters[:50]
+    if loc_.offending:
+        evidence["offending_tensor"] = loc_.offending
+    notes = loc_.notes + sample_notes
+    if notes:
+        evidence["notes"] = notes
+    report.findings.append(Finding(code, Severity.ERROR, what, loc, evidence, advice_for(code.value, op=loc_.op)))
+    if loc_.offending:
+        report.details["offending_tensor"] = loc_.offending
+    set_first(report, loc)
+
+
+def interrupted(report: Report, steps_run: int) -> None:
+    report.partial = True
+    report.findings.append(Finding(
+        Code.RUN_INTERRUPTED, Severity.INFO,
+        f"The probe was interrupted (Ctrl-C) after {steps_run} step(s); the findings cover only those.",
+        Location(step=steps_run), {"steps_run": steps_run}, advice_for(Code.RUN_INTERRUPTED.value)))
+
+
+def amp_inactive(report: Report, dtype: str) -> None:
+    report.findings.append(Finding(
+        Code.AMP_INACTIVE, Severity.INFO,
+        f"amp is enabled ({dtype}) but the probe runs on CPU, where Paddle has no {dtype} kernels: the run was "
+        "float32 and float16 risk is judged from float32 magnitudes (65504 is float16's maximum).",
+        Location(), {"dtype": dtype}, advice_for(Code.AMP_INACTIVE.value)))

@@ -1,0 +1,241 @@
+"""The cheap every-step detector: per-layer activation maxima, per-parameter gradient norms, one host sync.
+
+`StepMonitor` owns the forward post-hooks (active only on sampled "stats" steps) and the reductions
+that turn a step into one float vector: [loss, parameter-sum of the previous update, data finiteness,
+per-parameter squared gradient norms, per-layer max |activation|]. All of it stays on the device until
+`read()` concatenates it and calls `.numpy()` once, before `optimizer.step()`.
+
+Why the fused path: a model of hundreds of tiny layers pays ~5 us of dispatch per Paddle op, so one
+reduction per parameter costs more than the 5% budget. Copying every gradient into one flat buffer
+(`coalesce_tensor`) and reducing it by segment (`segment_sum`) costs a fixed handful of ops whatever
+the parameter count; large models (where per-parameter ops are negligible) take the plain path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Above this many parameter elements, copying every gradient into one buffer costs more than it saves.
+_FUSED_MAX_NUMEL = 20_000_000
+
+
+@dataclass
+class StepStats:
+    """One step as the host sees it after the single sync."""
+
+    loss: float
+    grad_sq: np.ndarray | None  # per trainable parameter (NaN where it has no gradient this step)
+    grad_norm: float | None
+    params_sum: float | None  # sum of all parameters after the previous update (non-finite => bad update)
+    data_finite: dict[str, bool]
+    act_max: np.ndarray | None  # per hooked layer, NaN for layers that did not run this step
+
+    @property
+    def grads_finite(self) -> bool:
+        return self.grad_norm is None or bool(np.isfinite(self.grad_norm))
+
+
+@dataclass
+class StepMonitor:
+    """Hooks and reductions for one model; `close()` removes every hook (always call it, in finally)."""
+
+    model: Any
+    param_names: list[str] = field(default_factory=list)
+    params: list[Any] = field(default_factory=list)
+    layer_names: list[str] = field(default_factory=list)
+    active: bool = False
+    _hooks: list[Any] = field(default_factory=list)
+    _act_idx: list[int] = field(default_factory=list)
+    _act_val: list[Any] = field(default_factory=list)
+    _pending_params: Any = None
+    _fused_key: tuple[int, ...] | None = None
+    _seg_ids: Any = None
+    _fused_ok: bool = True
+
+    def __post_init__(self) -> None:
+        import paddle
+
+        for name, p in self.model.named_parameters():
+            if not p.stop_gradient:
+                self.param_names.append(name)
+                self.params.append(p)
+        numel = sum(int(np.prod(p.shape)) for p in self.params)
+        self._fused_ok = (numel <= _FUSED_MAX_NUMEL and len(self.params) > 0
+                          and all(p.dtype == paddle.float32 for p in self.params))
+        for i, (name, layer) in enumerate(self.model.named_sublayers()):
+            self.layer_names.append(name)
+            self._hooks.append(layer.register_forward_post_hook(self._make_hook(i)))
+
+    def _make_hook(self, index: int) -> Any:
+        # The closure keeps the per-call Python work to a flag test when stats are off, and to two
+        # appends when on: no name lookups, no dicts, nothing proportional to the model.
+        idx = self._act_idx
+        val = self._act_val
+
+        def hook(layer: Any, inputs: Any, outputs: Any) -> None:
+            if not self.active:
+                return None
+            t = _first_float_tensor(outputs)
+            if t is not None and t.size > 0:
+                idx.append(index)
+                val.append(t.detach().abs().max().astype("float32").reshape([1]))
+            return None
+
+        return hook
+
+    def begin_step(self, stats: bool) -> None:
+        self.active = stats
+        self._act_idx.clear()
+        self._act_val.clear()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.active = False
+
+    def after_update(self) -> None:
+        """Queue the parameters' sum for the next read: a NaN/Inf written by the update shows there."""
+        self._pending_params = self._params_sum()
+
+    def recheck_grads(self, stats: StepStats) -> bool:
+        """After a non-finite norm: are the gradients really non-finite, or did float32's square overflow
+        (norms above ~1.8e19)? Recomputes the norms in float64 on the host (rare path, one sync per
+        parameter); True when every gradient is finite, and then `stats` holds the exact norms."""
+        sq = np.full(len(self.params), np.nan)
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            g = np.asarray(p.grad.numpy(), dtype="float64")
+            if not np.isfinite(g).all():
+                return False
+            sq[i] = float(np.sum(g * g))
+        stats.grad_sq = sq
+        stats.grad_norm = float(np.sqrt(np.nansum(sq)))
+        return True
+
+    def read_pending_params(self) -> float | None:
+        """The last update's parameter sum, read on its own (after the final step: one extra sync)."""
+        if self._pending_params is None:
+            return None
+        value = float(self._pending_params.numpy()[0])
+        self._pending_params = None
+        return value
+
+    def _params_sum(self) -> Any:
+        import paddle
+        from paddle import _C_ops
+
+        if not self.params:
+            return None
+        if self._fused_ok:
+            _, fused = _C_ops.coalesce_tensor(self.params, paddle.float32, True, False, False, 0.0, False, -1, -1,
+                                              [], [])
+            return fused.sum().reshape([1])
+        return paddle.add_n([p.astype("float32").sum().reshape([1]) for p in self.params])
+
+    def _grad_sq(self) -> tuple[Any, list[int]]:
+        """Per-parameter squared gradient norms as one device tensor, and which parameters had a gradient."""
+        import paddle
+        from paddle import _C_ops
+
+        present = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if not present:
+            return None, present
+        grads = [self.params[i].grad for i in present]
+        if self._fused_ok and all(g.dtype == paddle.float32 for g in grads):
+            key = tuple(present)
+            if key != self._fused_key:
+                sizes = [int(np.prod(g.shape)) for g in grads]
+                self._seg_ids = paddle.to_tensor(np.repeat(np.arange(len(sizes), dtype="int32"), sizes))
+                self._fused_key = key
+            _, fused = _C_ops.coalesce_tensor(grads, paddle.float32, True, False, False, 0.0, False, -1, -1, [], [])
+            return paddle.geometric.segment_sum(fused * fused, self._seg_ids), present
+        return paddle.concat([_C_ops.squared_l2_norm(g.astype("float32")).reshape([1]) for g in grads]), present
+
+    def read(self, loss: Any, data_checks: dict[str, Any], with_grads: bool = True) -> StepStats:
+        """The one host sync of a step: everything queued so far, as numbers."""
+        import paddle
+
+        parts: list[Any] = [loss.detach().astype("float32").reshape([-1]).sum().reshape([1])]
+        has_params = self._pending_params is not None
+        if has_params:
+            parts.append(self._pending_params)
+        data_names = list(data_checks)
+        parts += [data_checks[k].astype("float32").reshape([1]) for k in data_names]
+        grad_sq, present = self._grad_sq() if with_grads else (None, [])
+        if grad_sq is not None:
+            parts.append(grad_sq)
+        acts = list(self._act_val)
+        act_idx = list(self._act_idx)
+        parts += acts
+        vec = paddle.concat(parts).numpy().astype("float64")
+        pos = 0
+        loss_v = float(vec[pos])
+        pos += 1
+        params_sum = None
+        if has_params:
+            params_sum = float(vec[pos])
+            pos += 1
+            self._pending_params = None
+        data_finite = {k: bool(vec[pos + i] > 0.5) for i, k in enumerate(data_names)}
+        pos += len(data_names)
+        g_full = None
+        g_norm = None
+        if grad_sq is not None:
+            g = vec[pos:pos + len(present)]
+            pos += len(present)
+            g_full = np.full(len(self.params), np.nan)
+            g_full[present] = g
+            g_norm = float(np.sqrt(g.sum()))
+        act_max = None
+        if self.active:
+            act_max = np.full(len(self.layer_names), np.nan)
+            if acts:
+                vals = vec[pos:pos + len(acts)]
+                np.fmax.at(act_max, np.asarray(act_idx), vals)
+                # fmax drops NaN; a NaN activation must still show as non-finite
+                bad = ~np.isfinite(vals)
+                if bad.any():
+                    act_max[np.asarray(act_idx)[bad]] = np.inf
+        return StepStats(loss_v, g_full, g_norm, params_sum, data_finite, act_max)
+
+
+def _first_float_tensor(outputs: Any) -> Any:
+    """The layer's main output: the tensor itself, or the first floating tensor of a tuple/list."""
+    import paddle
+
+    if isinstance(outputs, paddle.Tensor):
+        return outputs if outputs.dtype in _float_dtypes() else None
+    if isinstance(outputs, (tuple, list)):
+        for o in outputs:
+            if isinstance(o, paddle.Tensor) and o.dtype in _float_dtypes():
+                return o
+    return None
+
+
+_FLOATS: tuple[Any, ...] | None = None
+
+
+def _float_dtypes() -> tuple[Any, ...]:
+    global _FLOATS
+    if _FLOATS is None:
+        import paddle
+
+        _FLOATS = (paddle.float32, paddle.float16, paddle.bfloat16, paddle.float64)
+    return _FLOATS
+
+
+def param_nonfinite(model: Any) -> list[str]:
+    """Dotted names of parameters and buffers holding NaN/Inf, in registration order (one sync each; rare)."""
+    import paddle
+
+    bad = []
+    for name, t in model.state_dict().items():
+        if isinstance(t, paddle.Tensor) and t.dtype in _float_dtypes() and t.size > 0:
+            if not bool(paddle.isfinite(t).all()):
+                bad.append(name)
+    return bad

@@ -1,0 +1,99 @@
+"""Which samples of the failing batch cause the fault: bisection by replaying the failing phase on halves.
+
+A half that still faults on its own is split again; the leaves found are the minimal set. When no half
+faults alone (the fault needs the batch as a whole: an empty mask over the batch, weights that already
+diverged) or every sample does, no sample is to blame and the answer is None. Batch-norm layers stay in
+train mode (the failing condition), so a subset sees different batch statistics: the caller notes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nandoctor.batches import batch_size, subset
+
+MAX_EVALS = 64
+
+
+@dataclass
+class Bisection:
+    samples: list[int] | None
+    evaluations: int = 0
+    capped: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def find_samples(replayer: Any, fields: dict[str, Any], phase: str) -> Bisection:
+    """Bisect the batch. The test matches the fault: `backward` re-runs backward too (a non-finite loss or
+    gradient); `forward` looks for any non-finite layer output or loss; `loss` for a non-finite loss."""
+    import paddle
+
+    n = batch_size(fields)
+    if n is None or n < 1:
+        return Bisection(None, notes=["the batch has no common leading dimension to split"])
+    evals = 0
+
+    def faults(idx: list[int]) -> bool:
+        nonlocal evals
+        evals += 1
+        part = subset(fields, idx)
+        replayer.reset_rng()
+        try:
+            if phase == "forward":
+                loss, bad_layer, _ = replayer.forward_outputs(part, None)
+                return bad_layer is not None or not _finite(loss)
+            if phase == "backward":
+                loss = replayer.loss(part)
+                if not _finite(loss):
+                    return True
+                loss.backward()
+                grads = [p.grad for _, p in replayer.params if p.grad is not None]
+                bad = any(not bool(paddle.isfinite(g).all()) for g in grads)
+                return bad
+            with paddle.no_grad():
+                return not _finite(replayer.loss(part))
+        except Exception:  # noqa: BLE001 - a subset the user's code cannot take says nothing
+            return False
+        finally:
+            replayer.clear()
+
+    if n == 1:
+        return Bisection([0], 0)
+    found: list[int] = []
+    capped = False
+    stack = [list(range(n))]
+    while stack:
+        idx = stack.pop()
+        if len(idx) == 1:
+            found += idx
+            continue
+        if evals + 2 > MAX_EVALS:
+            capped = True
+            found += idx
+            continue
+        half = len(idx) // 2
+        left, right = idx[:half], idx[half:]
+        lf, rf = faults(left), faults(right)
+        if not lf and not rf:
+            found += idx  # needs both halves together: this set is the smallest we can name
+            continue
+        if rf:
+            stack.append(right)
+        if lf:
+            stack.append(left)
+    found = sorted(set(found))
+    out = Bisection(found, evals, capped)
+    if capped:
+        out.notes.append(f"bisection stopped after {MAX_EVALS} replays; the samples named may be more than needed")
+    if len(found) == n:
+        out.samples = None
+        out.notes.append("every sample faults, or none does alone: the batch as a whole (or the weights) is at "
+                         "fault, not particular samples")
+    return out
+
+
+def _finite(loss: Any) -> bool:
+    import paddle
+
+    return bool(paddle.isfinite(loss.detach()).all())
