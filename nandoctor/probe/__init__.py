@@ -167,12 +167,14 @@ def _handle_fault(report: Report, res: LoopResult, workload: Any, optimizer: Any
 
 def _localise(report: Report, fault: Any, workload: Any) -> None:
     import math
+    import time
 
     from nandoctor.probe.localize import localize
     from nandoctor.probe.samples import find_samples
 
     model = workload.model
     st = fault.stats
+    t0 = time.perf_counter()
     capture(report, fault.fields, step=fault.step, batch_index=fault.batch_index, model=model, rng=fault.rng)
     loc, replayer = localize(workload, fault.fields, fault.rng, math.isfinite(st.loss))
     try:
@@ -184,6 +186,7 @@ def _localise(report: Report, fault: Any, workload: Any) -> None:
         notes.append("the model has batch-norm layers, kept in train mode for the replays (the failing "
                      "condition); subsets see different batch statistics")
     report.details["bisection"] = {"evaluations": bis.evaluations, "capped": bis.capped}
+    report.details["localization_seconds"] = round(time.perf_counter() - t0, 3)
     faults.nonfinite_fault(report, fault, loc, bis.samples, notes)
 
 

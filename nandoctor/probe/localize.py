@@ -96,8 +96,7 @@ class Replayer:
         hooks = self._stack_hooks(stack)
         op = layer = text = None
         try:
-            debugging.enable_tensor_checker(debugging.TensorCheckerConfig(
-                enable=True, debug_mode=debugging.DebugMode.CHECK_NAN_INF_AND_ABORT))
+            _enable_checker()
             self.reset_rng()  # the checker reseeds: restore the step's RNG after enabling it
             try:
                 self.loss(fields)
@@ -172,8 +171,7 @@ class Replayer:
         loss = self.loss(fields)
         op = None
         try:
-            debugging.enable_tensor_checker(debugging.TensorCheckerConfig(
-                enable=True, debug_mode=debugging.DebugMode.CHECK_NAN_INF_AND_ABORT))
+            _enable_checker()
             try:
                 loss.backward()
             except Exception as exc:  # noqa: BLE001
@@ -252,6 +250,19 @@ class Replayer:
         layer_name = max(candidates)[2]
         g = bad_in_grad.get(layer_name)
         return layer_name, order, tensor_stats(g, f"gradient of the input of {layer_name}") if g is not None else None
+
+
+def _enable_checker() -> None:
+    """Paddle's tensor checker in abort mode; its config prints a seed line to stdout, which we swallow
+    (the core never prints)."""
+    import contextlib
+    import io
+
+    from paddle.amp import debugging
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        debugging.enable_tensor_checker(debugging.TensorCheckerConfig(
+            enable=True, debug_mode=debugging.DebugMode.CHECK_NAN_INF_AND_ABORT))
 
 
 def _first_tensor(outputs: Any) -> Any:

@@ -1,0 +1,165 @@
+"""Tiny models, loaders and losses for the probe's unit tests, each with one planted fault.
+
+Referenced from specs written by `tests/test_probe_*.py` as "<this file>:<callable>"; every fault is
+triggered by named samples of a named batch so the tests can assert exactly where it is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+from paddle import nn
+
+FEATURES = 6
+
+
+def _rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+# ---- loaders --------------------------------------------------------------------------------------
+def loader(batches: int = 8, batch_size: int = 8, classes: int = 3, nan_batch: int = -1, nan_rows: list | None = None,
+           zero_batch: int = -1, zero_rows: list | None = None, zero_col: int = -1, label_batch: int = -1,
+           label_row: int = 0, label_value: int = 0, tensors: bool = False, interrupt_at: int = -1,
+           scale: float = 1.0, regression: bool = False):
+    """(x, label) batches: x ~ N(0, scale); plants NaN rows, all-zero rows, a zero column, or a bad label."""
+    rng = _rng()
+    out = []
+    for b in range(batches):
+        x = (rng.normal(size=(batch_size, FEATURES)) * scale).astype("float32")
+        if regression:
+            y = (x @ np.linspace(-1, 1, FEATURES)).astype("float32")[:, None]
+        else:
+            y = rng.integers(0, classes, size=(batch_size,)).astype("int64")
+        if zero_col >= 0:
+            x[:, zero_col] = 0.0
+        if b == nan_batch:
+            x[nan_rows or [0], 1] = np.nan
+        if b == zero_batch:
+            x[zero_rows or [0]] = 0.0
+        if b == label_batch:
+            y[label_row if label_row >= 0 else slice(None)] = label_value
+        out.append((paddle.to_tensor(x), paddle.to_tensor(y)) if tensors else (x, y))
+
+    def gen():
+        for b, item in enumerate(out):
+            if b == interrupt_at:
+                raise KeyboardInterrupt
+            yield item
+
+    return gen() if interrupt_at >= 0 else out
+
+
+def token_loader(batches: int = 4, batch_size: int = 4, vocab: int = 20, long_batch: int = 2, long_len: int = 12,
+                 seq_len: int = 6, bad_id_batch: int = -1, bad_id_row: int = 0):
+    """(ids, label) batches; batch `long_batch` is longer than the position table."""
+    rng = _rng()
+    out = []
+    for b in range(batches):
+        length = long_len if b == long_batch else seq_len
+        ids = rng.integers(1, vocab, size=(batch_size, length)).astype("int64")
+        if b == bad_id_batch:
+            ids[bad_id_row, 0] = vocab + 5
+        out.append((ids, rng.integers(0, 2, size=(batch_size,)).astype("int64")))
+    return out
+
+
+# ---- models ---------------------------------------------------------------------------------------
+class LogLayer(nn.Layer):
+    """log(|x0| * x1 ...): -inf where a row is all zero (the forward fault lives in this layer)."""
+
+    def forward(self, x):
+        return paddle.log(paddle.abs(x) + (x.abs().sum(-1, keepdim=True) > 0).astype(x.dtype) * 1e-3)
+
+
+class Dist(nn.Layer):
+    """sqrt(sum((x * w)^2)): finite at 0 in forward, infinite gradient there (a backward fault)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = self.create_parameter([FEATURES], default_initializer=nn.initializer.Constant(1.0))
+
+    def forward(self, x):
+        return paddle.sqrt(((x * self.w) ** 2).sum(-1, keepdim=True))
+
+
+class Classifier(nn.Layer):
+    def __init__(self, kind: str = "plain", classes: int = 3, hidden: int = 16, crash_at_batch_size: int = 0):
+        super().__init__()
+        self.kind = kind
+        self.crash_at_batch_size = crash_at_batch_size
+        self.body = nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU())
+        if kind == "log":
+            self.feat = LogLayer()
+        if kind == "dist":
+            self.dist = Dist()
+            self.body = nn.Sequential(nn.Linear(1, hidden), nn.ReLU())
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        if self.kind == "log":
+            x = self.feat(x)
+        if self.kind == "dist":
+            x = self.dist(x)
+        if self.crash_at_batch_size and x.shape[0] == self.crash_at_batch_size:
+            x = x.reshape([self.crash_at_batch_size + 1, -1])  # the user's bug: a wrong reshape
+        return self.head(self.body(x))
+
+
+def classifier(kind: str = "plain", classes: int = 3, nan_param: str = "", crash_at_batch_size: int = 0):
+    paddle.seed(0)
+    model = Classifier(kind, classes, crash_at_batch_size=crash_at_batch_size)
+    if nan_param:
+        p = dict(model.named_parameters())[nan_param]
+        value = p.numpy()
+        value.flat[0] = np.nan
+        p.set_value(value)
+    return model
+
+
+def regressor():
+    paddle.seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 1))
+
+
+class PositionModel(nn.Layer):
+    def __init__(self, vocab: int = 20, dim: int = 8, max_len: int = 8):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos_emb = nn.Embedding(max_len, dim)
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, ids):
+        pos = paddle.arange(ids.shape[1]).unsqueeze(0)
+        return self.head((self.tok(ids) + self.pos_emb(pos)).mean(1))
+
+
+def position_model(vocab: int = 20, max_len: int = 8):
+    paddle.seed(0)
+    return PositionModel(vocab, max_len=max_len)
+
+
+def deep_mlp(layers: int = 100, width: int = 16):
+    paddle.seed(0)
+    mods = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(nn.Linear(FEATURES, width), *mods, nn.Linear(width, 3))
+
+
+# ---- losses and steps -----------------------------------------------------------------------------
+def step_log_of_input(model, batch):
+    """A step whose loss takes log(|x0|) outside the model: -inf for rows where x is all zero."""
+    x = paddle.to_tensor(batch["x"])
+    out = model(x)
+    ce = paddle.nn.functional.cross_entropy(out, paddle.to_tensor(batch["label"]).unsqueeze(-1))
+    return ce + 1e-3 * paddle.log(x.abs().sum(-1)).mean()
+
+
+def step_masked_mean(model, batch):
+    """mean of the loss over labelled rows (label != 0): 0/0 when no row of the batch is labelled."""
+    x = paddle.to_tensor(batch["x"])
+    label = paddle.to_tensor(batch["label"])
+    per = paddle.nn.functional.cross_entropy(model(x), label.unsqueeze(-1), reduction="none").squeeze(-1)
+    mask = (label != 0).astype("float32")
+    return (per * mask).sum() / mask.sum()

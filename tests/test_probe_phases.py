@@ -1,0 +1,118 @@
+"""The probe on tiny in-memory models, one planted fault per phase: where it is found and what is reported."""
+
+from __future__ import annotations
+
+import math
+
+from probe_spec import codes, probe
+
+from nandoctor.findings import Phase
+
+
+def test_healthy_model_gives_no_finding_and_a_full_timeline(tmp_path):
+    calls = []
+    report = probe(tmp_path, steps=10, progress=lambda done, total, what: calls.append((done, total, what)))
+    assert report.findings == [] and report.first_fault is None
+    assert report.verdict.value == "healthy" and report.exit_code == 0
+    assert [p.step for p in report.timeline] == list(range(10))
+    assert all(math.isfinite(p.loss) and p.grad_norm > 0 for p in report.timeline)
+    assert ("probe step" in calls[-1][2]) and calls[-1][:2] == (10, 10)
+    act = report.details["activation_max"]
+    assert "body.0" in act["layers"] and 0 in act["steps"]
+    assert len(act["values"]) == len(act["layers"]) and len(act["values"][0]) == len(act["steps"])
+    grads = report.details["grad_norms"]
+    assert grads["parameters"][0] == "body.0.weight" and len(grads["steps"]) == 10
+    # the global norm is the root of the summed per-parameter squares
+    col = [row[0] for row in grads["values"]]
+    assert math.isclose(math.sqrt(sum(v * v for v in col)), report.timeline[0].grad_norm, rel_tol=1e-4)
+    assert report.details["steps_run"] == 10 and report.run["seed"] == 0 and report.run["device"] == "cpu"
+
+
+def test_loader_shorter_than_steps_starts_a_new_epoch(tmp_path):
+    report = probe(tmp_path, data_args={"batches": 3}, steps=7)
+    assert report.findings == []
+    assert report.details["steps_run"] == 7 and report.details["epochs"] == 3
+
+
+def test_nan_in_data_stops_before_the_model(tmp_path):
+    report = probe(tmp_path, data_args={"nan_batch": 2, "nan_rows": [1, 4]})
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.batch_index, ff.sample_indices) == (2, Phase.DATA, 2, [1, 4])
+    [f] = report.findings
+    assert f.code.value == "data.nonfinite" and f.location.field == "x"
+    assert len(report.timeline) == 2  # steps 0 and 1 trained, step 2 never ran
+
+
+def test_nan_in_tensor_data_is_caught_on_the_device(tmp_path):
+    report = probe(tmp_path, data_args={"nan_batch": 3, "nan_rows": [2], "tensors": True})
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.sample_indices) == (3, Phase.DATA, [2])
+
+
+def test_nan_parameter_before_training(tmp_path):
+    report = probe(tmp_path, model_args={"nan_param": "head.bias"})
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.parameter, ff.batch_index) == (None, Phase.PARAMS, "head.bias", None)
+    assert codes(report) == {"param.nonfinite"} and report.timeline == []
+
+
+def test_forward_fault_names_layer_op_and_samples(tmp_path):
+    report = probe(tmp_path, model_args={"kind": "log"}, data_args={"zero_batch": 3, "zero_rows": [2, 5]})
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.layer, ff.op, ff.batch_index, ff.sample_indices) == (
+        3, Phase.FORWARD, "feat", "log", 3, [2, 5])
+    assert codes(report, "error") == {"activation.nonfinite"}
+    off = report.details["offending_tensor"]
+    assert off["num_inf"] > 0 and off["shape"] == [8, 6]
+    assert report.verdict.value == "nan_found"
+
+
+def test_loss_fault_outside_every_layer(tmp_path):
+    report = probe(tmp_path, step="step_log_of_input", data_args={"zero_batch": 1, "zero_rows": [6]})
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.layer, ff.op, ff.sample_indices) == (1, Phase.LOSS, None, "log", [6])
+    assert codes(report, "error") == {"loss.nonfinite"}
+
+
+def test_whole_batch_fault_names_no_samples(tmp_path):
+    report = probe(tmp_path, step="step_masked_mean", data_args={"label_batch": 2, "label_row": -1,
+                                                                 "label_value": 0})
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.op, ff.sample_indices) == (2, Phase.LOSS, "divide", None)
+
+
+def test_backward_fault_names_layer_op_and_parameter(tmp_path):
+    report = probe(tmp_path, model_args={"kind": "dist"}, data_args={"zero_batch": 4, "zero_rows": [3]})
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.layer, ff.op, ff.parameter, ff.sample_indices) == (
+        4, Phase.BACKWARD, "dist", "sqrt_grad", "dist.w", [3])
+    assert codes(report, "error") == {"grad.nonfinite"}
+    assert math.isfinite(report.timeline[-1].loss) and not math.isfinite(report.timeline[-1].grad_norm)
+
+
+def test_optimizer_update_fault_is_reported_at_the_step_that_did_it(tmp_path):
+    report = probe(tmp_path, data_args={"zero_col": 2},
+                   optimizer={"name": "Adam", "args": {"learning_rate": 0.01, "epsilon": 0.0}})
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.op, ff.parameter, ff.batch_index) == (0, Phase.OPTIMIZER, "adam_",
+                                                                         "body.0.weight", 0)
+    [f] = [f for f in report.findings if f.code.value == "update.nonfinite"]
+    assert f.evidence["parameters"] == ["body.0.weight"] and math.isfinite(f.evidence["grad_norm"])
+
+
+def test_interrupt_returns_a_partial_report(tmp_path):
+    report = probe(tmp_path, data={"loader": "loader"}["loader"], data_args={"interrupt_at": 3}, steps=6)
+    assert report.partial and "run.interrupted" in codes(report, "info")
+    assert len(report.timeline) == 3 and report.first_fault is None
+
+
+def test_replays_leave_the_model_untouched(tmp_path):
+    """The fault step never reaches optimizer.step, and replays/bisection restore buffers and gradients."""
+    report = probe(tmp_path, model_args={"kind": "log"}, data_args={"zero_batch": 0, "zero_rows": [1]})
+    assert report.first_fault.step == 0
+    state = report.artifacts["model_state"]
+    import probe_models
+
+    fresh = probe_models.classifier("log")
+    for name, value in fresh.state_dict().items():
+        assert (state[name] == value.numpy()).all(), name
