@@ -142,6 +142,8 @@ def _handle_fault(report: Report, res: LoopResult, workload: Any, optimizer: Any
             capture(report, fault.fields, step=fault.step, batch_index=fault.batch_index, model=model)
     elif fault.kind == "update":
         faults.update_fault(report, fault, optimizer)
+        if fault.fields is not None:  # the step already ran: the batch for --bundle, but no pre-step state
+            capture(report, fault.fields, step=fault.step, batch_index=fault.batch_index)
     elif fault.kind == "crash":
         exc = fault.exc
         what = {Phase.DATA: f"data.entry {workload.spec.data.entry}",
@@ -151,7 +153,7 @@ def _handle_fault(report: Report, res: LoopResult, workload: Any, optimizer: Any
             what, exc = exc.what, exc.exc
         ctx = CrashContext(step=fault.step, batch_index=fault.batch_index, epoch=fault.epoch,
                            phase=fault.phase or Phase.FORWARD, what=what)
-        layer_ids = {id(layer): name for name, layer in model.named_sublayers()}
+        layer_ids = {id(model): "", **{id(layer): name for name, layer in model.named_sublayers()}}
         fields = fault.fields
         label_name = workload.layout.label_name(fields) if fields is not None else None
         found, loc = crash_findings(exc, ctx, workload.spec.base_dir, model, layer_ids, fields, label_name,

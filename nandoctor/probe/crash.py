@@ -55,7 +55,8 @@ def crash_findings(exc: BaseException, ctx: CrashContext, base_dir: Path, model:
     layer = innermost_layer(exc, layer_ids) if model is not None else None
     phase = ctx.phase
     if phase == Phase.FORWARD and layer is None:
-        phase = Phase.LOSS  # raised outside every model layer: the loss function or the user's step code
+        phase = Phase.LOSS  # raised outside the model: the loss function or the user's step code
+    layer = layer or None  # "" is the model itself: forward, but outside every named sublayer
     origin = user_origin(exc, base_dir)
     loc = Location(step=ctx.step, phase=phase, layer=layer, batch_index=ctx.batch_index)
     findings: list[Finding] = []

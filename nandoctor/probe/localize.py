@@ -105,7 +105,7 @@ class Replayer:
                 m = _OP_RE.search(text)
                 if m:
                     op = m.group(1)
-                    layer = stack[-1] if stack else None
+                    layer = stack[-1] if stack else None  # "" is the model's own forward
                 else:
                     raise
         finally:
@@ -117,7 +117,7 @@ class Replayer:
 
     def _stack_hooks(self, stack: list[str]) -> list[Any]:
         hooks = []
-        for name, layer in self.sublayers:
+        for name, layer in [("", self.model), *self.sublayers]:
             def pre(_layer: Any, _inputs: Any, _name: str = name) -> None:
                 stack.append(_name)
 
@@ -139,7 +139,7 @@ class Replayer:
         first: list[tuple[str, Any]] = []
         chosen: list[Any] = []
         hooks = []
-        for name, layer in self.sublayers:
+        for name, layer in [*self.sublayers, ("", self.model)]:  # "": the model's own output
             def post(_layer: Any, _inputs: Any, outputs: Any, _name: str = name) -> None:
                 t = _first_tensor(outputs)
                 if t is None:
@@ -297,13 +297,13 @@ def localize(workload: Any, fields: dict[str, Any], rng: Any, loss_finite: bool)
     _, first_bad, _ = rp.forward_outputs(fields, None)
     if not loss_finite or first_bad is not None:
         op, layer, _ = rp.checked_forward(fields)
-        loss, bad_layer, tensor = rp.forward_outputs(fields, layer)
-        loc = Localization(Phase.FORWARD if layer else Phase.LOSS, layer=layer, op=op)
+        loss, bad_layer, tensor = rp.forward_outputs(fields, layer or None)
+        loc = Localization(Phase.FORWARD if layer is not None else Phase.LOSS, layer=layer or None, op=op)
         if op is None:  # the checker did not fire (a non-deterministic op?): fall back to the hooks' view
-            loc.layer = bad_layer
-            loc.phase = Phase.FORWARD if bad_layer else Phase.LOSS
+            loc.layer = bad_layer or None
+            loc.phase = Phase.FORWARD if bad_layer is not None else Phase.LOSS
             loc.notes.append("the tensor checker did not fire on the replay; the layer comes from output hooks")
-        elif bad_layer is not None and layer is not None and bad_layer != layer and not layer.startswith(bad_layer):
+        elif bad_layer is not None and layer and bad_layer != layer and not layer.startswith(bad_layer):
             loc.notes.append(f"the first layer whose output was non-finite was {bad_layer}")
         if loc.layer is not None and tensor is not None:
             loc.offending = tensor_stats(tensor, f"output of layer {loc.layer}")
