@@ -342,11 +342,15 @@ needs_probe = pytest.mark.skipif(not _probe_runs(), reason="nandoctor.probe is n
 
 @needs_probe
 def test_interrupted_probe_still_writes_json_markdown_and_bundle(interrupted_project: Path, tmp_path: Path):
+    """Ctrl-C at batch 3 of a healthy run: the three steps before it are reported, marked partial."""
+    interrupted_project.write_text(interrupted_project.read_text().replace("nan_at: 1", "nan_at: 99"))
     out = tmp_path / "b"
     result = _cli("probe", str(interrupted_project), "--json", str(tmp_path / "r.json"), "--markdown",
                   str(tmp_path / "r.md"), "--bundle", str(out), "--quiet")
-    assert result.exit_code in (0, 1), result.output
-    _check_partial_outputs(tmp_path, out)
+    assert result.exit_code == 0, result.output
+    data = _check_partial_outputs(tmp_path, out)
+    assert [p["step"] for p in data["timeline"]] == [0, 1, 2]
+    assert "run.interrupted" in {f["code"] for f in data["findings"]}
 
 
 @needs_probe

@@ -281,6 +281,9 @@ def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expec
     state = load_state()
     if state:
         model.set_state_dict(state)
+    else:
+        print("note: no state.pdparams in the bundle; the replay starts from the model's fresh initialisation, "
+              "not from the state before the failing step")
     model.train()
     fields = {name: paddle.to_tensor(array) for name, array in batch.items()}
     label_name = data.get("label") or ("label" if "label" in fields else None)
