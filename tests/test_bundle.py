@@ -387,3 +387,14 @@ def test_code_copy_follows_entries_and_skips_big_files(tmp_path: Path):
     copied = sorted(str(p.relative_to(out / "code")) for p in (out / "code").rglob("*.py"))
     assert copied == ["helpers.py", "nets/__init__.py", "nets/models.py", "sub/data.py"]
     assert "code/table.py not copied" in (out / "README.txt").read_text()
+
+
+def test_bundle_of_a_healthy_run_has_nothing_to_reproduce(tmp_path: Path):
+    spec = load_spec(SAMPLES / "sqrt_at_zero" / "config.yaml")
+    report = Report(command="probe", timeline=[TimelinePoint(step=0, loss=1.0, grad_norm=1.0)])
+    write_bundle(report, spec, tmp_path / "b")
+    assert not (tmp_path / "b" / "batch.npz").exists()
+    assert "the run found no fault (verdict healthy)" in (tmp_path / "b" / "README.txt").read_text()
+    result = _reproduce(tmp_path / "b", tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "nothing to reproduce" in result.stdout

@@ -124,6 +124,8 @@ def _save_artifacts(report: Report, folder: Path) -> list[str]:
     """batch.npz, state.pdparams, rng_state.pkl from report.artifacts; returns notes on what is missing."""
     notes: list[str] = []
     art = report.artifacts or {}
+    if not art and report.first_fault is None:
+        return [f"no batch, model state or replay: the run found no fault (verdict {report.verdict.value})"]
     batch = art.get("batch")
     if isinstance(batch, dict) and batch:
         arrays, skipped = {}, []

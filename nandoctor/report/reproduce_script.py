@@ -57,11 +57,23 @@ def main() -> int:
         print("nandoctor reported: " + describe(expected))
     batch = load_batch()
     phase = expected.get("phase")
+    if not expected and not (HERE / "batch.npz").is_file():
+        print(f"nothing to reproduce: nandoctor found no fault in this run (verdict {report.get('verdict')}); "
+              "see report.md for its warnings.")
+        return 0
     try:
         if phase == "params":
             found = check_state(expected)
         elif report.get("command") == "scan" or phase == "data":
             found = check_data(batch, spec, expected)
+            if found is None and report.get("command") == "probe":
+                # No NaN/Inf in the batch: a bad label or id that makes the step raise. Replay the step.
+                found = replay_step(spec, batch, expected)
+                if found is not None and found.get("error"):
+                    print("first fault: " + describe(found))
+                    print("matches the report: yes (the step raises on this batch; nandoctor traced the cause "
+                          "to the data, see report.md)")
+                    return 1
         else:
             found = replay_step(spec, batch, expected)
     except BundleError as exc:
