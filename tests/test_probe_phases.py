@@ -116,3 +116,19 @@ def test_replays_leave_the_model_untouched(tmp_path):
     fresh = probe_models.classifier("log")
     for name, value in fresh.state_dict().items():
         assert (state[name] == value.numpy()).all(), name
+
+
+def test_deep_model_samples_per_parameter_stats_but_checks_every_step(tmp_path):
+    """Hundreds of tensors: the global norm every step, per-parameter norms and layer maxima on stats steps."""
+    report = probe(tmp_path, model="deep_mlp", steps=12)
+    assert report.findings == []
+    assert all(p.grad_norm is not None and math.isfinite(p.grad_norm) for p in report.timeline)
+    assert len(report.timeline) == 12 and 0 in report.details["grad_norms"]["steps"]
+    assert len(report.details["grad_norms"]["parameters"]) <= 64  # downsampled to the largest rows
+
+
+def test_deep_model_update_fault_is_still_found(tmp_path):
+    report = probe(tmp_path, model="deep_mlp", data_args={"zero_col": 2}, steps=6,
+                   optimizer={"name": "Adam", "args": {"learning_rate": 0.01, "epsilon": 0.0}})
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.op, ff.parameter) == (0, Phase.OPTIMIZER, "adam_", "0.weight")

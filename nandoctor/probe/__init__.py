@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 
 from nandoctor import env
+from nandoctor.advice import advice_for
 from nandoctor.artifacts import capture
 from nandoctor.device import resolve_device, use_device
 from nandoctor.errors import UserCodeError
-from nandoctor.findings import Code, Finding, Phase, Report, TimelinePoint
+from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity, TimelinePoint
 from nandoctor.probe import faults
 from nandoctor.probe.crash import CrashContext, crash_findings
 from nandoctor.probe.loop import LoopResult, ProbeLoop
@@ -74,8 +75,7 @@ def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progr
         if device == "cpu":
             faults.amp_inactive(report, spec.amp.dtype)
         else:
-            report.details["amp_note"] = ("the probe runs float32 on GPU too and judges float16 risk from float32 "
-                                          "magnitudes")
+            workload = _with_autocast(workload, spec)
     bad = param_nonfinite(model)
     if bad:
         faults.params_before_training(report, bad)
@@ -87,6 +87,8 @@ def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progr
     was_training = model.training
     model.train()
     loop = ProbeLoop(workload, optimizer, options.steps, progress, None)
+    if spec.amp.enabled and device != "cpu":
+        loop.scaler = paddle.amp.GradScaler(init_loss_scaling=spec.amp.init_loss_scaling)
     try:
         # The tracker needs the monitor's layer and parameter order; the loop builds the monitor.
         loop.warn = _LazyTracker(lambda: WarningTracker(loop.monitor.layer_names, loop.monitor.param_names,
@@ -97,6 +99,8 @@ def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progr
         _details(report, res, loop)
         _handle_fault(report, res, workload, optimizer, loop)
         report.findings += loop.warn.findings(res)
+        if loop.scaler is not None:
+            _scale_collapse(report, res, spec.amp.init_loss_scaling)
         if res.interrupted:
             faults.interrupted(report, res.steps_run)
     except KeyboardInterrupt:
@@ -190,6 +194,38 @@ def _localise(report: Report, fault: Any, workload: Any) -> None:
     report.details["bisection"] = {"evaluations": bis.evaluations, "capped": bis.capped}
     report.details["localization_seconds"] = round(time.perf_counter() - t0, 3)
     faults.nonfinite_fault(report, fault, loc, bis.samples, notes)
+
+
+def _with_autocast(workload: Any, spec: Spec) -> Any:
+    """The same workload whose forward+loss runs under `paddle.amp.auto_cast` (GPU; replays use it too)."""
+    import dataclasses
+
+    import paddle
+
+    inner = workload.compute_loss
+
+    def compute(model: Any, fields: dict[str, Any]) -> Any:
+        with paddle.amp.auto_cast(level=spec.amp.level, dtype=spec.amp.dtype):
+            return inner(model, fields)
+
+    return dataclasses.replace(workload, compute_loss=compute)
+
+
+def _scale_collapse(report: Report, res: LoopResult, init_scale: float) -> None:
+    """AMP's loss scale keeps halving (an overflow on most steps): a warning with the numbers."""
+    scales = [(r.step, r.loss_scale) for r in res.records if r.loss_scale is not None]
+    skipped = [r.step for r in res.records if r.skipped]
+    if len(scales) < 5:
+        return
+    last = scales[-1][1]
+    if last < init_scale / 2**10 or len(skipped) > len(scales) / 2:
+        report.findings.append(Finding(
+            Code.AMP_SCALE_COLLAPSE, Severity.WARNING,
+            f"The AMP loss scale fell from {init_scale:g} to {last:g} over {len(scales)} steps, and {len(skipped)} "
+            f"step(s) were skipped for overflowing gradients (first at step {skipped[0] if skipped else '-'}).",
+            Location(step=skipped[0] if skipped else scales[-1][0], phase=Phase.BACKWARD),
+            {"init_scale": init_scale, "final_scale": last, "skipped_steps": skipped[:50]},
+            advice_for(Code.AMP_SCALE_COLLAPSE.value)))
 
 
 def _bn_types() -> tuple[type, ...]:

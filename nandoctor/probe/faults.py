@@ -67,7 +67,8 @@ def update_fault(report: Report, fault: Fault, optimizer: Any) -> None:
         f"The {type(optimizer).__name__} update at step {fault.step}{norm} wrote NaN/Inf into {fault.bad_params[0]}"
         f" ({len(fault.bad_params)} parameter(s): {shown}); the gradients were finite, so the optimizer's own "
         "arithmetic did it.",
-        loc, {"parameters": fault.bad_params, "grad_norm": fault.grad_norm, "epoch": fault.epoch},
+        loc, {"parameters": fault.bad_params, "grad_norm": fault.grad_norm, "epoch": fault.epoch,
+              "update_steps": list(fault.update_range) if fault.update_range else None},
         advice_for(Code.UPDATE_NONFINITE.value, op=op)))
     set_first(report, loc)
 

@@ -41,6 +41,7 @@ class Fault:
     bad_fields: dict[str, list[int]] = field(default_factory=dict)  # data: field -> sample rows
     bad_params: list[str] = field(default_factory=list)
     grad_norm: float | None = None  # update: the norm of the step whose update did it
+    update_range: tuple[int, int] | None = None  # update: the first and last step that may have done it
 
 
 @dataclass
@@ -107,6 +108,7 @@ class ProbeLoop:
         self.warn = warn  # warnings.WarningTracker: update(step, record) -> alert flag
         self.monitor: StepMonitor | None = None
         self.schedule = StatsSchedule()
+        self.scaler: Any = None  # paddle.amp.GradScaler on a GPU with amp enabled; inert (None) on CPU
 
     def run(self) -> LoopResult:
         import paddle
@@ -118,9 +120,8 @@ class ProbeLoop:
         epoch, batch_index = 0, 0
         it = None
         fields: dict[str, Any] | None = None
-        prev_batch: int | None = None
-        prev_epoch = 0
-        prev_fields: dict[str, Any] | None = None
+        history: list[tuple[int, int, int, float | None, Any]] = []
+        next_stats: bool | None = None
         try:
             step = 0
             while step < self.steps:
@@ -143,7 +144,8 @@ class ProbeLoop:
                         break
                     device_checks = _device_checks(fields)
                     rng = paddle.get_rng_state()
-                    stats_step = self.schedule.want(step)
+                    stats_step = self.schedule.want(step) if next_stats is None else next_stats
+                    next_stats = None
                     t0 = time.perf_counter()
                     mon.begin_step(stats_step)
                     phase = Phase.FORWARD
@@ -151,9 +153,13 @@ class ProbeLoop:
                     if not isinstance(loss, paddle.Tensor):
                         raise TypeError(f"the loss is a {type(loss).__name__}, not a paddle.Tensor")
                     phase = Phase.BACKWARD
-                    loss.backward()
+                    scaler = self.scaler
+                    if scaler is not None:
+                        scaler.scale(loss).backward()
+                    else:
+                        loss.backward()
                     phase = Phase.OPTIMIZER
-                    st = mon.read(loss, device_checks)
+                    st = mon.read(loss, device_checks, scale=getattr(scaler, "_scale", None))
                     mon.active = False
                 except (KeyboardInterrupt, _SpecErrors()):
                     raise
@@ -163,60 +169,79 @@ class ProbeLoop:
                     res.fault = Fault("crash", step, batch_index, epoch, fields if phase != Phase.DATA else None,
                                       exc=exc, phase=phase)
                     break
-                if st.params_sum is not None and not math.isfinite(st.params_sum):
-                    from nandoctor.probe.monitors import param_nonfinite
-
-                    names = [n for n in param_nonfinite(model) if n in set(mon.param_names)] or param_nonfinite(model)
-                    if names:
-                        prev = res.records[-1] if res.records else None
-                        res.fault = Fault("update", step - 1, prev_batch, prev_epoch, prev_fields,
-                                          bad_params=names, grad_norm=prev.grad_norm if prev else None)
+                if st.params_sum is not None:
+                    if not math.isfinite(st.params_sum) and self._update_fault(res, history, step):
                         break
+                    if math.isfinite(st.params_sum):
+                        history = []
                 bad_data = [k for k, ok in st.data_finite.items() if not ok]
                 if bad_data:
                     rows = {k: _bad_rows(fields[k]) for k in bad_data}
                     res.fault = Fault("data", step, batch_index, epoch, fields, bad_fields=rows)
                     break
-                record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max)
-                if math.isfinite(st.loss) and not st.grads_finite and mon.recheck_grads(st):
+                record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, st.loss_scale)
+                skipped = self.scaler is not None and math.isfinite(st.loss) and not st.grads_finite
+                if skipped:  # AMP overflow: the scaler skips this update and lowers the scale; not a fault
+                    record.skipped = True
+                elif math.isfinite(st.loss) and not st.grads_finite and mon.recheck_grads(st):
                     record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max)
-                if not math.isfinite(st.loss) or not st.grads_finite:
+                if not skipped and (not math.isfinite(st.loss) or not st.grads_finite):
+                    # NaN weights written by the last update make the loss NaN too: blame the update
+                    if history and self._update_fault(res, history, step, latest=True):
+                        break
                     res.fault = Fault("nonfinite", step, batch_index, epoch, fields, rng=rng, stats=st)
                     res.records.append(record)
                     break
                 res.records.append(record)
                 self.schedule.alert = bool(self.warn.update(record))
                 try:
-                    self.opt.step()
+                    if self.scaler is not None:
+                        self.scaler.step(self.opt)
+                        self.scaler.update()
+                    else:
+                        self.opt.step()
                     self.opt.clear_grad()
                 except KeyboardInterrupt:
                     raise
                 except Exception as exc:  # noqa: BLE001 - e.g. a user-written optimizer hook
                     res.fault = Fault("crash", step, batch_index, epoch, fields, exc=exc, phase=Phase.OPTIMIZER)
                     break
-                mon.after_update()
                 self.schedule.record(step, stats_step, time.perf_counter() - t0)
-                prev_batch, prev_epoch, prev_fields = batch_index, epoch, fields
+                next_stats = self.schedule.want(step + 1)
+                mon.after_update(check=next_stats)
+                # updates since the parameters were last seen finite (at most k of them)
+                history.append((step, batch_index, epoch, st.grad_norm, fields))
                 res.stats_every.append(self.schedule.k)
                 step += 1
                 batch_index += 1
                 res.steps_run = step
                 self.progress(step, self.steps, "probe step")
-            if res.fault is None and not res.interrupted and res.steps_run > 0:
-                total = mon.read_pending_params()
-                if total is not None and not math.isfinite(total):
-                    from nandoctor.probe.monitors import param_nonfinite
-
-                    names = param_nonfinite(model)
-                    if names:
-                        prev = res.records[-1]
-                        res.fault = Fault("update", res.steps_run - 1, prev_batch, prev_epoch, prev_fields,
-                                          bad_params=names, grad_norm=prev.grad_norm)
+            if res.fault is None and not res.interrupted and history:
+                total = mon.read_pending_params()  # the last update, checked once more
+                if total is None or not math.isfinite(total):
+                    self._update_fault(res, history, res.steps_run)
         except KeyboardInterrupt:
             res.interrupted = True
         finally:
             mon.active = False
         return res
+
+    def _update_fault(self, res: LoopResult, history: list[Any], step: int, latest: bool = False) -> bool:
+        """Parameters are (maybe) non-finite before `step`: if an exact check confirms it, the update that
+        did it is among `history` (the updates since they were last seen finite). With one candidate it
+        is that one; else the last (`latest`: the loss just went non-finite, so the weights were still
+        fine one step earlier) or the first."""
+        from nandoctor.probe.monitors import param_nonfinite
+
+        names = param_nonfinite(self.w.model)
+        trainable = set(self.monitor.param_names) if self.monitor else set()
+        names = [n for n in names if n in trainable] or names
+        if not names or not history:
+            return False
+        first, batch_index, epoch, grad_norm, fields = history[-1] if latest else history[0]
+        res.fault = Fault("update", first, batch_index, epoch, fields, bad_params=names, grad_norm=grad_norm,
+                          update_range=(first, history[-1][0]))
+        return True
 
     def close(self) -> None:
         if self.monitor is not None:

@@ -20,6 +20,11 @@ import numpy as np
 
 # Above this many parameter elements, copying every gradient into one buffer costs more than it saves.
 _FUSED_MAX_NUMEL = 20_000_000
+# Up to this many parameter tensors, one reduction per tensor is cheap next to a step: per-parameter
+# gradient norms and the parameter check run every step. Above it (hundreds of tiny layers), each costs
+# ~4 us of dispatch per tensor, so they ride on the sampled stats steps and every step pays only for the
+# global norm (one fused copy and one reduction).
+SMALL_MODEL_TENSORS = 96
 
 
 @dataclass
@@ -32,6 +37,7 @@ class StepStats:
     params_sum: float | None  # sum of all parameters after the previous update (non-finite => bad update)
     data_finite: dict[str, bool]
     act_max: np.ndarray | None  # per hooked layer, NaN for layers that did not run this step
+    loss_scale: float | None = None  # AMP's loss scale (GPU only); gradients above are already unscaled
 
     @property
     def grads_finite(self) -> bool:
@@ -65,6 +71,7 @@ class StepMonitor:
         numel = sum(int(np.prod(p.shape)) for p in self.params)
         self._fused_ok = (numel <= _FUSED_MAX_NUMEL and len(self.params) > 0
                           and all(p.dtype == paddle.float32 for p in self.params))
+        self.small = len(self.params) <= SMALL_MODEL_TENSORS
         for i, (name, layer) in enumerate(self.model.named_sublayers()):
             self.layer_names.append(name)
             self._hooks.append(layer.register_forward_post_hook(self._make_hook(i)))
@@ -97,9 +104,10 @@ class StepMonitor:
         self._hooks.clear()
         self.active = False
 
-    def after_update(self) -> None:
-        """Queue the parameters' sum for the next read: a NaN/Inf written by the update shows there."""
-        self._pending_params = self._params_sum()
+    def after_update(self, check: bool) -> None:
+        """Queue the parameters' sum for the next read (every step for small models, else when the next
+        step is a stats step): a NaN/Inf written by the update shows there."""
+        self._pending_params = self._params_sum() if (check or self.small) else None
 
     def recheck_grads(self, stats: StepStats) -> bool:
         """After a non-finite norm: are the gradients really non-finite, or did float32's square overflow
@@ -131,22 +139,28 @@ class StepMonitor:
 
         if not self.params:
             return None
-        if self._fused_ok:
+        if self._fused_ok and not self.small:
             _, fused = _C_ops.coalesce_tensor(self.params, paddle.float32, True, False, False, 0.0, False, -1, -1,
                                               [], [])
             return fused.sum().reshape([1])
         return paddle.add_n([p.astype("float32").sum().reshape([1]) for p in self.params])
 
-    def _grad_sq(self) -> tuple[Any, list[int]]:
-        """Per-parameter squared gradient norms as one device tensor, and which parameters had a gradient."""
+    def _grad_sq(self, per_param: bool) -> tuple[Any, list[int]]:
+        """Squared gradient norms as one device tensor (per parameter, or only the global one for a large
+        model on a non-stats step), and which parameters had a gradient."""
         import paddle
         from paddle import _C_ops
 
-        present = [i for i, p in enumerate(self.params) if p.grad is not None]
+        grads_all = [p.grad for p in self.params]
+        present = [i for i, g in enumerate(grads_all) if g is not None]
         if not present:
             return None, present
-        grads = [self.params[i].grad for i in present]
-        if self._fused_ok and all(g.dtype == paddle.float32 for g in grads):
+        grads = [grads_all[i] for i in present]
+        fused_ok = self._fused_ok and not self.small and all(g.dtype == paddle.float32 for g in grads)
+        if fused_ok and not per_param:
+            _, fused = _C_ops.coalesce_tensor(grads, paddle.float32, True, False, False, 0.0, False, -1, -1, [], [])
+            return _C_ops.squared_l2_norm(fused).reshape([1]), present
+        if fused_ok:
             key = tuple(present)
             if key != self._fused_key:
                 sizes = [int(np.prod(g.shape)) for g in grads]
@@ -156,17 +170,21 @@ class StepMonitor:
             return paddle.geometric.segment_sum(fused * fused, self._seg_ids), present
         return paddle.concat([_C_ops.squared_l2_norm(g.astype("float32")).reshape([1]) for g in grads]), present
 
-    def read(self, loss: Any, data_checks: dict[str, Any], with_grads: bool = True) -> StepStats:
-        """The one host sync of a step: everything queued so far, as numbers."""
+    def read(self, loss: Any, data_checks: dict[str, Any], full: bool = True, scale: Any = None) -> StepStats:
+        """The one host sync of a step: everything queued so far, as numbers. `scale`: AMP's loss-scale
+        tensor, read in the same sync; the gradients it multiplied are divided back out."""
         import paddle
 
         parts: list[Any] = [loss.detach().astype("float32").reshape([-1]).sum().reshape([1])]
+        if scale is not None:
+            parts.append(scale.astype("float32").reshape([1]))
         has_params = self._pending_params is not None
         if has_params:
             parts.append(self._pending_params)
         data_names = list(data_checks)
         parts += [data_checks[k].astype("float32").reshape([1]) for k in data_names]
-        grad_sq, present = self._grad_sq() if with_grads else (None, [])
+        per_param = full or self.small
+        grad_sq, present = self._grad_sq(per_param)
         if grad_sq is not None:
             parts.append(grad_sq)
         acts = list(self._act_val)
@@ -176,6 +194,10 @@ class StepMonitor:
         pos = 0
         loss_v = float(vec[pos])
         pos += 1
+        loss_scale = None
+        if scale is not None:
+            loss_scale = float(vec[pos])
+            pos += 1
         params_sum = None
         if has_params:
             params_sum = float(vec[pos])
@@ -189,6 +211,8 @@ class StepMonitor:
             g = vec[pos:pos + len(present)]
             pos += len(present)
             g_full = np.full(len(self.params), np.nan)
+            if loss_scale:
+                g = g / (loss_scale * loss_scale)
             g_full[present] = g
             g_norm = float(np.sqrt(g.sum()))
         act_max = None
@@ -201,7 +225,7 @@ class StepMonitor:
                 bad = ~np.isfinite(vals)
                 if bad.any():
                     act_max[np.asarray(act_idx)[bad]] = np.inf
-        return StepStats(loss_v, g_full, g_norm, params_sum, data_finite, act_max)
+        return StepStats(loss_v, g_full, g_norm, params_sum, data_finite, act_max, loss_scale)
 
 
 def _first_float_tensor(outputs: Any) -> Any:
