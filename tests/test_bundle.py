@@ -253,13 +253,23 @@ def test_existing_bundle_is_refused_before_the_run_and_kept(tmp_path: Path):
 
 def test_force_replaces_the_old_bundle(tmp_path: Path):
     out = tmp_path / "b"
-    out.mkdir()
-    (out / "mine.txt").write_text("old")
+    write_bundle(Report(command="probe"), load_spec(NAN_DATA), out)
+    (out / "old.txt").write_text("old")
     result = _cli("scan", str(NAN_DATA), "--bundle", str(out), "--force", "--quiet")
     assert result.exit_code == 1, result.output
-    assert not (out / "mine.txt").exists()
-    assert (out / "report.json").is_file()
+    assert not (out / "old.txt").exists()
+    assert json.loads((out / "report.json").read_text())["command"] == "scan"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # no .partial / .old folder left behind
+
+
+def test_force_never_replaces_a_folder_that_is_not_a_bundle(tmp_path: Path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("precious")
+    result = _cli("scan", str(NAN_DATA), "--bundle", str(project), "--force")
+    assert result.exit_code == 2
+    assert "not a nandoctor bundle" in result.output
+    assert (project / "train.py").read_text() == "precious"
 
 
 def test_unwritable_bundle_path_exits_2(tmp_path: Path):

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from nandoctor.errors import OutputError
-from nandoctor.findings import Report
+from nandoctor.findings import SCHEMA, Report
 from nandoctor.spec import Spec
 
 MAX_CODE_FILE = 1_000_000  # bytes; bigger .py files are data in disguise, not code a maintainer reads
@@ -39,6 +39,9 @@ def check_bundle_target(path: Path, force: bool) -> None:
         if not force:
             raise OutputError(f"the bundle folder {path} already exists. Pass --force to replace it, or pick "
                               "another folder.")
+        if not _is_bundle(path):  # --bundle . --force must never delete someone's project
+            raise OutputError(f"{path} exists and is not a nandoctor bundle (it has files but no report.json "
+                              "from nandoctor), so --force will not replace it. Pick another folder.")
     anchor = _existing_ancestor(path.parent if str(path.parent) else Path("."))
     if not anchor.is_dir():
         raise OutputError(f"cannot create the bundle folder {path}: {anchor} is a file, not a folder. Pick a "
@@ -46,6 +49,17 @@ def check_bundle_target(path: Path, force: bool) -> None:
     if not os.access(anchor, os.W_OK | os.X_OK):
         raise OutputError(f"cannot create the bundle folder {path}: the folder {anchor} is not writable. "
                           "Pick a folder you can write to.")
+
+
+def _is_bundle(path: Path) -> bool:
+    """An empty folder, or one holding a nandoctor report.json: the only folders --force may replace."""
+    if not any(path.iterdir()):
+        return True
+    try:
+        data = json.loads((path / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("schema") == SCHEMA
 
 
 def _existing_ancestor(path: Path) -> Path:
