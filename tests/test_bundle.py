@@ -408,3 +408,33 @@ def test_bundle_of_a_healthy_run_has_nothing_to_reproduce(tmp_path: Path):
     result = _reproduce(tmp_path / "b", tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "nothing to reproduce" in result.stdout
+
+
+STEP_FILES = {
+    "model.py": ("import paddle\n\n\nclass Log(paddle.nn.Layer):\n    def forward(self, x):\n"
+                 "        return paddle.log(x)\n\n\nclass Net(paddle.nn.Layer):\n    def __init__(self):\n"
+                 "        super().__init__()\n        self.lin = paddle.nn.Linear(3, 2)\n        self.log = Log()\n\n"
+                 "    def forward(self, x):\n        return self.log(paddle.abs(self.lin(x)) + x[:, :2])\n\n\n"
+                 "def build_model():\n    paddle.seed(0)\n    return Net()\n"),
+    "train.py": ("import paddle\n\n\ndef step(model, batch):\n    out = model(batch['x'])\n"
+                 "    return paddle.log(out.mean() * batch['scale'].mean())\n"),
+}
+
+
+@pytest.mark.parametrize(("x", "scale", "expected"), [
+    (-1.0e4, 1.0, "first fault: op=log phase=forward layer=log"),  # log of a negative number in the layer
+    (1.0, 0.0, "first fault: op=log phase=loss layer=-"),  # log(0) in the user's step, after the model
+])
+def test_reproduce_with_a_step_function(tmp_path: Path, x: float, scale: float, expected: str):
+    for name, text in STEP_FILES.items():
+        (tmp_path / name).write_text(text)
+    config = tmp_path / "config.yaml"
+    config.write_text('version: 1\nmodel: {entry: "model.py:build_model"}\n'
+                      'data: {entry: "model.py:build_model"}\nstep: {entry: "train.py:step"}\n')
+    report = Report(command="probe")
+    report.artifacts = {"batch": {"x": np.full((4, 3), x, dtype="float32"),
+                                  "scale": np.full((4,), scale, dtype="float32")}}
+    write_bundle(report, load_spec(config), tmp_path / "b")
+    result = _reproduce(tmp_path / "b", tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert _first_fault_line(result.stdout) == expected
