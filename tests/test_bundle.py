@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,13 @@ def _reproduce(bundle: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run([PYTHON, str(bundle / "reproduce.py")], cwd=cwd, capture_output=True, text=True,
                           env=env, timeout=300)
+
+
+def _reproduce_here(bundle: Path, capfd: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """The same script run in this process (no second Paddle import): for the many-case tests."""
+    capfd.readouterr()
+    code = runpy.run_path(str(bundle / "reproduce.py"), run_name="bundle_reproduce")["main"]()
+    return code, capfd.readouterr().out
 
 
 def _first_fault_line(stdout: str) -> str:
@@ -147,7 +155,7 @@ FRESH_STATE_FAULTS = {
 
 
 @pytest.mark.parametrize("sample", sorted(FRESH_STATE_FAULTS))
-def test_reproduce_names_phase_op_and_layer(sample: str, tmp_path: Path):
+def test_reproduce_names_phase_op_and_layer(sample: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]):
     from nandoctor.workload import build_workload
 
     batch_index, expected = FRESH_STATE_FAULTS[sample]
@@ -158,21 +166,21 @@ def test_reproduce_names_phase_op_and_layer(sample: str, tmp_path: Path):
     report.artifacts = {"batch": fields, "model_state": {k: v.numpy() for k, v in
                                                          workload.model.state_dict().items()}}
     write_bundle(report, spec, tmp_path / "b")
-    result = _reproduce(tmp_path / "b", tmp_path)
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert _first_fault_line(result.stdout) == expected
+    code, out = _reproduce_here(tmp_path / "b", capfd)
+    assert code == 1, out
+    assert _first_fault_line(out) == expected
 
 
-def test_reproduce_exits_0_when_the_step_is_clean(tmp_path: Path):
+def test_reproduce_exits_0_when_the_step_is_clean(tmp_path: Path, capfd: pytest.CaptureFixture[str]):
     """The same bundle with the duplicate pair made distinct: nothing to reproduce, exit 0."""
     report, spec = _sqrt_report()
     batch = {k: np.array(v) for k, v in report.artifacts["batch"].items()}
     batch["b"][3] += 1.0
     report.artifacts["batch"] = batch
     write_bundle(report, spec, tmp_path / "clean")
-    result = _reproduce(tmp_path / "clean", tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "no fault" in result.stdout
+    code, out = _reproduce_here(tmp_path / "clean", capfd)
+    assert code == 0, out
+    assert "no fault" in out
 
 
 def test_reproduce_needs_no_nandoctor(sqrt_bundle: Path):
@@ -425,7 +433,8 @@ STEP_FILES = {
     (-1.0e4, 1.0, "first fault: op=log phase=forward layer=log"),  # log of a negative number in the layer
     (1.0, 0.0, "first fault: op=log phase=loss layer=-"),  # log(0) in the user's step, after the model
 ])
-def test_reproduce_with_a_step_function(tmp_path: Path, x: float, scale: float, expected: str):
+def test_reproduce_with_a_step_function(tmp_path: Path, x: float, scale: float, expected: str,
+                                        capfd: pytest.CaptureFixture[str]):
     for name, text in STEP_FILES.items():
         (tmp_path / name).write_text(text)
     config = tmp_path / "config.yaml"
@@ -435,6 +444,6 @@ def test_reproduce_with_a_step_function(tmp_path: Path, x: float, scale: float, 
     report.artifacts = {"batch": {"x": np.full((4, 3), x, dtype="float32"),
                                   "scale": np.full((4,), scale, dtype="float32")}}
     write_bundle(report, load_spec(config), tmp_path / "b")
-    result = _reproduce(tmp_path / "b", tmp_path)
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert _first_fault_line(result.stdout) == expected
+    code, out = _reproduce_here(tmp_path / "b", capfd)
+    assert code == 1, out
+    assert _first_fault_line(out) == expected
