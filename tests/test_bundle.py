@@ -447,3 +447,18 @@ def test_reproduce_with_a_step_function(tmp_path: Path, x: float, scale: float, 
     code, out = _reproduce_here(tmp_path / "b", capfd)
     assert code == 1, out
     assert _first_fault_line(out) == expected
+
+
+def test_ctrl_c_inside_the_model_during_scan_still_writes_a_partial_report(interrupted_project: Path,
+                                                                            tmp_path: Path):
+    """Ctrl-C lands wherever the time goes; here in the model call scan makes to infer num_classes."""
+    model = interrupted_project.parent / "model.py"
+    model.write_text(model.read_text() + "\n\nclass Stop(paddle.nn.Layer):\n    def forward(self, x):\n"
+                     "        raise KeyboardInterrupt\n\n\ndef build_stop():\n    return Stop()\n")
+    interrupted_project.write_text(interrupted_project.read_text().replace("model.py:build_model",
+                                                                           "model.py:build_stop"))
+    out = tmp_path / "b"
+    result = _cli("scan", str(interrupted_project), "--json", str(tmp_path / "r.json"), "--markdown",
+                  str(tmp_path / "r.md"), "--bundle", str(out), "--quiet")
+    assert result.exit_code == 0, result.output
+    _check_partial_outputs(tmp_path, out)

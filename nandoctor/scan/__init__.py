@@ -64,6 +64,14 @@ def run_scan(spec: Spec, options: ScanOptions | None = None, progress: ProgressF
     scanner = DataScanner(_limits(spec, model))
     try:
         _scan_loader(spec, layout, make_loader, model, uses_step, scanner, options.batches, progress, report)
+    except KeyboardInterrupt:  # Ctrl-C while a batch was being checked, not while the loader ran
+        report.partial = True
+        done = scanner.n_batches
+        report.findings.append(Finding(
+            Code.RUN_INTERRUPTED, Severity.INFO,
+            f"The scan was interrupted after {done} batch(es); the findings cover only those.",
+            Location(phase=Phase.DATA, batch_index=done), {"batches_scanned": done},
+            advice_for(Code.RUN_INTERRUPTED.value)))
     finally:
         report.findings += scanner.findings()
         report.details.update(scanner.details())
