@@ -101,6 +101,12 @@ def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progr
         report.findings += loop.warn.findings(res)
         if loop.scaler is not None:
             _scale_collapse(report, res, spec.amp.init_loss_scaling)
+        if res.steps_run == 0 and res.fault is None and not res.interrupted:
+            report.findings.append(Finding(
+                Code.DATA_EMPTY, Severity.ERROR,
+                f"data.entry {spec.data.entry} yielded no batch at all, so the probe trained nothing. Check the "
+                "dataset path and size, and `drop_last` with a batch size larger than the dataset.",
+                Location(phase=Phase.DATA, batch_index=0), {}, advice_for(Code.DATA_EMPTY.value)))
         if res.interrupted:
             faults.interrupted(report, res.steps_run)
     except KeyboardInterrupt:
