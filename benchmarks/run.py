@@ -41,6 +41,7 @@ class Setting:
     warmup: int = 5  # steps left out of per-step medians (start-up, allocator warm-up)
     checker_steps: int = 2  # row 3: checked steps per block (~18x a plain step on CPU)
     fault_steps: int = 60  # row 4: the fault is at step 50
+    workloads: tuple[str, ...] = workloads.TRAINING  # rows 1, 2 and 6
 
     @classmethod
     def make(cls, quick: bool, runs: int | None) -> Setting:
@@ -62,7 +63,7 @@ def first_line(text: str) -> str:
 def whole_process(s: Setting, scratch: Path) -> tuple[list[Row], list[Row]]:
     """Rows 1 and 6 (probe): `nandoctor probe CONFIG --steps N` vs the plain script, paired processes."""
     time_rows, rss_rows = [], []
-    for name in workloads.TRAINING:
+    for name in s.workloads:
         w = workloads.load(name, s.quick, scratch)
         say(f"row 1/6: {name}: {s.runs} pair(s) of probe vs plain processes, {s.steps} steps")
         report = scratch / f"{name}_report.json"
@@ -73,9 +74,11 @@ def whole_process(s: Setting, scratch: Path) -> tuple[list[Row], list[Row]]:
         ok, note = check_runs(paired, report)
         ta, tb = median([r.seconds for r in paired.a]), median([r.seconds for r in paired.b])
         ratios = [a.seconds / b.seconds for a, b in zip(paired.a, paired.b)]
+        cpu = median([a.cpu_seconds / b.cpu_seconds for a, b in zip(paired.a, paired.b)])
         time_rows.append(Row("1 whole process", name, f"{w.describe}, {s.steps} steps",
                              median(ratios) if ok else None, "x", "<= 1.10",
-                             f"{note}probe {ta:.1f}s / plain {tb:.1f}s, pairs {fmt(ratios)}" if ok else note))
+                             f"{note}probe {ta:.1f}s / plain {tb:.1f}s, pairs {fmt(ratios)}; cpu {cpu:.2f}x"
+                             if ok else note))
         rss = [a.max_rss_mb / b.max_rss_mb for a, b in zip(paired.a, paired.b)]
         ra, rb = median([r.max_rss_mb for r in paired.a]), median([r.max_rss_mb for r in paired.b])
         rss_rows.append(Row("6 peak RSS probe", name, f"{w.describe}, {s.steps} steps",
@@ -113,7 +116,7 @@ def worker(mode: str, w: workloads.Workload, s: Setting, steps: int) -> dict:
 
 def per_step(s: Setting, scratch: Path) -> list[Row]:
     rows = []
-    for name in workloads.TRAINING:
+    for name in s.workloads:
         w = workloads.load(name, s.quick, scratch)
         say(f"row 2: {name}: probe vs plain steps in one process, {s.runs} pair(s) of {s.step_steps} steps")
         res = worker("steps", w, s, s.step_steps)
@@ -123,7 +126,7 @@ def per_step(s: Setting, scratch: Path) -> list[Row]:
             continue
         rows.append(Row("2 per step", name, setting, median(res["ratios"]), "x", "<= 1.05",
                         f"probe {median(res['probe_ms']):.1f} ms / plain {median(res['plain_ms']):.1f} ms, "
-                        f"pairs {fmt(res['ratios'])}"))
+                        f"pairs {fmt(res['ratios'])}; cpu {median(res['cpu_ratios']):.2f}x"))
     return rows
 
 
@@ -202,8 +205,12 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=None, help="pairs per row (default 3; 1 with --quick)")
     parser.add_argument("--rows", default="1,2,3,4,5,6",
                         help="comma-separated rows to run (6 comes with 1 and 5)")
+    parser.add_argument("--workloads", default=None, help="comma-separated training workloads for rows 1, 2, 6 "
+                        f"(default: all of {','.join(workloads.TRAINING)})")
     args = parser.parse_args()
     s = Setting.make(args.quick, args.runs)
+    if args.workloads:
+        s.workloads = tuple(args.workloads.split(","))
     wanted = set(args.rows.split(","))
     state = machine_state()
     started = time.perf_counter()

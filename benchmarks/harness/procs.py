@@ -23,6 +23,7 @@ class ProcResult:
 
     seconds: float
     max_rss_mb: float
+    cpu_seconds: float  # user + system time of the child: far less sensitive than wall time to other load
     returncode: int
     stderr_tail: str = ""
     stdout: str = ""
@@ -55,7 +56,8 @@ def run_timed(argv: list[str], *, timeout: float = 1200.0, cwd: Path | None = No
         stdout = out.read().decode("utf-8", "replace")
         tail = err.read().decode("utf-8", "replace").strip().splitlines()[-6:]
     # ru_maxrss is in kilobytes on Linux
-    return ProcResult(seconds, usage.ru_maxrss / 1024.0, proc.returncode, "\n".join(tail), stdout)
+    return ProcResult(seconds, usage.ru_maxrss / 1024.0, usage.ru_utime + usage.ru_stime, proc.returncode,
+                      "\n".join(tail), stdout)
 
 
 def run_paired(a: list[str], b: list[str], runs: int, *, timeout: float = 1200.0) -> Paired:

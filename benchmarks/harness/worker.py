@@ -35,21 +35,24 @@ def load_plain(path: Path) -> ModuleType:
     return module
 
 
-def probe_run(config: Path, steps: int) -> tuple[Any, list[float], float]:
-    """One `run_probe`; returns the report, the progress-call timestamps of each step, and the end time."""
+def probe_run(config: Path, steps: int) -> tuple[Any, list[float], float, list[float]]:
+    """One `run_probe`: the report, the wall timestamps of each step's progress call, the end time, and the
+    process CPU-time stamps of the same calls (CPU time shrugs off other processes on a shared machine)."""
     from nandoctor.probe import ProbeOptions, run_probe
     from nandoctor.spec import load_spec
 
     stamps: list[float] = []
+    cpu: list[float] = []
 
     def progress(done: int, total: int | None, description: str) -> None:
         # Only the per-step calls: a replay or localisation phase may report progress too.
         if description == "probe step":
             stamps.append(time.perf_counter())
+            cpu.append(time.process_time())
 
     spec = load_spec(config)
     report = run_probe(spec, ProbeOptions(steps=steps, seed=0, device="cpu"), progress)
-    return report, stamps, time.perf_counter()
+    return report, stamps, time.perf_counter(), cpu
 
 
 def diffs(stamps: list[float]) -> list[float]:
@@ -61,17 +64,20 @@ def mode_steps(args: argparse.Namespace) -> dict[str, Any]:
 
     plain = load_plain(args.plain)
     settings = read_settings(args.config)
-    pairs = []
+    pairs, cpu_pairs = [], []
     for _ in range(args.runs):
-        _, stamps, _ = probe_run(args.config, args.steps)
+        _, stamps, _, cpu = probe_run(args.config, args.steps)
         probe_steps = diffs(stamps)[args.warmup:]
-        plain_steps = train(settings, plain.build_model, plain.build_loader, plain.loss_fn, args.steps, 0
-                            )["step_seconds"][args.warmup + 1:]
+        probe_cpu = diffs(cpu)[args.warmup:]
+        plain_run = train(settings, plain.build_model, plain.build_loader, plain.loss_fn, args.steps, 0)
+        plain_steps = plain_run["step_seconds"][args.warmup + 1:]
+        plain_cpu = plain_run["step_cpu_seconds"][args.warmup + 1:]
         # The mean, not the median: a probe that samples per-layer stats every k-th step must pay for
         # those steps here, and a median would hide them.
         pairs.append((statistics.fmean(probe_steps), statistics.fmean(plain_steps)))
+        cpu_pairs.append(statistics.fmean(probe_cpu) / statistics.fmean(plain_cpu))
     return {"probe_ms": [1000 * p for p, _ in pairs], "plain_ms": [1000 * q for _, q in pairs],
-            "ratios": [p / q for p, q in pairs]}
+            "ratios": [p / q for p, q in pairs], "cpu_ratios": cpu_pairs}
 
 
 def mode_checker(args: argparse.Namespace) -> dict[str, Any]:
@@ -129,7 +135,7 @@ def mode_localize(args: argparse.Namespace) -> dict[str, Any]:
     """
     results = []
     for _ in range(args.runs):
-        report, stamps, end = probe_run(args.config, args.steps)
+        report, stamps, end, _ = probe_run(args.config, args.steps)
         steps = diffs(stamps)
         median_step = statistics.median(steps[args.warmup:] or steps or [0.0])
         derived = end - stamps[-1] - median_step if stamps else None
