@@ -125,6 +125,11 @@ def test_deep_model_samples_per_parameter_stats_but_checks_every_step(tmp_path):
     assert all(p.grad_norm is not None and math.isfinite(p.grad_norm) for p in report.timeline)
     assert len(report.timeline) == 12 and 0 in report.details["grad_norms"]["steps"]
     assert len(report.details["grad_norms"]["parameters"]) <= 64  # downsampled to the largest rows
+    grads = report.details["grad_norms"]
+    assert grads["steps"] != list(range(12))  # per-parameter norms only on the sampled steps
+    full = probe(tmp_path, model="deep_mlp", model_args={"layers": 20}, steps=2)  # 42 tensors: every step
+    col = [row[0] for row in full.details["grad_norms"]["values"]]
+    assert math.isclose(math.sqrt(sum(v * v for v in col)), full.timeline[0].grad_norm, rel_tol=1e-4)
 
 
 def test_deep_model_update_fault_is_still_found(tmp_path):
@@ -132,3 +137,26 @@ def test_deep_model_update_fault_is_still_found(tmp_path):
                    optimizer={"name": "Adam", "args": {"learning_rate": 0.01, "epsilon": 0.0}})
     ff = report.first_fault
     assert (ff.step, ff.phase, ff.op, ff.parameter) == (0, Phase.OPTIMIZER, "adam_", "0.weight")
+
+
+def test_grouped_gradient_norms_match_numpy():
+    """The stacked-by-shape reductions of a many-tensor model give the same norms as numpy, per parameter."""
+    import numpy as np
+    import paddle
+    import probe_models
+
+    from nandoctor.probe.monitors import StepMonitor
+
+    model = probe_models.deep_mlp(60, 8)  # 122 tensors: the grouped path
+    mon = StepMonitor(model)
+    try:
+        assert not mon.small
+        loss = model(paddle.randn([4, probe_models.FEATURES])).sum()
+        loss.backward()
+        full, light = mon.read(loss, {}, full=True), mon.read(loss, {}, full=False)
+        expect = np.array([float((p.grad.numpy().astype("float64") ** 2).sum()) for p in mon.params])
+        assert np.allclose(full.grad_sq, expect, rtol=1e-4)
+        assert math.isclose(full.grad_norm, math.sqrt(expect.sum()), rel_tol=1e-4)
+        assert math.isclose(light.grad_norm, full.grad_norm, rel_tol=1e-4) and light.grad_sq is None
+    finally:
+        mon.close()

@@ -160,7 +160,7 @@ class ProbeLoop:
                     else:
                         loss.backward()
                     phase = Phase.OPTIMIZER
-                    st = mon.read(loss, device_checks, scale=getattr(scaler, "_scale", None))
+                    st = mon.read(loss, device_checks, full=stats_step, scale=getattr(scaler, "_scale", None))
                     mon.active = False
                 except (KeyboardInterrupt, _SpecErrors()):
                     raise

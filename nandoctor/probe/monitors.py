@@ -5,10 +5,10 @@ that turn a step into one float vector: [loss, parameter-sum of the previous upd
 per-parameter squared gradient norms, per-layer max |activation|]. All of it stays on the device until
 `read()` concatenates it and calls `.numpy()` once, before `optimizer.step()`.
 
-Why the fused path: a model of hundreds of tiny layers pays ~5 us of dispatch per Paddle op, so one
-reduction per parameter costs more than the 5% budget. Copying every gradient into one flat buffer
-(`coalesce_tensor`) and reducing it by segment (`segment_sum`) costs a fixed handful of ops whatever
-the parameter count; large models (where per-parameter ops are negligible) take the plain path.
+Why the grouped path: a model of hundreds of tiny layers pays ~5 us of dispatch per Paddle op, so one
+reduction per parameter costs more than the 5% budget. Stacking the gradients of each distinct shape
+(a deep stack of equal blocks has a handful) and reducing each stack costs a few ops whatever the
+parameter count; small models and very large ones take one reduction per tensor.
 """
 
 from __future__ import annotations
@@ -59,8 +59,6 @@ class StepMonitor:
     _act_idx: list[int] = field(default_factory=list)
     _act_val: list[Any] = field(default_factory=list)
     _pending_params: Any = None
-    _fused_key: tuple[int, ...] | None = None
-    _seg_ids: Any = None
     _fused_ok: bool = True
 
     def __post_init__(self) -> None:
@@ -76,6 +74,12 @@ class StepMonitor:
                           and all(p.dtype == paddle.float32 for p in self.params))
         self.small = len(self.params) <= SMALL_MODEL_TENSORS
         self._all_idx = list(range(len(self.params)))
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, p in enumerate(self.params):
+            groups.setdefault((tuple(p.shape), p.dtype), []).append(i)
+        self._groups = [(idx, len(key[0])) for key, idx in groups.items()]
+        self._group_order = [i for idx, _ in self._groups for i in idx]
+        self._grouped = self._fused_ok and not self.small
         self._layers = []
         for name, layer in self.model.named_sublayers():
             self.layer_names.append(name)
@@ -159,39 +163,35 @@ class StepMonitor:
 
         if not self.params:
             return None
-        if self._fused_ok and not self.small:
-            _, fused = _C_ops.coalesce_tensor(self.params, paddle.float32, True, False, False, 0.0, False, -1, -1,
-                                              [], [])
-            return fused.sum().reshape([1])
+        if self._grouped:
+            return paddle.add_n([_C_ops.stack([self.params[i] for i in idx], 0).sum().reshape([1])
+                                 for idx, _ in self._groups])
         return paddle.add_n([p.astype("float32").sum().reshape([1]) for p in self.params])
 
     def _grad_sq(self, per_param: bool) -> tuple[Any, list[int]]:
         """Squared gradient norms as one device tensor (per parameter, or only the global one for a large
-        model on a non-stats step), and which parameters had a gradient."""
+        model on a non-stats step), and the parameter index of each value."""
         import paddle
         from paddle import _C_ops
 
         grads_all = [p.grad for p in self.params]
-        if any(g is None for g in grads_all):  # an unused parameter this step (rare): index the ones that have one
+        if any(g is None for g in grads_all):  # an unused parameter this step (rare): per-tensor ops
             present = [i for i, g in enumerate(grads_all) if g is not None]
-            grads = [grads_all[i] for i in present]
-        else:
-            present, grads = self._all_idx, grads_all
-        if not present:
-            return None, present
-        fused_ok = self._fused_ok and not self.small  # gradients share their parameters' dtype (float32)
-        if fused_ok and not per_param:
-            _, fused = _C_ops.coalesce_tensor(grads, paddle.float32, True, False, False, 0.0, False, -1, -1, [], [])
-            return _C_ops.squared_l2_norm(fused).reshape([1]), present
-        if fused_ok:
-            key = tuple(present)
-            if key != self._fused_key:
-                sizes = [self._numel[i] for i in present]
-                self._seg_ids = paddle.to_tensor(np.repeat(np.arange(len(sizes), dtype="int32"), sizes))
-                self._fused_key = key
-            _, fused = _C_ops.coalesce_tensor(grads, paddle.float32, True, False, False, 0.0, False, -1, -1, [], [])
-            return paddle.geometric.segment_sum(fused * fused, self._seg_ids), present
-        return paddle.concat([_C_ops.squared_l2_norm(g.astype("float32")).reshape([1]) for g in grads]), present
+            if not present:
+                return None, present
+            sq = paddle.concat([_C_ops.squared_l2_norm(grads_all[i].astype("float32")).reshape([1])
+                                for i in present])
+            return (sq if per_param else sq.sum().reshape([1])), present
+        if self._grouped:
+            # One stack per distinct shape (a deep stack of equal blocks has a handful): ~0.7 ms for 400
+            # tensors where one reduction per tensor costs ~5 ms and a fused copy ~1.5 ms.
+            stacks = [(_C_ops.stack([grads_all[i] for i in idx], 0), nd) for idx, nd in self._groups]
+            if not per_param:
+                return paddle.add_n([_C_ops.squared_l2_norm(st) for st, _ in stacks]).reshape([1]), self._all_idx
+            rows = [(st * st).sum(axis=list(range(1, nd + 1))) if nd else st * st for st, nd in stacks]
+            return paddle.concat(rows), self._group_order
+        return paddle.concat([_C_ops.squared_l2_norm(g.astype("float32")).reshape([1]) for g in grads_all]), \
+            self._all_idx
 
     def read(self, loss: Any, data_checks: dict[str, Any], full: bool = True, scale: Any = None) -> StepStats:
         """The one host sync of a step: everything queued so far, as numbers. `scale`: AMP's loss-scale
@@ -232,12 +232,14 @@ class StepMonitor:
         g_full = None
         g_norm = None
         if grad_sq is not None:
-            g = vec[pos:pos + len(present)]
-            pos += len(present)
-            g_full = np.full(len(self.params), np.nan)
+            width = len(present) if per_param else 1
+            g = vec[pos:pos + width]
+            pos += width
             if loss_scale:
                 g = g / (loss_scale * loss_scale)
-            g_full[present] = g
+            if per_param:
+                g_full = np.full(len(self.params), np.nan)
+                g_full[present] = g
             g_norm = float(np.sqrt(g.sum()))
         act_max = None
         if self.active:
