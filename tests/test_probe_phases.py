@@ -160,3 +160,23 @@ def test_grouped_gradient_norms_match_numpy():
         assert math.isclose(light.grad_norm, full.grad_norm, rel_tol=1e-4) and light.grad_sq is None
     finally:
         mon.close()
+
+
+def test_stats_schedule_spends_what_detection_leaves_of_the_budget():
+    """Fed made-up durations (no clock): stats every k-th step, k from the measured costs."""
+    from nandoctor.probe.loop import StatsSchedule
+
+    def k_for(detect: float) -> int:
+        sched = StatsSchedule()
+        assert sched.want(0) and not sched.want(1) and sched.want(2)
+        sched.record(0, True, 1.0)
+        for step in range(1, 12):
+            sched.record(step, step == 2, 0.020 if step == 2 else 0.010, detect)
+        return sched.k
+
+    assert k_for(0.0) == 25  # 10 ms extra per stats step, 4% of a 10 ms step to spend
+    assert k_for(0.0003) in (100, 101)  # detection takes 3%: 1% left for stats
+    assert k_for(0.005) in (200, 201)  # detection takes 50%: stats still get half a percent
+    sched = StatsSchedule()
+    sched.alert = True
+    assert sched.want(57)  # after a warning sign, stats on every step
