@@ -76,7 +76,7 @@ def crash_findings(exc: BaseException, ctx: CrashContext, base_dir: Path, model:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
     findings.append(Finding(
         Code.USER_CODE_ERROR, Severity.ERROR,
-        f"{ctx.what} raised {type(exc).__name__}{where}{in_layer} at step {ctx.step}"
+        f"{ctx.what[:1].upper()}{ctx.what[1:]} raised {type(exc).__name__}{where}{in_layer} at step {ctx.step}"
         f"{_batch_text(ctx)}: {_first_line(text)}. Training stopped there; open "
         f"{origin or 'the traceback in the evidence'} and fix it.",
         Location(step=ctx.step, phase=phase, layer=layer, batch_index=ctx.batch_index),
@@ -94,7 +94,7 @@ def _batch_text(ctx: CrashContext) -> str:
 
 def _first_line(text: str) -> str:
     line = text.strip().splitlines()[0] if text.strip() else "(no message)"
-    return line[:300]
+    return line[:300].rstrip(". ")
 
 
 def _label_range(exc: BaseException, ctx: CrashContext, loc: Location, fields: dict[str, Any],
