@@ -115,20 +115,21 @@ def user_origin(exc: BaseException, base_dir: Path | None = None) -> str | None:
     site-packages; preferring files under `base_dir` when given. SyntaxErrors carry their own place.
     """
     if isinstance(exc, SyntaxError) and exc.filename:
-        return f"{_short(Path(exc.filename), base_dir)}:{exc.lineno}"
+        return f"{short_path(Path(exc.filename), base_dir)}:{exc.lineno}"
     frames = traceback.extract_tb(exc.__traceback__)
     base = base_dir.resolve() if base_dir else None
     best = None
     for frame in frames:
         file = Path(frame.filename)
-        if _is_user_file(file, base):
+        if is_user_file(file, base):
             best = frame
     if best is None:
         return None
-    return f"{_short(Path(best.filename), base_dir)}:{best.lineno} in {best.name}"
+    return f"{short_path(Path(best.filename), base_dir)}:{best.lineno} in {best.name}"
 
 
-def _is_user_file(file: Path, base: Path | None) -> bool:
+def is_user_file(file: Path, base: Path | None) -> bool:
+    """Not nandoctor, not an installed package, not the standard library; anything under `base` counts."""
     text = str(file)
     if text.startswith("<"):
         return False
@@ -144,7 +145,7 @@ def _is_user_file(file: Path, base: Path | None) -> bool:
     return "site-packages" not in lowered and "/lib/python" not in lowered
 
 
-def _short(file: Path, base_dir: Path | None) -> str:
+def short_path(file: Path, base_dir: Path | None) -> str:
     if base_dir is not None:
         try:
             return str(file.resolve().relative_to(base_dir.resolve()))

@@ -94,7 +94,11 @@ def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: l
     else:
         what = (f"The loss became NaN/Inf at step {fault.step} {where}{op} while the model's outputs were finite. "
                 f"Caused by {who}.")
+    if loc_.source:
+        what += f" The op was created at {loc_.source}."
     evidence: dict[str, Any] = {"epoch": fault.epoch, "loss": st.loss, "grad_norm": st.grad_norm}
+    if loc_.source:
+        evidence["source"] = loc_.source
     if loc_.bad_parameters:
         evidence["nonfinite_grad_parameters"] = loc_.bad_parameters[:50]
     if loc_.offending:

@@ -22,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from nandoctor.entrypoints import user_origin
 from nandoctor.findings import Phase
+from nandoctor.probe.native import capture_native_output, user_frame
 
 _OP_RE = re.compile(r"op=([A-Za-z0-9_]+)")
 
@@ -36,6 +38,8 @@ class Localization:
     bad_parameters: list[str] = field(default_factory=list)
     offending: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    # The user's source line that created the offending op ("model.py:23 in forward"), when known.
+    source: str | None = None
 
 
 def tensor_stats(t: Any, what: str) -> dict[str, Any] | None:
@@ -58,6 +62,7 @@ class Replayer:
         self.w = workload
         self.model = workload.model
         self.rng = rng
+        self.source: str | None = None  # set by the checked replays: the user's line that made the op
         self.sublayers = list(self.model.named_sublayers())
         self.params = [(n, p) for n, p in self.model.named_parameters() if not p.stop_gradient]
         self._buffers = {k: v.clone() for k, v in self.model.state_dict().items()
@@ -99,13 +104,15 @@ class Replayer:
             _enable_checker()
             self.reset_rng()  # the checker reseeds: restore the step's RNG after enabling it
             try:
-                self.loss(fields)
+                with capture_native_output():  # the checker's [PRECISION] line: the core never prints
+                    self.loss(fields)
             except Exception as exc:  # noqa: BLE001 - the checker's abort is what we are after
                 text = str(exc)
                 m = _OP_RE.search(text)
                 if m:
                     op = m.group(1)
                     layer = stack[-1] if stack else None  # "" is the model's own forward
+                    self.source = user_origin(exc, self.w.spec.base_dir)
                 else:
                     raise
         finally:
@@ -165,20 +172,32 @@ class Replayer:
     # ---- backward ------------------------------------------------------------------------------
     def checked_backward(self, fields: dict[str, Any]) -> str | None:
         """The op the checker names when only backward is checked."""
+        import paddle
         from paddle.amp import debugging
 
         self.reset_rng()
-        loss = self.loss(fields)
+        # With the call-stack flag on while the forward runs, each op keeps the Python stack that created
+        # it, and the checker prints that stack when the op's gradient turns non-finite: the user's line.
+        flag = "FLAGS_call_stack_level"
+        old = paddle.get_flags([flag])[flag]
+        paddle.set_flags({flag: 3})
+        try:
+            loss = self.loss(fields)
+        finally:
+            paddle.set_flags({flag: old})
         op = None
         try:
             _enable_checker()
             try:
-                loss.backward()
+                # Keep what Paddle prints (the [PRECISION] line, that stack) instead of printing it.
+                with capture_native_output() as native:
+                    loss.backward()
             except Exception as exc:  # noqa: BLE001
                 m = _OP_RE.search(str(exc))
                 if not m:
                     raise
                 op = m.group(1)
+                self.source = user_frame(native.text, self.w.spec.base_dir)
         finally:
             debugging.disable_tensor_checker()
             self.clear()
@@ -305,6 +324,7 @@ def localize(workload: Any, fields: dict[str, Any], rng: Any, loss_finite: bool)
             loc.notes.append("the tensor checker did not fire on the replay; the layer comes from output hooks")
         elif bad_layer is not None and layer and bad_layer != layer and not layer.startswith(bad_layer):
             loc.notes.append(f"the first layer whose output was non-finite was {bad_layer}")
+        loc.source = rp.source
         if loc.layer is not None and tensor is not None:
             loc.offending = tensor_stats(tensor, f"output of layer {loc.layer}")
         elif loss is not None:
@@ -313,7 +333,7 @@ def localize(workload: Any, fields: dict[str, Any], rng: Any, loss_finite: bool)
     op = rp.checked_backward(fields)
     layer, params, grad_stats = rp.traced_backward(fields)
     loc = Localization(Phase.BACKWARD, layer=layer, op=op, parameter=params[0] if params else None,
-                       bad_parameters=params, offending=grad_stats)
+                       bad_parameters=params, offending=grad_stats, source=rp.source)
     if op is None:
         loc.notes.append("the tensor checker did not fire on the replayed backward pass")
     return loc, rp

@@ -1,0 +1,44 @@
+"""The probe names the user's source line that created the offending op, and Paddle's C++ output
+from the checked replay (the [PRECISION] line, the op-creation stack) never reaches the terminal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nandoctor.probe import ProbeOptions, run_probe
+from nandoctor.spec import load_spec
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_configs"
+
+
+def _line_of(path: Path, needle: str) -> int:
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if needle in line:
+            return number
+    raise AssertionError(f"{needle!r} not in {path}")
+
+
+@pytest.mark.parametrize(
+    ("sample", "needle", "phase"),
+    [
+        ("sqrt_at_zero", "paddle.sqrt(", "backward"),  # backward op: from the stack Paddle recorded in forward
+        ("masked_where_grad", "paddle.log(", "backward"),
+        ("div_by_zero_layer", "/", "forward"),  # forward op: from the checker's exception traceback
+    ],
+)
+def test_source_line_of_the_offending_op(sample: str, needle: str, phase: str, capfd: pytest.CaptureFixture[str]
+                                         ) -> None:
+    report = run_probe(load_spec(SAMPLES / sample / "config.yaml"), ProbeOptions(steps=40, seed=0, device="cpu"))
+    finding = report.findings[0]
+    assert finding.location.phase.value == phase
+    source = finding.evidence["source"]
+    file, line = source.split(" ")[0].split(":")
+    assert file == "model.py"
+    text = (SAMPLES / sample / "model.py").read_text().splitlines()[int(line) - 1]
+    assert needle in text, f"{source} points at {text!r}"
+    assert f"created at {source}" in finding.message
+    printed = capfd.readouterr()
+    assert "[PRECISION]" not in printed.out + printed.err
+    assert "There are nan/inf" not in printed.out + printed.err
