@@ -7,6 +7,7 @@ exit 2; no traceback for a mistake the user made.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -14,6 +15,10 @@ import typer
 from rich.console import Console
 
 from nandoctor.errors import NandoctorError
+
+# Paddle's import warns about a missing ccache (a build tool for C++ extensions) on every machine without
+# one: noise under a diagnosis, and nothing the user needs to act on.
+warnings.filterwarnings("ignore", message=".*ccache.*")
 
 app = typer.Typer(
     help="Find where a PaddlePaddle training run first goes NaN or Inf, and what to change.",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import platform
 import sys
-import warnings
 from typing import Any
 
 import nandoctor
@@ -23,11 +22,7 @@ def collect(device: str | None = None) -> dict[str, Any]:
         "os": f"{platform.system()} {platform.release()} ({platform.machine()})",
     }
     try:
-        # Paddle's import warns about a missing ccache (a C++-extension build tool) on every machine
-        # without one; it is noise in a bug ticket's environment dump, so hide it here.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*ccache.*")
-            import paddle
+        import paddle
     except Exception as exc:  # noqa: BLE001 - a broken Paddle install is itself a fact to report
         info["paddle"] = f"not importable: {type(exc).__name__}: {exc}"
         info["device"] = device or "unknown"
