@@ -180,3 +180,31 @@ def test_stats_schedule_spends_what_detection_leaves_of_the_budget():
     sched = StatsSchedule()
     sched.alert = True
     assert sched.want(57)  # after a warning sign, stats on every step
+
+
+def test_many_tensor_model_checks_parameters_after_every_update():
+    """The parameter check is queued after every update, not only before sampled stats steps, so an update
+    that writes NaN into a deep model's weights is seen at the very next read (and named at its own step)."""
+    import numpy as np
+    import paddle
+    import probe_models
+
+    from nandoctor.probe.monitors import StepMonitor
+
+    model = probe_models.deep_mlp(60, 8)  # 122 tensors: the grouped path
+    mon = StepMonitor(model)
+    try:
+        assert not mon.small
+        for poisoned in (False, True):
+            loss = model(paddle.randn([4, probe_models.FEATURES])).sum()
+            loss.backward()
+            if poisoned:
+                p = mon.params[57]
+                paddle.assign(paddle.full(p.shape, float("nan"), p.dtype), p)
+            mon.after_update()  # as the loop calls it after every optimizer.step()
+            stats = mon.read(loss, {}, full=False)
+            assert stats.params_sum is not None
+            assert np.isfinite(stats.params_sum) != poisoned
+            model.clear_gradients()
+    finally:
+        mon.close()

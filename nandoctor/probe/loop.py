@@ -218,7 +218,7 @@ class ProbeLoop:
                     break
                 self.schedule.record(step, stats_step, time.perf_counter() - t0, t_read)
                 next_stats = self.schedule.want(step + 1)
-                mon.after_update(check=next_stats)
+                mon.after_update()
                 # updates since the parameters were last seen finite (at most k of them)
                 history.append((step, batch_index, epoch, st.grad_norm, fields))
                 res.stats_every.append(self.schedule.k)
