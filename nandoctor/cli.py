@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -47,6 +47,17 @@ def _fail(err: NandoctorError) -> typer.Exit:
     return typer.Exit(err.exit_code)
 
 
+def _run(command: str, config: Path, **options: Any) -> NoReturn:
+    """One call into the core for scan and probe; its exit status, or 2 with one message for our errors."""
+    from nandoctor.run import run_command
+
+    try:
+        code = run_command(command, config, _console(), **options)
+    except NandoctorError as err:
+        raise _fail(err) from None
+    raise typer.Exit(code)
+
+
 @app.command()
 def scan(
     config: ConfigArg,
@@ -59,14 +70,8 @@ def scan(
     quiet: QuietOpt = False,
 ) -> None:
     """Check the data (NaN/Inf, ranges, outliers, labels, sequence lengths) and the parameters before training."""
-    from nandoctor.run import run_command
-
-    try:
-        code = run_command("scan", config, _console(), json_path=json_path, markdown_path=markdown_path,
-                           bundle=bundle, force=force, quiet=quiet, batches=batches)
-    except NandoctorError as err:
-        raise _fail(err) from None
-    raise typer.Exit(code)
+    _run("scan", config, json_path=json_path, markdown_path=markdown_path, bundle=bundle, force=force, quiet=quiet,
+         batches=batches)
 
 
 @app.command()
@@ -85,14 +90,8 @@ def probe(
     quiet: QuietOpt = False,
 ) -> None:
     """Run a short instrumented training run and name the first op, layer, parameter and sample to go NaN/Inf."""
-    from nandoctor.run import run_command
-
-    try:
-        code = run_command("probe", config, _console(), json_path=json_path, markdown_path=markdown_path,
-                           bundle=bundle, force=force, quiet=quiet, steps=steps, seed=seed, device=device)
-    except NandoctorError as err:
-        raise _fail(err) from None
-    raise typer.Exit(code)
+    _run("probe", config, json_path=json_path, markdown_path=markdown_path, bundle=bundle, force=force, quiet=quiet,
+         steps=steps, seed=seed, device=device)
 
 
 @app.command()
