@@ -41,13 +41,38 @@ class Moments:
         x = finite.astype(np.float64, copy=False)
         b_mean = float(x.mean())
         b_m2 = float(((x - b_mean) ** 2).sum())
+        self.merge(n, b_mean, b_m2, float(x.min()), float(x.max()))
+
+    def add_block(self, block: np.ndarray, lo: float, hi: float) -> None:
+        """Merge an all-finite block whose min and max the caller already has (the chunked fast path).
+
+        Two passes and one BLAS dot instead of a float64 copy of the block; float32 blocks are centred
+        in float32 (an exact-enough shift) and the dot falls back to float64 if the squares overflow.
+        """
+        n = int(block.size)
+        if n == 0:
+            return
+        b_mean = float(block.sum(dtype=np.float64)) / n
+        if block.dtype == np.float32:
+            d = np.subtract(block, np.float32(b_mean)).ravel()
+            b_m2 = float(np.dot(d, d))
+            if not math.isfinite(b_m2):
+                d64 = d.astype(np.float64)
+                b_m2 = float(np.dot(d64, d64))
+        else:
+            d = np.subtract(block, b_mean, dtype=np.float64).ravel()
+            b_m2 = float(np.dot(d, d))
+        self.merge(n, b_mean, b_m2, lo, hi)
+
+    def merge(self, n: int, b_mean: float, b_m2: float, lo: float, hi: float) -> None:
+        """Chan's combination of this state with a block's count, mean, M2, min and max."""
         total = self.count + n
         delta = b_mean - self.mean
         self.mean += delta * n / total
         self.m2 += b_m2 + delta * delta * self.count * n / total
         self.count = total
-        self.min = min(self.min, float(x.min()))
-        self.max = max(self.max, float(x.max()))
+        self.min = min(self.min, lo)
+        self.max = max(self.max, hi)
 
     @property
     def std(self) -> float | None:
@@ -74,7 +99,7 @@ class LogHistogram:
     def add(self, values: np.ndarray) -> None:
         """Add positive values; zeros and negatives are the caller's to filter out."""
         if values.size:
-            np.add.at(self.bins, self._index(values), 1)
+            self.bins += np.bincount(self._index(values), minlength=self.bins.size)
             self.total += int(values.size)
 
     def _centre(self, i: int) -> float:
@@ -107,20 +132,35 @@ class LogHistogram:
 
 
 class TopK:
-    """The K largest (value, batch, sample) seen: the outlier candidates kept for the final decision."""
+    """The K largest (value, batch, sample) seen: the outlier candidates kept for the final decision.
+
+    Feeding a chunk of batches at once keeps the same K as feeding them one by one (up to which of
+    several equal values at the K-th place is kept).
+    """
 
     def __init__(self, k: int = 64) -> None:
         self.k = k
         self._heap: list[tuple[float, int, int]] = []
 
     def add(self, values: np.ndarray, batch_index: int) -> None:
+        self.add_chunk(values, [batch_index], np.array([0, values.size]))
+
+    def add_chunk(self, values: np.ndarray, batch_ids: list[int], starts: np.ndarray) -> None:
+        """`values` of several batches back to back; batch i is `values[starts[i]:starts[i + 1]]`."""
         if not values.size:
             return
-        k = min(self.k, int(values.size))
-        # Only the batch's own top k can enter the heap: a Python loop over a few items per batch.
-        idx = np.argpartition(-values, k - 1)[:k] if values.size > k else np.arange(values.size)
-        for sample in sorted(idx.tolist()):
-            item = (float(values[sample]), batch_index, int(sample))
+        if len(self._heap) >= self.k:
+            # Most chunks hold nothing above the heap's minimum: one comparison and done.
+            pos = np.flatnonzero(values > self._heap[0][0])
+            if not pos.size:
+                return
+        else:
+            pos = np.arange(values.size)
+        if pos.size > self.k:  # only the chunk's own top k can enter: largest first, ties to the earliest
+            pos = np.sort(pos[np.argsort(-values[pos], kind="stable")[:self.k]])
+        which = np.searchsorted(starts, pos, side="right") - 1
+        for p, i in zip(pos.tolist(), which.tolist()):
+            item = (float(values[p]), batch_ids[i], p - int(starts[i]))
             if len(self._heap) < self.k:
                 heapq.heappush(self._heap, item)
             elif item[0] > self._heap[0][0]:
@@ -194,8 +234,13 @@ class FieldStats:
     n_inf: int = 0
     n_batches: int = 0
     kind: str = "float"  # float | int | bool | other
+    _last_layout: tuple[Any, ...] | None = field(default=None, repr=False, compare=False)
 
     def note_layout(self, arr: np.ndarray) -> None:
+        self.n_batches += 1
+        if self._last_layout == (arr.dtype, arr.shape):
+            return  # the usual case, a batch like the last one: skip the string and list work
+        self._last_layout = (arr.dtype, arr.shape)
         dtype = str(arr.dtype)
         if dtype not in self.dtypes and len(self.dtypes) < MAX_SHAPES:
             self.dtypes.append(dtype)
@@ -205,7 +250,6 @@ class FieldStats:
                 self.shapes.append(shape)
             else:
                 self.shapes_truncated = True
-        self.n_batches += 1
 
     def summary(self) -> dict[str, Any]:
         """The JSON-able per-field line of `report.details["fields"]`."""
