@@ -1,10 +1,11 @@
 """Static checks before training: the data a loader yields and the parameters a model starts with.
 
 `run_scan` owns the order of work and the handling of the user's exceptions: build the workload,
-check the parameters (params.py), stream the loader once through the data checks (data.py), and
-return a Report. An exception in the user's model or loader becomes a `user_code.error` finding and
-the report keeps everything scanned before it; a model that cannot be built still gets its data
-scanned. Nothing here prints; progress goes through the callback.
+check the parameters (params.py), stream the loader once through the data checks (data.py, which
+checks batches in chunks: chunks.py), flush the last chunk however the pass ends, and return a Report.
+An exception in the user's model or loader becomes a `user_code.error` finding and the report keeps
+everything scanned before it; a model that cannot be built still gets its data scanned. Nothing
+here prints; progress goes through the callback.
 """
 
 from __future__ import annotations
@@ -73,8 +74,13 @@ def run_scan(spec: Spec, options: ScanOptions | None = None, progress: ProgressF
             Location(phase=Phase.DATA, batch_index=done), {"batches_scanned": done},
             advice_for(Code.RUN_INTERRUPTED.value)))
     finally:
-        report.findings += scanner.findings()
-        report.details.update(scanner.details())
+        # The last chunk of batches is checked here, whether the loader ended, raised or was interrupted.
+        try:
+            scanner.flush()
+        finally:
+            _keep_error_batch(scanner, report)
+            report.findings += scanner.findings()
+            report.details.update(scanner.details())
     report.first_fault = _first_fault(report)
     return report
 
@@ -146,16 +152,16 @@ def _scan_loader(spec: Spec, layout: BatchLayout, make_loader: Callable[[], Any]
                         _infer_classes(spec, layout, model, uses_step, fields, index, scanner, report)
                     label = layout.label_name(fields)
                     scanner.add_batch(index, fields, label, layout.input_names(fields), n)
-                    if "batch" not in report.artifacts and _has_data_error(scanner, index):
-                        capture(report, fields, step=None, batch_index=index)  # for --bundle
+                    _keep_error_batch(scanner, report)
             index += 1
             progress(index, total, "scanning data")
 
 
-def _has_data_error(scanner: DataScanner, index: int) -> bool:
-    """Batch `index` was the first to show NaN/Inf, a bad label or an over-long sequence in some field."""
-    return any(occ.first_batch == index for st in scanner.fields.values()
-               for occ in (st.nonfinite, st.bad_labels, *st.too_long.values()))
+def _keep_error_batch(scanner: DataScanner, report: Report) -> None:
+    """The first batch with NaN/Inf, a bad label or an over-long sequence, for --bundle (copied once)."""
+    if scanner.error_batch is not None and "batch" not in report.artifacts:
+        index, arrays = scanner.error_batch
+        capture(report, arrays, step=None, batch_index=index)
 
 
 def _infer_classes(spec: Spec, layout: BatchLayout, model: Any, uses_step: bool, fields: dict[str, Any],

@@ -1,7 +1,8 @@
 """The data checks: one streaming pass over the batches, per-field running state, findings at the end.
 
 `DataScanner.add_batch` sees each batch once and keeps only bounded state (see stats.py), so a scan
-of a million batches needs the memory of a scan of ten. Decisions that need the whole picture
+of a million batches needs the memory of a scan of ten. Small batches are checked several at a time
+(chunks.py) for speed; every finding still names its own batch and sample. Decisions that need the whole picture
 (outliers, constant fields) are made in `findings()`.
 
 Outliers, the one judgement call: a sample is a gross outlier in a float field when its max |value|
@@ -23,8 +24,10 @@ from typing import Any
 import numpy as np
 
 from nandoctor.advice import advice_for
+from nandoctor.batches import batch_size as common_batch_size
 from nandoctor.batches import to_numpy
 from nandoctor.findings import Code, Finding, Location, Phase, Severity
+from nandoctor.scan.chunks import MAX_BYTES, MAX_ROWS, Chunk, ChunkBuffer, lone_chunk
 from nandoctor.scan.stats import MAX_SAMPLES, FieldStats, LogHistogram, Occurrences, TopK
 
 OUTLIER_DECADES = 3.0  # 1000x
@@ -64,14 +67,22 @@ class _FieldState:
 
 
 class DataScanner:
-    """Feed it named batches with `add_batch`; ask for `findings()` and `details()` at the end."""
+    """Feed it named batches with `add_batch`; ask for `findings()` and `details()` at the end.
 
-    def __init__(self, limits: DataLimits) -> None:
+    Batches are checked in chunks (chunks.py): `add_batch` may only copy the batch into a buffer, and
+    `flush()` checks what is pending. `findings()`, `details()` and `state_size()` flush first; a
+    caller that stops early (Ctrl-C, a crashing loader) calls `flush()` itself before reporting.
+    `max_rows=0` checks every batch on its own (the reference the chunked path must match).
+    """
+
+    def __init__(self, limits: DataLimits, max_rows: int = MAX_ROWS, max_bytes: int = MAX_BYTES) -> None:
         self.limits = limits
         self.fields: dict[str, _FieldState] = {}
         self.empty = Occurrences()
         self.n_batches = 0
         self.n_samples = 0
+        self.error_batch: tuple[int, dict[str, np.ndarray]] | None = None  # first batch with a data error
+        self._buffer = ChunkBuffer(max_rows, max_bytes) if max_rows > 0 else None
 
     def add_empty(self, batch_index: int) -> None:
         self.n_batches += 1
@@ -79,101 +90,166 @@ class DataScanner:
 
     def add_batch(self, batch_index: int, fields: dict[str, Any], label: str | None, inputs: list[str],
                   batch_size: int | None) -> None:
-        """Check one named batch; `label`/`inputs` say each field's role (from the spec's layout)."""
+        """Check one named batch (now or at the next flush); `label`/`inputs` give each field's role."""
         self.n_batches += 1
         self.n_samples += batch_size or 0
         arrays = {name: to_numpy(value) for name, value in fields.items()}
-        lengths = _real_lengths(arrays, batch_size)
         for name, arr in arrays.items():
-            role = "label" if name == label else ("input" if name in inputs else "other")
             state = self.fields.get(name)
             if state is None:
+                role = "label" if name == label else ("input" if name in inputs else "other")
                 state = self.fields[name] = _FieldState(FieldStats(name, role=role))
-            self._check_field(state, arr, batch_index, lengths)
-
-    def _check_field(self, st: _FieldState, arr: np.ndarray | None, b: int,
-                     lengths: np.ndarray | None) -> None:
-        stats = st.stats
-        if arr is None or arr.dtype.kind not in "fiub":
-            stats.kind = "other"
+            stats = state.stats
+            if arr is None or arr.dtype.kind not in "fiub":
+                stats.kind = "other"
+            else:
+                stats.kind = {"f": "float", "b": "bool"}.get(arr.dtype.kind, "int")
             if arr is not None:
                 stats.note_layout(arr)
-            return
-        stats.kind = {"f": "float", "b": "bool"}.get(arr.dtype.kind, "int")
-        stats.note_layout(arr)
-        rows = arr.reshape(1, -1) if arr.ndim == 0 else arr.reshape(arr.shape[0], -1)
-        if stats.kind == "float":
-            finite = np.isfinite(rows)
-            if finite.all():
-                values = rows.ravel()
-            else:
-                self._note_nonfinite(st, arr, rows, finite, b)
-                values = rows[finite]
-            stats.moments.add(values)
-            if self.limits.value_range is not None and stats.role != "label":
-                self._check_range(st, rows, finite, b)
-            maxabs = np.where(finite, np.abs(rows), 0).max(axis=1).astype(np.float64)
-            st.scales.add(maxabs[maxabs > 0])
-            st.candidates.add(maxabs, b)
-        else:
-            stats.moments.add(rows.ravel())
-        if stats.role == "label" and self.limits.label_bounds is not None and stats.kind != "bool":
-            self._check_labels(st, rows, b)
-        if stats.role == "input" and stats.kind == "int" and arr.ndim == 2:
-            self._check_length(st, arr, b, lengths)
+        buf = self._buffer
+        if buf is not None and batch_size:
+            layout = ChunkBuffer.layout(arrays, batch_size)
+            if layout is not None:
+                if not buf.fits(layout, batch_size):
+                    self.flush()
+                    if not buf.can_hold(layout, batch_size):
+                        self._check_chunk(lone_chunk(batch_index, arrays))
+                        return
+                if buf.add(batch_index, arrays, layout, batch_size):
+                    self.flush()  # full
+                return
+        self.flush()  # what is pending came first
+        self._check_chunk(lone_chunk(batch_index, arrays))
 
-    def _note_nonfinite(self, st: _FieldState, arr: np.ndarray, rows: np.ndarray, finite: np.ndarray,
-                        b: int) -> None:
+    def flush(self) -> None:
+        """Check the pending batches. The buffer is emptied first, so a second call never counts twice."""
+        chunk = self._buffer.take() if self._buffer is not None else None
+        if chunk is not None:
+            self._check_chunk(chunk)
+
+    def _check_chunk(self, chunk: Chunk) -> None:
+        for name in chunk.blocks:
+            self._check_field(self.fields[name], chunk, name)
+        if self.error_batch is None:
+            self._keep_error_batch(chunk)
+
+    def _keep_error_batch(self, chunk: Chunk) -> None:
+        """A copy of the first batch with NaN/Inf, a bad label or an over-long sequence (for --bundle)."""
+        firsts = [occ.first_batch for st in self.fields.values()
+                  for occ in (st.nonfinite, st.bad_labels, *st.too_long.values()) if occ]
+        if firsts and min(firsts) in chunk.ids:  # type: ignore[type-var]
+            b = min(firsts)  # type: ignore[type-var]
+            arrays = chunk.batch_arrays(chunk.ids.index(b))  # type: ignore[arg-type]
+            self.error_batch = (b, {k: np.array(v, copy=True) for k, v in arrays.items() if v is not None})  # type: ignore[assignment]
+
+    def _check_field(self, st: _FieldState, chunk: Chunk, name: str) -> None:
+        stats, rows = st.stats, chunk.rows(name)
+        kind = rows.dtype.kind
+        if rows.size == 0:
+            return  # no values (a (n, 0) field, or a lone batch whose fields disagree on their length)
+        if kind == "f":
+            rmax, rmin = rows.max(axis=1), rows.min(axis=1)  # fast: the slab is (features, rows)
+            with np.errstate(invalid="ignore"):
+                all_finite = bool(np.isfinite(rmax).all() and np.isfinite(rmin).all())  # NaN propagates
+            if all_finite:
+                finite = None
+                stats.moments.add_block(chunk.blocks[name], float(rmin.min()), float(rmax.max()))
+                maxabs = np.maximum(rmax, -rmin).astype(np.float64)
+            else:  # the details, only for a chunk that has a NaN or Inf somewhere
+                finite = np.isfinite(rows)
+                for i in chunk.batches_with(name, ~finite.all(axis=1)):
+                    self._note_nonfinite(st, chunk, name, i, finite)
+                stats.moments.add(rows[finite])
+                maxabs = np.where(finite, np.abs(rows), 0).max(axis=1).astype(np.float64)
+            if self.limits.value_range is not None and stats.role != "label":
+                self._check_range(st, chunk, name, rmin, rmax, finite)
+            st.scales.add(maxabs[maxabs > 0])
+            st.candidates.add_chunk(maxabs, chunk.ids, chunk.starts[name])
+        else:
+            block = chunk.blocks[name]
+            if block.size:
+                stats.moments.add_block(block, float(block.min()), float(block.max()))
+        if stats.role == "label" and self.limits.label_bounds is not None and kind != "b":
+            self._check_labels(st, chunk, name)
+        trailing = chunk.trailing[name]
+        if stats.role == "input" and kind in "iu" and trailing is not None and len(trailing) == 1:
+            self._check_length(st, chunk, name)
+
+    def _note_nonfinite(self, st: _FieldState, chunk: Chunk, name: str, i: int, finite: np.ndarray) -> None:
+        s, e = chunk.starts[name][i], chunk.starts[name][i + 1]
+        rows, fin = chunk.rows(name)[s:e], finite[s:e]
         nan = int(np.isnan(rows).sum())
-        bad = int((~finite).sum())
+        bad = int((~fin).sum())
         st.stats.n_nan += nan
         st.stats.n_inf += bad - nan
-        samples = np.flatnonzero(~finite.all(axis=1)).tolist() if arr.ndim else []
-        positions = np.argwhere(~np.isfinite(arr))[:5].tolist() if arr.ndim else []
-        st.nonfinite.add(b, samples, bad, positions)
+        scalar = chunk.trailing[name] is None
+        samples = [] if scalar else np.flatnonzero(~fin.all(axis=1)).tolist()
+        positions = [] if scalar else np.argwhere(~np.isfinite(chunk.batch(name, i)))[:5].tolist()
+        st.nonfinite.add(chunk.ids[i], samples, bad, positions)
 
-    def _check_range(self, st: _FieldState, rows: np.ndarray, finite: np.ndarray, b: int) -> None:
+    def _check_range(self, st: _FieldState, chunk: Chunk, name: str, rmin: np.ndarray, rmax: np.ndarray,
+                     finite: np.ndarray | None) -> None:
         lo, hi = self.limits.value_range  # type: ignore[misc]
+        rows = chunk.rows(name)
         with np.errstate(invalid="ignore"):
-            bad = finite & ((rows < lo) | (rows > hi))
-        if bad.any():
-            bad_values = rows[bad]
-            st.out_of_range.add(b, np.flatnonzero(bad.any(axis=1)).tolist(), int(bad.sum()),
+            if finite is None:  # every value finite: a row is out of range iff its min or max is
+                flagged = (rmin < lo) | (rmax > hi)
+            else:
+                flagged = (finite & ((rows < lo) | (rows > hi))).any(axis=1)
+        for i in chunk.batches_with(name, flagged):
+            s, e = chunk.starts[name][i], chunk.starts[name][i + 1]
+            r = rows[s:e]
+            with np.errstate(invalid="ignore"):
+                bad = (r < lo) | (r > hi)
+            if finite is not None:
+                bad &= finite[s:e]
+            bad_values = r[bad]
+            st.out_of_range.add(chunk.ids[i], np.flatnonzero(bad.any(axis=1)).tolist(), int(bad.sum()),
                                 values=[float(bad_values.min()), float(bad_values.max())])
 
-    def _check_labels(self, st: _FieldState, rows: np.ndarray, b: int) -> None:
+    def _check_labels(self, st: _FieldState, chunk: Chunk, name: str) -> None:
         lo, hi = self.limits.label_bounds  # type: ignore[misc]
+        rows = chunk.rows(name)
         with np.errstate(invalid="ignore"):
             bad = (rows < lo) | (rows > hi)
         if lo > IGNORE_INDEX:
             ignored = rows == IGNORE_INDEX
             st.ignored_labels += int(ignored.sum())
             bad &= ~ignored
-        if bad.any():
-            values = np.unique(rows[bad])[:10].tolist()
-            st.bad_labels.add(b, np.flatnonzero(bad.any(axis=1)).tolist(), int(bad.sum()), values=values)
+        if not bad.any():
+            return
+        for i in chunk.batches_with(name, bad.any(axis=1)):
+            s, e = chunk.starts[name][i], chunk.starts[name][i + 1]
+            b_bad = bad[s:e]
+            values = np.unique(rows[s:e][b_bad])[:10].tolist()
+            st.bad_labels.add(chunk.ids[i], np.flatnonzero(b_bad.any(axis=1)).tolist(), int(b_bad.sum()),
+                              values=values)
 
-    def _check_length(self, st: _FieldState, arr: np.ndarray, b: int, lengths: np.ndarray | None) -> None:
-        padded = int(arr.shape[1])
+    def _check_length(self, st: _FieldState, chunk: Chunk, name: str) -> None:
+        padded = int(chunk.trailing[name][0])  # type: ignore[index]
         limits = []
         if self.limits.max_seq_len is not None:
             limits.append(("checks.max_seq_len", self.limits.max_seq_len))
         if self.limits.position_table is not None:
             layer, size = self.limits.position_table
             limits.append((f"position table {layer}", size))
-        for source, limit in limits:
-            if padded <= limit:
-                continue
-            if lengths is not None and len(lengths) == arr.shape[0]:
-                samples = np.flatnonzero(lengths > limit).tolist() or list(range(arr.shape[0]))
-            else:
-                samples = list(range(arr.shape[0]))
-            occ = st.too_long.setdefault(source, Occurrences())
-            occ.add(b, samples, len(samples), values=[padded])
+        limits = [(source, limit) for source, limit in limits if padded > limit]
+        for i in range(len(chunk.ids) if limits else 0):
+            n = int(chunk.starts[name][i + 1] - chunk.starts[name][i])
+            arrays = chunk.batch_arrays(i)
+            lengths = _real_lengths(arrays, common_batch_size(arrays))
+            for source, limit in limits:
+                if lengths is not None and len(lengths) == n:
+                    samples = np.flatnonzero(lengths > limit).tolist() or list(range(n))
+                else:
+                    samples = list(range(n))
+                occ = st.too_long.setdefault(source, Occurrences())
+                occ.add(chunk.ids[i], samples, len(samples), values=[padded])
 
     # ---- the end of the pass ------------------------------------------------------------------------
 
     def findings(self) -> list[Finding]:
+        self.flush()
         out: list[Finding] = []
         if self.empty:
             out.append(_empty_finding(self.empty))
@@ -277,6 +353,7 @@ class DataScanner:
             advice_for(Code.DATA_RANGE.value))
 
     def details(self) -> dict[str, Any]:
+        self.flush()
         out: dict[str, Any] = {
             "batches": self.n_batches, "samples": self.n_samples,
             "fields": {name: st.stats.summary() for name, st in self.fields.items()},
@@ -293,6 +370,7 @@ class DataScanner:
 
     def state_size(self) -> int:
         """Items held in the running state: flat in the number of batches (a test checks it)."""
+        self.flush()
         return self.empty.state_size() + sum(st.state_size() for st in self.fields.values())
 
 
