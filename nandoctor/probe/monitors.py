@@ -170,7 +170,10 @@ class StepMonitor:
         if self._grouped:
             return paddle.add_n([_C_ops.stack([self.params[i] for i in idx], 0).sum().reshape([1])
                                  for idx, _ in self._groups])
-        return paddle.add_n([p.astype("float32").sum().reshape([1]) for p in self.params])
+        # Bare ops (~5 us each against ~30 us through the Python API): this runs after every update.
+        f32 = paddle.float32
+        return _C_ops.add_n([_C_ops.sum(p if p.dtype == f32 else p.astype(f32), None, None, False)
+                             for p in self.params]).reshape([1])
 
     def _grad_sq(self, per_param: bool) -> tuple[Any, list[int]]:
         """Squared gradient norms as one device tensor (per parameter, or only the global one for a large
@@ -194,8 +197,9 @@ class StepMonitor:
                 return paddle.add_n([_C_ops.squared_l2_norm(st) for st, _ in stacks]).reshape([1]), self._all_idx
             rows = [(st * st).sum(axis=list(range(1, nd + 1))) if nd else st * st for st, nd in stacks]
             return paddle.concat(rows), self._group_order
-        return paddle.concat([_C_ops.squared_l2_norm(g.astype("float32")).reshape([1]) for g in grads_all]), \
-            self._all_idx
+        f32 = paddle.float32
+        return paddle.concat([_C_ops.squared_l2_norm(g if g.dtype == f32 else g.astype(f32)).reshape([1])
+                              for g in grads_all]), self._all_idx
 
     def read(self, loss: Any, data_checks: dict[str, Any], full: bool = True, scale: Any = None) -> StepStats:
         """The one host sync of a step: everything queued so far, as numbers. `scale`: AMP's loss-scale

@@ -8,6 +8,7 @@ spec asks for float16 AMP), gradients below float16's smallest subnormal (only w
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 import numpy as np
@@ -33,15 +34,21 @@ class WarningTracker:
         self.amp = amp
         self.learning_rate = learning_rate
         self.norms: list[tuple[int, float]] = []
+        self._early: float | None = None
         self.explosion: Finding | None = None
         self.fp16_hits: dict[int, tuple[int, float]] = {}  # layer index -> (first step, max value)
         self.vanishing: dict[int, tuple[int, float]] = {}  # param index -> (first step, norm)
 
     def early_level(self) -> float | None:
+        """The median norm of the first steps; fixed once those steps are in, so computed once then."""
         if len(self.norms) < 3:
             return None
-        vals = [n for _, n in self.norms[:_EARLY_STEPS]]
-        return float(np.median(vals))
+        if self._early is not None:
+            return self._early
+        level = statistics.median(n for _, n in self.norms[:_EARLY_STEPS])
+        if len(self.norms) >= _EARLY_STEPS:
+            self._early = level
+        return level
 
     def update(self, record: Any) -> bool:
         """Take one step's numbers; True while something looks like trouble (stats on every step)."""
