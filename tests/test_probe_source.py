@@ -39,6 +39,16 @@ def test_source_line_of_the_offending_op(sample: str, needle: str, phase: str, c
     text = (SAMPLES / sample / "model.py").read_text().splitlines()[int(line) - 1]
     assert needle in text, f"{source} points at {text!r}"
     assert f"created at {source}" in finding.message
+    from rich.console import Console
+
+    from nandoctor.report import console as console_report
+    from nandoctor.report import markdown as markdown_report
+
+    screen = Console(width=100, record=True, force_terminal=False)
+    console_report.render(report, screen)
+    panel = screen.export_text().split("first fault", 1)[1].split("╰", 1)[0]
+    assert "source" in panel and source.split(" ")[0] in panel  # model.py:N in the first-fault panel
+    assert f"created at `{source}`" in markdown_report.render(report)
     printed = capfd.readouterr()
     assert "[PRECISION]" not in printed.out + printed.err
     assert "There are nan/inf" not in printed.out + printed.err

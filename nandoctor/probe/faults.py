@@ -99,6 +99,7 @@ def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: l
     evidence: dict[str, Any] = {"epoch": fault.epoch, "loss": st.loss, "grad_norm": st.grad_norm}
     if loc_.source:
         evidence["source"] = loc_.source
+        report.details["source"] = loc_.source  # the first-fault panel shows it beside layer and op
     if loc_.bad_parameters:
         evidence["nonfinite_grad_parameters"] = loc_.bad_parameters[:50]
     if loc_.offending:

@@ -74,6 +74,9 @@ def _first_fault(report: Report) -> list[str]:
     out += table(("step", "phase", "layer", "op", "parameter", "batch", "samples"),
                  [(cell(ff.step), cell(ff.phase.value), cell(ff.layer, code=True), cell(ff.op, code=True),
                    cell(ff.parameter, code=True), cell(ff.batch_index), cell(samples))])
+    source = report.details.get("source")
+    if source:
+        out += [f"The offending op was created at `{source}` (the user's code).", ""]
     stats = report.details.get("offending_tensor")
     if isinstance(stats, dict) and stats:
         out += ["Offending tensor:", ""]
