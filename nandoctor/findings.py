@@ -257,7 +257,8 @@ class Report:
         return sorted(self.findings, key=lambda f: rank[f.severity])
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The contract's document, JSON-ready all the way down (numpy values and NaN included), in one pass."""
+        return _jsonable({
             "schema": SCHEMA,
             "command": self.command,
             "verdict": self.verdict.value,
@@ -265,10 +266,10 @@ class Report:
             "first_fault": self.first_fault.to_dict() if self.first_fault else None,
             "findings": [f.to_dict() for f in self.findings],
             "timeline": [p.to_dict() for p in self.timeline],
-            "environment": _jsonable(self.environment),
-            "run": _jsonable(self.run),
-            "details": _jsonable(self.details),
-        }
+            "environment": self.environment,
+            "run": self.run,
+            "details": self.details,
+        })
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Report:
