@@ -24,6 +24,7 @@ import numpy as np
 
 from nandoctor.entrypoints import user_origin
 from nandoctor.findings import Phase
+from nandoctor.probe.monitors import float_dtypes
 from nandoctor.probe.native import capture_native_output, user_frame
 
 _OP_RE = re.compile(r"op=([A-Za-z0-9_]+)")
@@ -293,7 +294,7 @@ def _tensors(value: Any) -> list[Any]:
     import paddle
 
     if isinstance(value, paddle.Tensor):
-        return [value] if value.dtype in (paddle.float32, paddle.float16, paddle.float64, paddle.bfloat16) else []
+        return [value] if value.dtype in float_dtypes() else []
     if isinstance(value, (tuple, list)):
         out = []
         for v in value:

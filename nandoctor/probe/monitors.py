@@ -272,10 +272,10 @@ def _first_float_tensor(outputs: Any) -> Any:
     import paddle
 
     if isinstance(outputs, paddle.Tensor):
-        return outputs if outputs.dtype in _float_dtypes() else None
+        return outputs if outputs.dtype in float_dtypes() else None
     if isinstance(outputs, (tuple, list)):
         for o in outputs:
-            if isinstance(o, paddle.Tensor) and o.dtype in _float_dtypes():
+            if isinstance(o, paddle.Tensor) and o.dtype in float_dtypes():
                 return o
     return None
 
@@ -283,7 +283,8 @@ def _first_float_tensor(outputs: Any) -> Any:
 _FLOATS: tuple[Any, ...] | None = None
 
 
-def _float_dtypes() -> tuple[Any, ...]:
+def float_dtypes() -> tuple[Any, ...]:
+    """The floating dtypes whose values can go NaN/Inf; built once (paddle is imported lazily)."""
     global _FLOATS
     if _FLOATS is None:
         import paddle
@@ -298,7 +299,7 @@ def param_nonfinite(model: Any) -> list[str]:
 
     bad = []
     for name, t in model.state_dict().items():
-        if isinstance(t, paddle.Tensor) and t.dtype in _float_dtypes() and t.size > 0:
+        if isinstance(t, paddle.Tensor) and t.dtype in float_dtypes() and t.size > 0:
             if not bool(paddle.isfinite(t).all()):
                 bad.append(name)
     return bad
