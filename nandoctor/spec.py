@@ -51,9 +51,17 @@ class EntrySpec:
 
 
 @dataclass
+class ModelSpec(EntrySpec):
+    # `model.output`: which part of a tuple/dict/output object the loss gets (a key, attribute or index);
+    # "loss": the model computes its own loss. None: the model's output as it is.
+    output: str | int | None = None
+
+
+@dataclass
 class DataSpec(EntrySpec):
     fields: list[str] | None = None
-    inputs: list[str] | None = None
+    # positional: a list of field names; keyword: {argument name: field name}
+    inputs: list[str] | dict[str, str] | None = None
     label: str | None = None
 
 
@@ -70,11 +78,32 @@ class GradClipSpec:
 
 
 @dataclass
+class WarmupSpec:
+    """`optimizer.lr_scheduler.warmup`: wraps the scheduler in paddle.optimizer.lr.LinearWarmup."""
+
+    steps: int
+    start_lr: float = 0.0
+
+
+@dataclass
+class SchedulerSpec:
+    """`optimizer.lr_scheduler`: a class in paddle.optimizer.lr (`name` + `args`) or an `entry` returning one."""
+
+    name: str | None = None
+    entry: str | None = None
+    args: dict[str, Any] = field(default_factory=dict)
+    warmup: WarmupSpec | None = None
+    by: str = "step"  # "step": scheduler.step() after every optimizer step; "epoch": after every epoch
+
+
+@dataclass
 class OptimizerSpec:
     name: str = "Adam"
     args: dict[str, Any] = field(default_factory=lambda: {"learning_rate": 1.0e-3})
     grad_clip: GradClipSpec | None = None
     given: bool = False  # False when the spec had no `optimizer` and the default is used
+    lr_scheduler: SchedulerSpec | None = None
+    accumulate_steps: int = 1  # one optimizer step every K batches
 
 
 @dataclass
@@ -109,7 +138,7 @@ class ProbeDefaults:
 @dataclass
 class Spec:
     path: Path
-    model: EntrySpec
+    model: ModelSpec
     data: DataSpec
     loss: LossSpec | None
     step: EntrySpec | None
@@ -204,7 +233,8 @@ def parse_spec(raw: Any, path: Path) -> Spec:
     if version != 1:
         v.fail("version", f"is {version!r}, but this nandoctor reads spec version 1; set `version: 1`")
 
-    model = v.entry_block(raw, "model", required=True)
+    model_entry = v.entry_block(raw, "model", required=True)
+    model = ModelSpec(entry=model_entry.entry, args=model_entry.args, key=model_entry.key)
     data_raw = v.mapping(raw, "data", required=True)
     data_entry = v.entry_block(raw, "data", required=True)
     data = DataSpec(entry=data_entry.entry, args=data_entry.args, key="data.entry",
