@@ -32,7 +32,7 @@ def model_state(model: Any) -> dict[str, np.ndarray]:
 
 
 def rng_state() -> Any:
-    """Paddle's generator states (picklable); None if this Paddle cannot give them."""
+    """Paddle's generator states; None if this Paddle cannot give them (bundles store them via `rng_state_json`)."""
     try:
         import paddle
 
@@ -56,3 +56,29 @@ def capture(report: Any, fields: Mapping[str, Any], *, step: int | None, batch_i
             pass
     if rng is not None:
         report.artifacts["rng_state"] = rng
+
+
+RNG_FORMAT = "paddle.GeneratorState/1"
+
+
+def rng_state_json(states: Any) -> dict[str, Any] | None:
+    """Paddle's generator states as plain JSON data (no pickle), or None when they do not reduce to numbers.
+
+    A GeneratorState pickles through `__getstate__()`, a tuple of ints and a list of ints (device, seed,
+    offset, the engine's text state); reproduce.py rebuilds it with `GeneratorState.__setstate__`.
+    """
+    try:
+        out = [_plain(state.__getstate__()) for state in states]
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return {"format": RNG_FORMAT, "states": out}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bool) or value is None:
+        raise TypeError("not an RNG number")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    raise TypeError(f"{type(value).__name__} in an RNG state")

@@ -5,7 +5,10 @@ Kept small on purpose; helpers add fixtures here with small edits.
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -38,3 +41,22 @@ def golden(request: pytest.FixtureRequest):
         assert text == expected, f"output differs from {path}; if intended, run pytest --update-golden"
 
     return check
+
+
+# --- $TMPDIR stays as the suite found it --------------------------------------------------------------
+# The session (nandoctor, Paddle, reproduce.py subprocesses, pytest's own tmp_path) writes temporary files
+# into a private folder, set here before any test runs and inherited by subprocesses. At the end, anything
+# left in it but pytest's tmp_path tree is a leak and fails the session; then the folder goes, so
+# `make test` leaves $TMPDIR as it found it (pytest's tmp_path folders included).
+_SESSION_TMP = tempfile.mkdtemp(prefix="nandoctor-tests-", dir=tempfile.gettempdir())
+os.environ["TMPDIR"] = _SESSION_TMP
+tempfile.tempdir = _SESSION_TMP
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tmpdir_left_clean():
+    """Fail the session when nandoctor (or a test) left files in $TMPDIR."""
+    yield
+    leftovers = sorted(name for name in os.listdir(_SESSION_TMP) if not name.startswith("pytest-of-"))
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+    assert not leftovers, f"files left in $TMPDIR by this test session: {leftovers}"

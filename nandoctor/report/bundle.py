@@ -2,46 +2,54 @@
 
 Owns the target check made before a run (so a bad path costs nothing) and the write after it. The folder
 is built under a temporary name next to DIR and renamed into place only when complete, so a crash or a
-full disk never leaves half a bundle where a whole one was expected; with --force the old folder is
-removed only after the new one is complete.
+full disk never leaves half a bundle where a whole one was expected. Every bundle carries a manifest
+(`.nandoctor-bundle.json`, each file written and its size): --force replaces a folder only when all it
+holds is files of that manifest, so `--bundle . --force` can never delete a project, whatever
+report.json it contains. A symlink is never a bundle target: nothing is replaced through it.
 
-Contents: report.md, report.json, plots/, batch.npz, state.pdparams, rng_state.pkl (when saved),
-environment.json, command.txt, spec.yaml, code/ (the spec folder's .py files), reproduce.py, README.txt.
+Contents: report.md, report.json, plots/, batch.npz, state.npz, rng_state.json (when saved),
+environment.json, command.txt, spec.yaml, code/ (the files the spec names and the local modules they
+import), reproduce.py, README.txt. The data files load without pickle, so opening them runs no code.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import pickle
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 from nandoctor.errors import OutputError
-from nandoctor.findings import SCHEMA, Report
+from nandoctor.findings import Report
+from nandoctor.report.bundle_files import fill
 from nandoctor.spec import Spec
 
-MAX_CODE_FILE = 1_000_000  # bytes; bigger .py files are data in disguise, not code a maintainer reads
-REPRODUCE_SOURCE = Path(__file__).with_name("reproduce_script.py")
+MANIFEST = ".nandoctor-bundle.json"
+MANIFEST_SCHEMA = "nandoctor.bundle/1"
+# Files reproduce.py (or Python running it) may add to a bundle; --force may remove them with it.
+DERIVED_FILES = ("reproduce.log",)
 
 
 def check_bundle_target(path: Path, force: bool) -> None:
     """Refuse, before the run, a bundle folder that exists (without --force) or that cannot be created."""
     path = Path(path)
-    if path.exists() or path.is_symlink():
+    if path.is_symlink():
+        raise OutputError(f"cannot write the bundle to {path}: it is a symbolic link, and nandoctor writes "
+                          "nothing through a link. Pick a new folder name, e.g. --bundle nan-bundle.")
+    if path.exists():
         if not path.is_dir():
             raise OutputError(f"cannot write the bundle to {path}: it is a file, not a folder. Pick a new "
                               "folder name, e.g. --bundle nan-bundle.")
         if not force:
             raise OutputError(f"the bundle folder {path} already exists. Pass --force to replace it, or pick "
                               "another folder.")
-        if not _is_bundle(path):  # --bundle . --force must never delete someone's project
-            raise OutputError(f"{path} exists and is not a nandoctor bundle (it has files but no report.json "
-                              "from nandoctor), so --force will not replace it. Pick another folder.")
+        foreign = foreign_files(path)
+        if foreign:  # --bundle . --force must never delete someone's project
+            raise OutputError(f"{path} holds files nandoctor did not write for a bundle "
+                              f"({_listing(foreign)}), so --force will not replace it. Pick another folder, "
+                              "or move those files out.")
     anchor = _existing_ancestor(path.parent if str(path.parent) else Path("."))
     if not anchor.is_dir():
         raise OutputError(f"cannot create the bundle folder {path}: {anchor} is a file, not a folder. Pick a "
@@ -51,15 +59,80 @@ def check_bundle_target(path: Path, force: bool) -> None:
                           "Pick a folder you can write to.")
 
 
-def _is_bundle(path: Path) -> bool:
-    """An empty folder, or one holding a nandoctor report.json: the only folders --force may replace."""
-    if not any(path.iterdir()):
-        return True
+def foreign_files(folder: Path) -> list[str]:
+    """Paths in `folder` (relative, sorted) that its bundle manifest does not account for; [] = replaceable.
+
+    An empty folder is replaceable. Otherwise the folder must hold a manifest, and every entry must be
+    a regular file it lists with the size it lists (or a folder on the way to one, or a file
+    reproduce.py derives). Symlinks are never accounted for: nothing is followed or deleted through one.
+    """
+    entries = sorted(_walk(folder))
+    if not entries:
+        return []
+    listed = _read_manifest(folder)
+    if listed is None:
+        return [rel for rel, _ in entries]
+    dirs = {str(Path(name).parent) for name in listed} | {"."}
+    dirs |= {str(p) for name in listed for p in Path(name).parents}
+    foreign = []
+    for rel, kind in entries:
+        if kind == "dir":
+            ok = rel in dirs or _derived(rel, is_dir=True)
+        elif kind == "file":
+            ok = (rel == MANIFEST or listed.get(rel) == (folder / rel).stat().st_size
+                  or _derived(rel, is_dir=False))
+        else:
+            ok = False
+        if not ok:
+            foreign.append(rel + ("/" if kind == "dir" else ""))
+    return foreign
+
+
+def _walk(folder: Path) -> list[tuple[str, str]]:
+    """(relative path, 'dir' | 'file' | 'other') for everything under `folder`, never entering a symlink."""
+    out: list[tuple[str, str]] = []
+    for root, dirnames, filenames in os.walk(folder, followlinks=False):
+        for name in dirnames + filenames:
+            full = Path(root) / name
+            rel = str(full.relative_to(folder))
+            if full.is_symlink():
+                out.append((rel, "other"))
+            elif full.is_dir():
+                out.append((rel, "dir"))
+            elif full.is_file():
+                out.append((rel, "file"))
+            else:
+                out.append((rel, "other"))
+    return out
+
+
+def _read_manifest(folder: Path) -> dict[str, int] | None:
+    file = folder / MANIFEST
+    if file.is_symlink() or not file.is_file():
+        return None
     try:
-        data = json.loads((path / "report.json").read_text(encoding="utf-8"))
+        data = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and data.get("schema") == SCHEMA
+        return None
+    files = data.get("files") if isinstance(data, dict) and data.get("schema") == MANIFEST_SCHEMA else None
+    if not isinstance(files, dict):
+        return None
+    return {str(k): v for k, v in files.items() if isinstance(v, int) and ".." not in Path(str(k)).parts}
+
+
+def _derived(rel: str, *, is_dir: bool) -> bool:
+    """reproduce.py's log, and the bytecode Python caches beside code/ when the bundle was replayed."""
+    parts = Path(rel).parts
+    if is_dir:
+        return parts[0] == "code" and parts[-1] == "__pycache__"
+    if rel in DERIVED_FILES:
+        return True
+    return parts[0] == "code" and len(parts) > 2 and parts[-2] == "__pycache__" and rel.endswith(".pyc")
+
+
+def _listing(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -70,32 +143,75 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
-def write_bundle(report: Report, spec: Spec, path: Path, *, force: bool = False) -> Path:
-    """Write the bundle for `report` to `path` atomically; returns the folder written."""
+def write_bundle(report: Report, spec: Spec, path: Path, *, force: bool = False,
+                 include_code: bool = True) -> Path:
+    """Write the bundle for `report` to `path` atomically; returns the folder written.
+
+    `include_code=False` (`--no-code`) leaves the user's code out: reproduce.py then needs it installed.
+    """
     path = Path(path)
     check_bundle_target(path, force)  # again: the folder may have appeared during a long run
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    tmp: Path | None = None
     try:
-        _fill(report, spec, tmp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+        fill(report, spec, tmp, include_code=include_code)
+        _write_manifest(tmp)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a bundle is shared like any folder
         _move_into_place(tmp, path, force)
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OutputError(f"cannot write the bundle to {path}: {exc.strerror or exc}. Nothing was left "
-                          "behind; free space or pick another folder and run again.") from None
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(_write_failure(path, exc)) from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _write_manifest(folder: Path) -> None:
+    files = {rel: (folder / rel).stat().st_size for rel, kind in sorted(_walk(folder)) if kind == "file"}
+    data = {"schema": MANIFEST_SCHEMA, "note": "files nandoctor wrote to this bundle; --force replaces the "
+            "folder only while it holds nothing else", "files": files}
+    (folder / MANIFEST).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _write_failure(path: Path, exc: OSError) -> str:
+    """The real cause of a failed write, and what to do about it."""
+    where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+    if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+        return (f"cannot write the bundle to {path}: {path} appeared while nandoctor was running (something "
+                "else created it), and nandoctor replaces nothing it did not check. Nothing was left behind; "
+                "pick another folder and run again.")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (f"cannot write the bundle to {path}: permission denied{where}. Nothing was left behind; pick "
+                "a folder you can write to.")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"cannot write the bundle to {path}: the disk (or your quota) is full{where}. Nothing was left "
+                "behind; free some space or pick a folder on another disk.")
+    if exc.errno == errno.EROFS:
+        return f"cannot write the bundle to {path}: the file system is read-only. Pick another folder."
+    return (f"cannot write the bundle to {path}: {exc.strerror or exc}{where}. Nothing was left behind; pick "
+            "another folder and run again.")
+
+
 def _move_into_place(tmp: Path, path: Path, force: bool) -> None:
-    """Rename the finished folder to `path`; an old one (with --force) is moved aside first, then removed."""
+    """Rename the finished folder to `path`; an old bundle (with --force) is moved aside, checked, removed."""
     old: Path | None = None
-    if path.exists() and force:
+    if force and (path.exists() or path.is_symlink()):
         old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
         os.rmdir(old)
         os.rename(path, old)
+        if old.is_symlink() or foreign_files(old):  # it changed since the check: put it back untouched
+            os.rename(old, path)
+            raise OSError(errno.EEXIST, "changed during the run", str(path))
     try:
         os.rename(tmp, path)
     except OSError:
@@ -104,164 +220,3 @@ def _move_into_place(tmp: Path, path: Path, force: bool) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _fill(report: Report, spec: Spec, folder: Path) -> None:
-    from nandoctor.report import json as json_report
-    from nandoctor.report import markdown as markdown_report
-    from nandoctor.report.plots import make_plots
-
-    notes: list[str] = []
-    plots = make_plots(report, folder / "plots")
-    if plots:
-        report.details["plots"] = {title: f"plots/{name}" for title, name in plots.items()}
-    else:
-        report.details.pop("plots", None)
-        shutil.rmtree(folder / "plots", ignore_errors=True)
-    notes += _save_artifacts(report, folder)
-    _write(folder / "report.json", json_report.render(report))
-    _write(folder / "report.md", markdown_report.render(report))
-    environment = report.to_dict()["environment"]  # the JSON-safe form (numpy values, NaN as text)
-    _write(folder / "environment.json", json.dumps(environment, indent=2, sort_keys=True) + "\n")
-    _write(folder / "command.txt", str(report.run.get("command_line") or f"nandoctor {report.command} "
-                                       f"{spec.path}") + "\n")
-    shutil.copyfile(spec.path, folder / "spec.yaml")
-    notes += _copy_code(spec, folder / "code")
-    shutil.copyfile(REPRODUCE_SOURCE, folder / "reproduce.py")
-    _write(folder / "README.txt", _readme(report, notes, folder))
-    with (folder / "report.md").open("a", encoding="utf-8") as md:
-        md.write("\n## In this bundle\n\n" + "\n".join(
-            f"- `{name}`: {what}" for name, what in _contents(folder)) + "\n")
-
-
-def _save_artifacts(report: Report, folder: Path) -> list[str]:
-    """batch.npz, state.pdparams, rng_state.pkl from report.artifacts; returns notes on what is missing."""
-    notes: list[str] = []
-    art = report.artifacts or {}
-    if not art and report.first_fault is None:
-        return [f"no batch, model state or replay: the run found no fault (verdict {report.verdict.value})"]
-    batch = art.get("batch")
-    if isinstance(batch, dict) and batch:
-        arrays, skipped = {}, []
-        for name, value in batch.items():
-            array = _as_array(value)
-            if array is None or array.dtype == object:
-                skipped.append(str(name))
-            else:
-                arrays[str(name)] = array
-        if arrays:
-            np.savez(folder / "batch.npz", **arrays)  # uncompressed: bit-exact and quick to open
-        if skipped:
-            notes.append(f"batch fields not saved (not numeric arrays): {', '.join(skipped)}")
-    else:
-        notes.append("no offending batch was captured (the run found no fault, or found it outside the data)")
-    state = art.get("model_state")
-    if isinstance(state, dict) and state:
-        import paddle
-
-        arrays = {str(k): a for k, v in state.items() if (a := _as_array(v)) is not None}
-        paddle.save(arrays, str(folder / "state.pdparams"))  # model.set_state_dict(paddle.load(...)) reads it
-    elif report.command == "probe":
-        notes.append("no model state was captured, so reproduce.py starts from the model's fresh "
-                     "initialisation")
-    rng = art.get("rng_state")
-    if rng is not None:
-        try:
-            (folder / "rng_state.pkl").write_bytes(pickle.dumps(rng))
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            notes.append(f"the RNG state could not be saved ({exc}); dropout masks in the replay may differ")
-    elif report.command == "probe":
-        notes.append("no RNG state was captured; a model with dropout may replay with other masks")
-    return notes
-
-
-def _as_array(value: Any) -> np.ndarray | None:
-    if isinstance(value, np.ndarray):
-        return value
-    if hasattr(value, "numpy") and callable(value.numpy):
-        return np.asarray(value.numpy())
-    try:
-        return np.asarray(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _copy_code(spec: Spec, dest: Path) -> list[str]:
-    """The spec folder's own .py files (not sub-folders), plus entry files in sub-folders it names."""
-    dest.mkdir()
-    notes: list[str] = []
-    base = spec.base_dir.resolve()
-    files = sorted(p for p in base.glob("*.py") if p.is_file())
-    for entry in _entry_files(spec):
-        if entry not in files:
-            files.append(entry)
-    for file in files:
-        rel = file.relative_to(base)
-        size = file.stat().st_size
-        if size > MAX_CODE_FILE:
-            notes.append(f"code/{rel} not copied: {size:,} bytes is over the 1 MB limit")
-            continue
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(file, dest / rel)
-    return notes
-
-
-def _entry_files(spec: Spec) -> list[Path]:
-    """Files under the spec folder that model/data/loss/step entries name ("sub/models.py:build", "pkg.mod:f")."""
-    base = spec.base_dir.resolve()
-    entries = [spec.model.entry, spec.data.entry]
-    if spec.loss is not None and spec.loss.entry:
-        entries.append(spec.loss.entry)
-    if spec.step is not None:
-        entries.append(spec.step.entry)
-    out = []
-    for entry in entries:
-        target = entry.rsplit(":", 1)[0]
-        if not target.endswith(".py"):
-            # "pkg.module:func" with pkg a package folder next to the spec: the whole package comes along
-            package = base / target.split(".")[0]
-            if (package / "__init__.py").is_file():
-                out += sorted(p.resolve() for p in package.rglob("*.py") if "__pycache__" not in p.parts)
-            continue
-        file = (base / target).resolve()
-        if file.is_file() and file.is_relative_to(base):
-            out.append(file)
-    return out
-
-
-CONTENTS = (
-    ("reproduce.py", "re-runs the failing step with Paddle's tensor checker and prints the first fault "
-                     "(`python reproduce.py`; needs paddle, numpy, pyyaml; exit 1 when it reproduces, 0 when not)"),
-    ("report.md", "this report"),
-    ("report.json", "the same, machine-readable (`nandoctor report report.json` re-renders it)"),
-    ("batch.npz", "the offending batch, one array per field (`numpy.load`)"),
-    ("state.pdparams", "the model's parameters and buffers just before the failing step (`paddle.load`)"),
-    ("rng_state.pkl", "Paddle's RNG state before the step, so dropout masks match in the replay"),
-    ("spec.yaml", "the nandoctor spec as given"),
-    ("code", "the user's .py files the spec points at"),
-    ("command.txt", "the command that produced this report"),
-    ("environment.json", "versions of nandoctor, Paddle, Python and the device"),
-    ("plots", "loss and gradient norm per step; per-layer activation maxima"),
-)
-
-
-def _contents(folder: Path) -> list[tuple[str, str]]:
-    """The CONTENTS entries that exist in this bundle (a scan bundle has no state, say)."""
-    return [(name, what) for name, what in CONTENTS if (folder / name).exists() or name == "report.md"]
-
-
-def _readme(report: Report, notes: list[str], folder: Path) -> str:
-    ff = report.first_fault
-    lines = [f"nandoctor {report.command} bundle: verdict {report.verdict.value}"
-             + (" (partial: the run was interrupted)" if report.partial else ""), ""]
-    if ff is not None:
-        lines += ["First fault: " + ff.as_location().describe(), ""]
-    lines += [f"{name + ('/' if (folder / name).is_dir() else ''):<17} {what.replace('`', '')}"
-              for name, what in _contents(folder)]
-    if notes:
-        lines += ["", "Not included:"] + [f"- {n}" for n in notes]
-    return "\n".join(lines) + "\n"
-
-
-def _write(path: Path, text: str) -> None:
-    path.write_text(text, encoding="utf-8")

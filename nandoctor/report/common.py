@@ -9,7 +9,10 @@ A timeline value may be a float, None, or (after a JSON round trip) the strings 
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from nandoctor.findings import Report, TimelinePoint, Verdict
@@ -253,3 +256,62 @@ def range_text(values: Sequence[Any], *, log: bool = False) -> str:
     if bad:
         text += f", {bad} non-finite"
     return text
+
+
+def project_dir(report: Report) -> Path | None:
+    """The folder of the spec the report came from (paths under it are shown relative to it)."""
+    config = report.run.get("config")
+    if not config:
+        return None
+    path = Path(str(config)).expanduser()
+    return (path if path.is_absolute() else Path.cwd() / path).parent
+
+
+def public_paths(value: Any, project: Path | None = None) -> Any:
+    """`value` (text, or a JSON-ish tree) with the project's absolute path made relative and the home folder as ~.
+
+    Reports go into public tickets: `/home/ana/proj/model.py:12` becomes `model.py:12`, any other path
+    under the home folder `~/...`. Applied to every string, so messages, command lines and source lines
+    are covered wherever they sit.
+    """
+    rules = _path_rules(project)
+    if not rules:
+        return value
+    return _apply(value, rules)
+
+
+def _path_rules(project: Path | None) -> list[tuple[re.Pattern[str], str]]:
+    rules: list[tuple[re.Pattern[str], str]] = []
+    roots: list[tuple[str, str, str]] = []  # (absolute root, replacement before "/", replacement alone)
+    if project is not None:
+        for form in {str(project.absolute()), str(_resolved(project))}:
+            roots.append((form, "", "."))
+    home = os.environ.get("HOME") or str(Path.home())
+    for form in {home.rstrip("/"), str(_resolved(Path(home)))}:
+        roots.append((form, "~/", "~"))
+    for root, before_slash, alone in roots:
+        if len(root) <= 1:  # "/" or "": replacing it would mangle every path
+            continue
+        escaped = re.escape(root)
+        rules.append((re.compile(escaped + "/"), before_slash))
+        rules.append((re.compile(escaped + r"(?![\w.\-/])"), alone))
+    return rules
+
+
+def _resolved(path: Path) -> Path:
+    try:
+        return path.resolve()
+    except OSError:
+        return path
+
+
+def _apply(value: Any, rules: list[tuple[re.Pattern[str], str]]) -> Any:
+    if isinstance(value, str):
+        for pattern, replacement in rules:
+            value = pattern.sub(replacement, value)
+        return value
+    if isinstance(value, dict):
+        return {_apply(k, rules) if isinstance(k, str) else k: _apply(v, rules) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_apply(v, rules) for v in value)
+    return value

@@ -3,12 +3,18 @@
 Sections, in the order a maintainer reads them: verdict and summary, the first fault, the findings,
 what to do, the timeline, data fields (scan), plots, environment, how to reproduce. Pure text in, text
 out; the output is byte-stable for a given Report (golden tests rely on it).
+
+Everything that comes from the user (exception messages, layer, parameter and field names, source
+lines, paths) goes through `text`, `code` or `cell`, so no message can open or close a code fence,
+inject HTML, start a heading or swallow a section. Paths are shown relative to the project or with ~.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import quote
 
 from nandoctor.findings import Finding, Report
 from nandoctor.report.common import (
@@ -20,6 +26,8 @@ from nandoctor.report.common import (
     fmt_number,
     fmt_value,
     ordered_stats,
+    project_dir,
+    public_paths,
     summary_parts,
 )
 
@@ -28,6 +36,7 @@ TIMELINE_ROWS = 30
 
 def render(report: Report) -> str:
     """The whole report as Markdown, ending in a newline."""
+    report = _public(report)
     out: list[str] = [f"# nandoctor {report.command}: {VERDICT_TEXT[report.verdict]}", ""]
     if report.partial:
         out += ["> **Partial report.** The run was interrupted before it finished; everything below covers "
@@ -47,15 +56,61 @@ def render(report: Report) -> str:
     return "\n".join(out) + "\n"
 
 
-def cell(value: Any, code: bool = False) -> str:
-    """A table cell: `|` escaped, newlines folded, empty shown as an em dash, optionally as code."""
+def _public(report: Report) -> Report:
+    """A copy of `report` whose text shows no absolute project or home path."""
+    project = project_dir(report)
+    return Report.from_dict(public_paths(report.to_dict(), project))
+
+
+_SPECIAL = re.compile(r"([\\`*<>#|~]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))")  # intraword _ is inert in GFM
+_LINK = re.compile(r"\](?=[(\[])")  # "](" or "][" would end a link text; brackets alone make no link
+
+
+def text(value: Any) -> str:
+    """User text as inert inline Markdown: punctuation that could format escaped, `&` as an entity, one line."""
+    raw = value if isinstance(value, str) else fmt_value(value)
+    raw = " ".join(raw.replace("\r", "\n").split("\n"))
+    return _LINK.sub(r"\\]", _SPECIAL.sub(r"\\\1", raw.replace("&", "&amp;")))
+
+
+def prose(value: Any, in_table: bool = False) -> str:
+    """Text that may quote code in single backticks (advice, messages): each `span` stays code, safely fenced,
+    and everything between is escaped as `text`; unbalanced backticks make it all plain text."""
+    raw = value if isinstance(value, str) else fmt_value(value)
+    raw = " ".join(raw.replace("\r", "\n").split("\n"))
+    parts = raw.split("`")
+    if len(parts) % 2 == 0 or "``" in raw:
+        return text(raw)
+    return "".join(code(part, in_table) if i % 2 else text(part) for i, part in enumerate(parts))
+
+
+def code(value: Any, in_table: bool = False) -> str:
+    """User text as one inline code span, fenced with more backticks than it holds, so it cannot close early."""
+    raw = value if isinstance(value, str) else fmt_value(value)
+    raw = " ".join(raw.replace("\r", "\n").split("\n"))
+    if in_table:
+        raw = raw.replace("|", "\\|")  # GFM splits cells before reading code spans
+    longest = max((len(run) for run in re.findall("`+", raw)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if raw.startswith("`") or raw.endswith("`") or not raw.strip() else ""
+    return f"{fence}{pad}{raw}{pad}{fence}"
+
+
+def fenced(value: str, info: str = "") -> list[str]:
+    """A fenced code block whose fence is longer than any backtick run inside, so nothing can close it."""
+    longest = max((len(run) for run in re.findall("`+", value)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [fence + info, value.replace("\r", ""), fence]
+
+
+def cell(value: Any, code_span: bool = False) -> str:
+    """A table cell from any value: escaped (or one code span), newlines folded, empty shown as an em dash."""
     if value is None or (isinstance(value, (str, list, tuple)) and len(value) == 0):
         return "—"
-    text = fmt_value(value) if not isinstance(value, str) else value
-    text = text.replace("\r", "").replace("\n", "<br>").replace("|", "\\|")
-    if code and "`" not in text:
-        return f"`{text}`"
-    return text
+    raw = fmt_value(value) if not isinstance(value, str) else value
+    if code_span:
+        return code(raw, in_table=True)
+    return "<br>".join(prose(line, in_table=True) for line in raw.replace("\r", "").split("\n"))
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -72,11 +127,12 @@ def _first_fault(report: Report) -> list[str]:
     samples = ", ".join(str(i) for i in ff.sample_indices) if ff.sample_indices else None
     out = ["## First fault", ""]
     out += table(("step", "phase", "layer", "op", "parameter", "batch", "samples"),
-                 [(cell(ff.step), cell(ff.phase.value), cell(ff.layer, code=True), cell(ff.op, code=True),
-                   cell(ff.parameter, code=True), cell(ff.batch_index), cell(samples))])
+                 [(cell(ff.step), cell(ff.phase.value), cell(ff.layer, code_span=True),
+                   cell(ff.op, code_span=True), cell(ff.parameter, code_span=True), cell(ff.batch_index),
+                   cell(samples))])
     source = report.details.get("source")
     if source:
-        out += [f"The offending op was created at `{source}` (the user's code).", ""]
+        out += [f"The offending op was created at {code(source)} (the user's code).", ""]
     stats = report.details.get("offending_tensor")
     if isinstance(stats, dict) and stats:
         out += ["Offending tensor:", ""]
@@ -88,7 +144,7 @@ def _findings(report: Report) -> list[str]:
     findings = report.sorted_findings()
     if not findings:
         return ["## Findings", "", "No findings: nothing non-finite, nothing at risk.", ""]
-    rows = [(str(i), f.severity.value, cell(_code(f), code=True), cell(f.location.describe()),
+    rows = [(str(i), f.severity.value, cell(_code(f), code_span=True), cell(f.location.describe()),
              cell(f.message)) for i, f in enumerate(findings, 1)]
     return ["## Findings", ""] + table(("#", "severity", "code", "where", "message"), rows)
 
@@ -105,10 +161,10 @@ def _advice(report: Report) -> list[str]:
     for i, f in enumerate(findings, 1):
         if not (f.advice or f.evidence):
             continue
-        out += [f"### {i}. `{_code(f)}` ({f.severity.value}): {f.location.describe()}", ""]
-        out += [f"- {line}" for line in f.advice]
+        out += [f"### {i}. {code(_code(f))} ({f.severity.value}): {text(f.location.describe())}", ""]
+        out += [f"- {prose(line)}" for line in f.advice]
         if f.evidence:
-            evidence = "; ".join(f"{k}: {fmt_value(v)}" for k, v in f.evidence.items())
+            evidence = "; ".join(f"{text(k)}: {text(fmt_value(v))}" for k, v in f.evidence.items())
             out += ([""] if f.advice else []) + [f"Evidence: {evidence}"]
         out.append("")
     return out
@@ -145,7 +201,7 @@ def _fields(report: Report) -> list[str]:
     if found is None:
         return []
     headers, rows = found
-    return ["## Data fields", ""] + table(headers, [[cell(row[0], code=True)] + [cell(x) for x in row[1:]]
+    return ["## Data fields", ""] + table(headers, [[cell(row[0], code_span=True)] + [cell(x) for x in row[1:]]
                                                     for row in rows])
 
 
@@ -155,8 +211,7 @@ def _plots(report: Report) -> list[str]:
         return []
     out = ["## Plots", ""]
     for title, path in plots.items():
-        alt = str(title).replace("[", "\\[").replace("]", "\\]")
-        out += [f"![{alt}]({str(path).replace(' ', '%20')})", ""]
+        out += [f"![{text(title)}]({quote(str(path))})", ""]
     return out
 
 
@@ -173,10 +228,10 @@ def _reproduce(report: Report) -> list[str]:
         command = f"nandoctor {report.command} {report.run['config']}"
     out = ["## How to reproduce", ""]
     if command:
-        out += ["```shell", str(command), "```", ""]
+        out += fenced(str(command), "shell") + [""]
     else:
         out += ["The command line was not recorded.", ""]
     extra = {k: v for k, v in report.run.items() if k != "command_line" and v is not None}
     if extra:
-        out += ["Run settings: " + ", ".join(f"{k} `{fmt_value(v)}`" for k, v in extra.items()), ""]
+        out += ["Run settings: " + ", ".join(f"{text(k)} {code(fmt_value(v))}" for k, v in extra.items()), ""]
     return out

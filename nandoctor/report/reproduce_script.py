@@ -2,8 +2,12 @@
 
 This file is copied verbatim into every bundle written by `nandoctor probe/scan --bundle DIR`. It needs
 only paddle, numpy and pyyaml, plus the files next to it: spec.yaml, code/ (the model's own .py files),
-state.pdparams (the parameters just before the failing step), batch.npz (the offending batch, one array
-per field), rng_state.pkl (when saved) and report.json (what nandoctor found, to compare against).
+state.npz (the parameters just before the failing step), batch.npz (the offending batch, one array per
+field), rng_state.json (when saved) and report.json (what nandoctor found, to compare against).
+
+Only this file and code/ are code; read them before running a bundle someone else made. The data files
+are read without pickle (`numpy.load(..., allow_pickle=False)` and JSON), so a planted pickle is refused,
+never run.
 
     python reproduce.py            # from any folder
 
@@ -14,7 +18,8 @@ or Inf. Forward hooks keep a stack of the layers being run, and gradient hooks o
 track which layer the backward pass is in, so the fault is printed as op, phase and layer. For a data
 fault it re-checks the saved batch for NaN/Inf and prints the field and samples.
 
-Exit status: 1 when a fault reproduced, 0 when the step ran clean, 2 when the bundle cannot be replayed.
+Paddle's checker log goes to reproduce.log in this folder. Exit status: 1 when a fault reproduced, 0
+when the step ran clean, 2 when the bundle cannot be replayed.
 """
 
 from __future__ import annotations
@@ -24,10 +29,8 @@ import importlib
 import importlib.util
 import json
 import os
-import pickle
 import re
 import sys
-import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +40,8 @@ import numpy as np
 import yaml
 
 HERE = Path(__file__).resolve().parent
+LOG_NAME = "reproduce.log"
+RNG_FORMAT = "paddle.GeneratorState/1"
 FAULT_KEYS = ("op", "phase", "layer")
 
 
@@ -46,6 +51,7 @@ class BundleError(Exception):
 
 def main() -> int:
     warnings.filterwarnings("ignore", message=".*ccache.*")  # Paddle's import-time build-tool notice
+    sys.dont_write_bytecode = True  # leave the bundle as it came: no __pycache__ under code/
     try:
         report = json.loads((HERE / "report.json").read_text(encoding="utf-8"))
         spec = yaml.safe_load((HERE / "spec.yaml").read_text(encoding="utf-8"))
@@ -55,7 +61,11 @@ def main() -> int:
     expected = report.get("first_fault") or {}
     if expected:
         print("nandoctor reported: " + describe(expected))
-    batch = load_batch()
+    try:
+        batch = load_batch()
+    except BundleError as exc:
+        print(f"reproduce.py: {exc}", file=sys.stderr)
+        return 2
     phase = expected.get("phase")
     if not expected and not (HERE / "batch.npz").is_file():
         print(f"nothing to reproduce: nandoctor found no fault in this run (verdict {report.get('verdict')}); "
@@ -111,8 +121,20 @@ def load_batch() -> dict[str, np.ndarray] | None:
     file = HERE / "batch.npz"
     if not file.is_file():
         return None
-    with np.load(file, allow_pickle=False) as data:
-        return {name: data[name] for name in data.files}
+    return load_arrays(file)
+
+
+def load_arrays(file: Path) -> dict[str, np.ndarray]:
+    """An .npz of plain arrays. Never unpickles: an object array or a pickle in disguise is refused."""
+    try:
+        data = np.load(file, allow_pickle=False)
+        if not hasattr(data, "files"):
+            raise ValueError("a single array, not an .npz archive of arrays")
+        with data:
+            return {name: data[name] for name in data.files}
+    except (OSError, ValueError, EOFError) as exc:
+        raise BundleError(f"{file.name} is not a plain array archive ({exc}); it was not loaded. A bundle "
+                          "from nandoctor never holds pickled data: treat this bundle with care.") from None
 
 
 def check_data(batch: dict[str, np.ndarray] | None, spec: dict[str, Any], expected: dict[str, Any]
@@ -133,20 +155,18 @@ def check_data(batch: dict[str, np.ndarray] | None, spec: dict[str, Any], expect
 
 def check_state(expected: dict[str, Any]) -> dict[str, Any] | None:
     """A parameter that is already NaN/Inf before training (phase params)."""
-    for name, value in load_state().items():
-        array = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+    for name, array in load_state().items():
         if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
             return {"op": None, "phase": "params", "layer": None, "parameter": name}
     return None
 
 
-def load_state() -> dict[str, Any]:
-    import paddle
-
-    file = HERE / "state.pdparams"
+def load_state() -> dict[str, np.ndarray]:
+    """{parameter or buffer name: array} from state.npz (`model.set_state_dict` takes it); {} when absent."""
+    file = HERE / "state.npz"
     if not file.is_file():
         return {}
-    return paddle.load(str(file))
+    return load_arrays(file)
 
 
 # --- the user's code ---------------------------------------------------------------------------------
@@ -294,7 +314,7 @@ def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expec
     if state:
         model.set_state_dict(state)
     else:
-        print("note: no state.pdparams in the bundle; the replay starts from the model's fresh initialisation, "
+        print("note: no state.npz in the bundle; the replay starts from the model's fresh initialisation, "
               "not from the state before the failing step")
     model.train()
     fields = {name: paddle.to_tensor(array) for name, array in batch.items()}
@@ -323,7 +343,7 @@ def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expec
 
     rng = load_rng()
     if rng is None:
-        print("note: no rng_state.pkl in the bundle; a model with dropout may replay with other masks")
+        print("note: no rng_state.json in the bundle; a model with dropout may replay with other masks")
     tracker = Tracker(model)
     log = quiet_paddle()
     try:
@@ -363,8 +383,25 @@ def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expec
 
 
 def load_rng() -> Any:
-    file = HERE / "rng_state.pkl"
-    return pickle.loads(file.read_bytes()) if file.is_file() else None
+    """Paddle's generator states rebuilt from rng_state.json (plain numbers); None when absent."""
+    file = HERE / "rng_state.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        if data.get("format") != RNG_FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, expected {RNG_FORMAT!r}")
+        from paddle.base.libpaddle import GeneratorState
+
+        states = []
+        for numbers in data["states"]:
+            state = GeneratorState.__new__(GeneratorState)
+            state.__setstate__(tuple(numbers))
+            states.append(state)
+        return states
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as exc:
+        print(f"note: rng_state.json cannot be used ({exc}); a model with dropout may replay with other masks")
+        return None
 
 
 def set_rng(rng: Any) -> None:
@@ -390,10 +427,18 @@ def tensor_checker(rng: Any) -> Iterator[None]:
 
 
 def quiet_paddle() -> tuple[str, int, int]:
-    """Send Paddle's checker log (a Python stack per op, thousands of lines) to a file, not the terminal."""
+    """Send Paddle's checker log (a Python stack per op, thousands of lines) to reproduce.log, not the terminal.
+
+    The log stays in the bundle folder (replaced on each run); a read-only bundle discards it.
+    """
     sys.stdout.flush()
     sys.stderr.flush()
-    fd, path = tempfile.mkstemp(prefix="nandoctor-reproduce-", suffix=".log")
+    path = str(HERE / LOG_NAME)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    except OSError:
+        path = os.devnull
+        fd = os.open(path, os.O_WRONLY)
     saved = (os.dup(1), os.dup(2))
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -409,7 +454,10 @@ def restore_output(log: tuple[str, int, int]) -> None:
     os.dup2(err, 2)
     os.close(out)
     os.close(err)
-    print(f"Paddle's checker log (the Python stack where each op was created): {path}")
+    if path == os.devnull:
+        print(f"Paddle's checker log was discarded: {HERE} is not writable")
+    else:
+        print(f"Paddle's checker log (the Python stack where each op was created): {path}")
 
 
 def fault_from(exc: Exception, tracker: Tracker) -> dict[str, Any]:
