@@ -142,10 +142,20 @@ def test_markdown_links_plots_that_exist(sqrt_bundle: Path):
 
 
 def test_reproduce_prints_the_reported_first_fault(sqrt_bundle: Path, tmp_path: Path):
-    result = _reproduce(sqrt_bundle, tmp_path)
+    """...and keeps Paddle's checker log in the bundle (reproduce.log), leaving $TMPDIR and code/ clean."""
+    private_tmp = tmp_path / "tmpdir"
+    private_tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TMPDIR": str(private_tmp)}
+    result = subprocess.run([PYTHON, str(sqrt_bundle / "reproduce.py")], cwd=tmp_path, capture_output=True,
+                            text=True, env=env, timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     assert _first_fault_line(result.stdout) == "first fault: op=sqrt_grad phase=backward layer=head.distance"
     assert "matches the report: yes" in result.stdout
+    log = sqrt_bundle / "reproduce.log"
+    assert f"checker log (the Python stack where each op was created): {log}" in result.stdout
+    assert "sqrt_grad" in log.read_text(errors="replace")
+    assert list(private_tmp.iterdir()) == []
+    assert not (sqrt_bundle / "code" / "__pycache__").exists()
 
 
 # Each of these faults comes from the data, so the sample's fresh model at the bad batch shows it too.
