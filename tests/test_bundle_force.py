@@ -152,13 +152,12 @@ def test_a_symlink_inside_the_bundle_is_foreign_and_never_followed(earlier: Path
     outside = tmp_path / "home"
     outside.mkdir()
     (outside / "id_rsa").write_text("key")
-    (earlier / "plots").mkdir(exist_ok=True)
-    (earlier / "plots" / "more").symlink_to(outside, target_is_directory=True)
+    (earlier / "code" / "more").symlink_to(outside, target_is_directory=True)
     result = _scan_force(earlier)
     assert result.exit_code == 2, result.output
-    assert "plots/more" in result.output
+    assert "code/more" in result.output
     assert (outside / "id_rsa").read_text() == "key"
-    assert (earlier / "plots" / "more").is_symlink()
+    assert (earlier / "code" / "more").is_symlink()
 
 
 def test_a_bundle_changed_between_check_and_replace_is_put_back(earlier: Path, tmp_path: Path):
@@ -228,3 +227,19 @@ def test_bundle_permissions_follow_the_umask(tmp_path: Path):
     assert stat.S_IMODE(out.stat().st_mode) == 0o750  # not mkdtemp's 0700
     assert stat.S_IMODE((out / "code").stat().st_mode) == 0o750
     assert stat.S_IMODE((out / "report.md").stat().st_mode) == 0o640
+
+
+def test_a_name_too_long_for_the_file_system_is_refused_before_the_run(tmp_path: Path):
+    out = tmp_path / ("b" * 245)  # fits alone, not with the temporary folder's suffix
+    result = _cli("scan", str(NAN_DATA), "--bundle", str(out), "--json", str(tmp_path / "r.json"))
+    assert result.exit_code == 2, result.output
+    assert "too long" in result.output
+    assert list(tmp_path.iterdir()) == []  # refused before the run: no report, no probe folder
+
+
+def test_a_folder_without_manifest_is_answered_from_its_top_level(tmp_path: Path):
+    big = tmp_path / "home"
+    (big / "deep" / "er").mkdir(parents=True)
+    (big / "deep" / "er" / "x.txt").write_text("x")
+    (big / "a.txt").write_text("a")
+    assert foreign_files(big) == ["a.txt", "deep/"]

@@ -54,9 +54,10 @@ def check_bundle_target(path: Path, force: bool) -> None:
     if not anchor.is_dir():
         raise OutputError(f"cannot create the bundle folder {path}: {anchor} is a file, not a folder. Pick a "
                           "path whose parent is a folder.")
-    if not os.access(anchor, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot create the bundle folder {path}: the folder {anchor} is not writable. "
-                          "Pick a folder you can write to.")
+    try:  # create, do not ask os.access: root, ACLs, read-only mounts and long names all answer here
+        os.rmdir(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=anchor))
+    except OSError as exc:
+        raise OutputError(_write_failure(path, exc)) from None
 
 
 def foreign_files(folder: Path) -> list[str]:
@@ -65,17 +66,15 @@ def foreign_files(folder: Path) -> list[str]:
     An empty folder is replaceable. Otherwise the folder must hold a manifest, and every entry must be
     a regular file it lists with the size it lists (or a folder on the way to one, or a file
     reproduce.py derives). Symlinks are never accounted for: nothing is followed or deleted through one.
+    A folder that is not a bundle is answered from its top level, never walked (think `--bundle ~`).
     """
-    entries = sorted(_walk(folder))
-    if not entries:
-        return []
     listed = _read_manifest(folder)
     if listed is None:
-        return [rel for rel, _ in entries]
-    dirs = {str(Path(name).parent) for name in listed} | {"."}
-    dirs |= {str(p) for name in listed for p in Path(name).parents}
+        return sorted(name + ("/" if (folder / name).is_dir() and not (folder / name).is_symlink() else "")
+                      for name in os.listdir(folder))
+    dirs = {str(p) for name in listed for p in Path(name).parents}
     foreign = []
-    for rel, kind in entries:
+    for rel, kind in _walk(folder, dirs):
         if kind == "dir":
             ok = rel in dirs or _derived(rel, is_dir=True)
         elif kind == "file":
@@ -85,14 +84,15 @@ def foreign_files(folder: Path) -> list[str]:
             ok = False
         if not ok:
             foreign.append(rel + ("/" if kind == "dir" else ""))
-    return foreign
+    return sorted(foreign)
 
 
-def _walk(folder: Path) -> list[tuple[str, str]]:
-    """(relative path, 'dir' | 'file' | 'other') for everything under `folder`, never entering a symlink."""
+def _walk(folder: Path, enter: set[str] | None = None) -> list[tuple[str, str]]:
+    """(relative path, 'dir' | 'file' | 'other') under `folder`, never entering a symlink; with `enter`,
+    only the sub-folders named there (and code/__pycache__ folders) are entered."""
     out: list[tuple[str, str]] = []
     for root, dirnames, filenames in os.walk(folder, followlinks=False):
-        for name in dirnames + filenames:
+        for name in sorted(dirnames + filenames):
             full = Path(root) / name
             rel = str(full.relative_to(folder))
             if full.is_symlink():
@@ -103,6 +103,10 @@ def _walk(folder: Path) -> list[tuple[str, str]]:
                 out.append((rel, "file"))
             else:
                 out.append((rel, "other"))
+        if enter is not None:
+            dirnames[:] = [d for d in dirnames if not (Path(root) / d).is_symlink()
+                           and (str((Path(root) / d).relative_to(folder)) in enter
+                                or _derived(str((Path(root) / d).relative_to(folder)), is_dir=True))]
     return out
 
 
@@ -196,6 +200,8 @@ def _write_failure(path: Path, exc: OSError) -> str:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return (f"cannot write the bundle to {path}: the disk (or your quota) is full{where}. Nothing was left "
                 "behind; free some space or pick a folder on another disk.")
+    if exc.errno == errno.ENAMETOOLONG:
+        return f"cannot write the bundle to {path}: the name is too long for this file system. Pick a shorter one."
     if exc.errno == errno.EROFS:
         return f"cannot write the bundle to {path}: the file system is read-only. Pick another folder."
     return (f"cannot write the bundle to {path}: {exc.strerror or exc}{where}. Nothing was left behind; pick "
