@@ -259,12 +259,16 @@ def range_text(values: Sequence[Any], *, log: bool = False) -> str:
 
 
 def project_dir(report: Report) -> Path | None:
-    """The folder of the spec the report came from (paths under it are shown relative to it)."""
+    """The folder of the spec the report came from, when the report names it by an absolute path.
+
+    A relative config path (as the user typed it, or as a public report holds it) gives None: guessing
+    from today's working folder would rewrite paths of a report re-rendered elsewhere.
+    """
     config = report.run.get("config")
     if not config:
         return None
     path = Path(str(config)).expanduser()
-    return (path if path.is_absolute() else Path.cwd() / path).parent
+    return path.parent if path.is_absolute() else None
 
 
 def public_paths(value: Any, project: Path | None = None) -> Any:
