@@ -44,8 +44,16 @@ def collect(device: str | None = None) -> dict[str, Any]:
     flags = {k: v for k, v in os.environ.items() if k.startswith(_RELEVANT_FLAG_PREFIXES)}
     if flags:
         info["paddle_flags"] = flags
-    info["executable"] = sys.executable
+    info["executable"] = home_relative(sys.executable)
     return info
+
+
+def home_relative(path: str) -> str:
+    """`/home/ana/x` as `~/x`: environment facts are pasted into public tickets."""
+    home = os.path.expanduser("~").rstrip("/")
+    if len(home) > 1 and (path == home or path.startswith(home + "/")):
+        return "~" + path[len(home):]
+    return path
 
 
 def _version(module: str) -> str | None:

@@ -148,3 +148,13 @@ def test_json_report_keeps_paths_outside_home_and_project(tmp_path: Path):
     data = json.loads(json_report.render(report))
     assert data["run"]["config"] == "c.yaml"
     assert data["findings"][0]["message"] == "bad at /opt/data/x.npy"
+
+
+def test_environment_shows_the_interpreter_under_home_with_a_tilde(monkeypatch: pytest.MonkeyPatch):
+    from nandoctor import env
+
+    monkeypatch.setenv("HOME", "/home/ana")
+    assert env.home_relative("/home/ana/proj/.venv/bin/python") == "~/proj/.venv/bin/python"
+    assert env.home_relative("/home/anna/python") == "/home/anna/python"
+    monkeypatch.setattr(env.sys, "executable", "/home/ana/.venv/bin/python")
+    assert env.collect()["executable"] == "~/.venv/bin/python"
