@@ -189,3 +189,19 @@ def test_rng_state_json_restores_paddles_generator(tmp_path: Path, capfd: pytest
     paddle.seed(999)
     module["set_rng"](module["load_rng"]())
     assert np.array_equal(paddle.rand([4]).numpy(), expected)
+
+
+def test_installed_packages_inside_the_project_stay_out_silently(project: Path, tmp_path: Path):
+    """A virtualenv next to the spec: its imported packages are not the user's code, and get no note each."""
+    site = project.parent / "venv" / "lib" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "some_pkg_xyz.py").write_text("Q = 1\n")
+    sys.path.insert(0, str(site))
+    try:
+        __import__("some_pkg_xyz")
+        out = write_bundle(Report(command="probe"), load_spec(project), tmp_path / "b")
+    finally:
+        sys.path.remove(str(site))
+        sys.modules.pop("some_pkg_xyz", None)
+    assert not list((out / "code").rglob("some_pkg_xyz.py"))
+    assert "some_pkg_xyz" not in (out / "README.txt").read_text()

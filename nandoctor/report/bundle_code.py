@@ -172,6 +172,13 @@ def _imported_during_run(base: Path) -> list[Path]:
         if not name:
             continue
         path = Path(name)
-        if path.is_absolute() and path.resolve().is_relative_to(base) and path.suffix == ".py":
-            out.append(path)
+        if not (path.is_absolute() and path.suffix == ".py"):
+            continue
+        real = path.resolve()
+        if not real.is_relative_to(base) or real.is_relative_to(_OWN_DIR):
+            continue
+        parts = real.relative_to(base).parts
+        if any(p.startswith(".") or p in ("site-packages", "dist-packages") for p in parts):
+            continue  # ~/.local, a virtualenv: installed packages, not the user's code (and no note each)
+        out.append(path)
     return out

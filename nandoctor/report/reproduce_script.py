@@ -183,7 +183,7 @@ def load_entry(entry: str) -> Any:
             file = code / target
             if not file.is_file():
                 raise BundleError(f"{entry!r}: {file} is not in the bundle (was it outside the spec's "
-                                  "folder?).")
+                                  "folder, or the bundle written with --no-code?).")
             module_spec = importlib.util.spec_from_file_location(f"bundle_{file.stem}", file)
             assert module_spec is not None and module_spec.loader is not None
             module = importlib.util.module_from_spec(module_spec)
