@@ -205,3 +205,14 @@ def test_installed_packages_inside_the_project_stay_out_silently(project: Path, 
         sys.modules.pop("some_pkg_xyz", None)
     assert not list((out / "code").rglob("some_pkg_xyz.py"))
     assert "some_pkg_xyz" not in (out / "README.txt").read_text()
+
+
+def test_a_module_linked_inside_the_folder_keeps_its_import_name(project: Path, tmp_path: Path):
+    root = project.parent
+    (root / "impl").mkdir()
+    (root / "impl" / "real_helpers.py").write_text("R = 1\n")
+    (root / "helpers.py").unlink()
+    (root / "helpers.py").symlink_to(root / "impl" / "real_helpers.py")
+    out = write_bundle(Report(command="probe"), load_spec(project), tmp_path / "b")
+    assert (out / "code" / "helpers.py").read_text() == "R = 1\n"
+    assert not (out / "code" / "helpers.py").is_symlink()

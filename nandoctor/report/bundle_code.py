@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -39,8 +40,7 @@ def copy_code(spec: Spec, dest: Path) -> tuple[list[str], list[str]]:
     files, notes = select_code(spec, base)
     copied: list[str] = []
     total = 0
-    for file in files:
-        rel = file.relative_to(base)
+    for file, rel in files:
         size = file.stat().st_size
         if size > MAX_CODE_FILE:
             notes.append(f"code/{rel} not copied: {size:,} bytes is over the {MAX_CODE_FILE // 1_000_000} MB "
@@ -56,13 +56,17 @@ def copy_code(spec: Spec, dest: Path) -> tuple[list[str], list[str]]:
     return copied, notes
 
 
-def select_code(spec: Spec, base: Path) -> tuple[list[Path], list[str]]:
-    """The entry files, the local modules they import (transitively) and those the run imported."""
+def select_code(spec: Spec, base: Path) -> tuple[list[tuple[Path, Path]], list[str]]:
+    """The entry files, the local modules they import (transitively) and those the run imported.
+
+    Returns (real file, path in code/): a module reached through a link inside the folder keeps the
+    name it is imported by.
+    """
     notes: list[str] = []
     queue = [f for entry in _entries(spec) for f in _entry_files(entry, base)]
     queue += _imported_during_run(base)
     seen: set[Path] = set()
-    kept: list[Path] = []
+    kept: list[tuple[Path, Path]] = []
     while queue:
         candidate = queue.pop(0)
         try:
@@ -77,9 +81,19 @@ def select_code(spec: Spec, base: Path) -> tuple[list[Path], list[str]]:
             if reason:
                 notes.append(reason)
             continue
-        kept.append(file)
+        kept.append((file, _import_name(candidate, file, base)))
         queue += _imports_of(file, base)
-    return sorted(kept), notes
+    return sorted(kept, key=lambda pair: pair[1]), notes
+
+
+def _import_name(candidate: Path, file: Path, base: Path) -> Path:
+    """`candidate` relative to the folder as written (a link's own name), else the real file's place."""
+    lexical = Path(os.path.normpath(candidate.absolute()))
+    if lexical.is_relative_to(base):
+        rel = lexical.relative_to(base)
+        if not any(part.startswith(".") or is_secret_name(part) for part in rel.parts):
+            return rel
+    return file.relative_to(base)
 
 
 def _refusal(candidate: Path, file: Path, base: Path) -> str | None:
