@@ -33,6 +33,7 @@ class Verdict(str, Enum):
     AT_RISK = "at_risk"
     NAN_FOUND = "nan_found"
     CRASHED = "crashed"
+    INTERRUPTED = "interrupted"
 
 
 class Code(str, Enum):
@@ -59,6 +60,10 @@ class Code(str, Enum):
     AMP_INACTIVE = "amp.inactive"
     AMP_SCALE_COLLAPSE = "amp.scale_collapse"
     RUN_INTERRUPTED = "run.interrupted"
+    LOSS_NOT_SCALAR = "loss.not_scalar"
+    LOSS_NO_GRAD = "loss.no_grad"
+    MODEL_NO_TRAINABLE = "model.no_trainable"
+    DATA_UNBOUNDED = "data.unbounded"
 
 
 # Codes that mean "a non-finite value was found": they make the verdict `nan_found`.
@@ -205,6 +210,7 @@ class TimelinePoint:
     grad_norm: float | None = None
     loss_scale: float | None = None
     skipped: bool | None = None
+    lr: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: _jsonable(v) for k, v in asdict(self).items() if v is not None or k in ("loss", "grad_norm")}
