@@ -147,3 +147,71 @@ def test_loader_calling_sys_exit_is_a_user_code_finding(tmp_path):
     f = next(f for f in report.findings if f.code == Code.USER_CODE_ERROR)
     assert "SystemExit" in f.message and f.location.phase == Phase.DATA and f.location.step == 2
     assert report.verdict.value == "crashed"
+
+
+# --- gradient accumulation and the LR scheduler -------------------------------------------------------
+
+def _hand_built(captured: dict, decay_every: int = 1):
+    """build_optimizer replaced by a hand-built SGD on a StepDecay schedule; keeps the model for the test."""
+    def build(spec, model):
+        captured["model"] = model
+        sched = paddle.optimizer.lr.StepDecay(learning_rate=0.1, step_size=decay_every, gamma=0.5)
+        captured["sched"] = sched
+        return paddle.optimizer.SGD(learning_rate=sched, parameters=model.parameters())
+    return build
+
+
+def _set(accumulate: int, by: str = "step"):
+    from nandoctor.spec import SchedulerSpec
+
+    def edit(spec):
+        spec.optimizer.accumulate_steps = accumulate
+        spec.optimizer.lr_scheduler = SchedulerSpec(name="StepDecay", args={"step_size": 1, "gamma": 0.5}, by=by)
+    return edit
+
+
+def test_accumulation_steps_every_k_batches_and_the_scheduler_after_each_update(tmp_path, monkeypatch):
+    from watcher_models import batches, classifier
+
+    import nandoctor.probe as probe_mod
+
+    captured: dict = {}
+    monkeypatch.setattr(probe_mod, "build_optimizer", _hand_built(captured))
+    report = probe(tmp_path, steps=6, spec_edit=_set(2))
+    assert report.findings == [] and [p.step for p in report.timeline] == list(range(6))
+    # updates after batches 1, 3, 5; the scheduler halves the rate after each update
+    assert [p.lr for p in report.timeline] == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025, 0.025])
+    assert report.to_dict()["timeline"][2]["lr"] == pytest.approx(0.05)
+
+    # ground truth: a plain Paddle loop with the same accumulation (backward of loss / 2, step every 2)
+    model = classifier()
+    sched = paddle.optimizer.lr.StepDecay(learning_rate=0.1, step_size=1, gamma=0.5)
+    opt = paddle.optimizer.SGD(learning_rate=sched, parameters=model.parameters())
+    for i, (x, y) in enumerate(batches(6)):
+        out = model(paddle.to_tensor(x))
+        loss = paddle.nn.functional.cross_entropy(out, paddle.to_tensor(y).unsqueeze(-1))
+        (loss / 2).backward()
+        if i % 2 == 1:
+            opt.step()
+            opt.clear_grad()
+            sched.step()
+    for (name, want), got in zip(model.state_dict().items(), captured["model"].state_dict().values()):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_scheduler_by_epoch_steps_at_each_epoch_end(tmp_path, monkeypatch):
+    import nandoctor.probe as probe_mod
+
+    monkeypatch.setattr(probe_mod, "build_optimizer", _hand_built({}))
+    report = probe(tmp_path, steps=7, data_args={"n": 3}, spec_edit=_set(1, by="epoch"))
+    assert report.findings == []
+    assert [p.lr for p in report.timeline] == pytest.approx([0.1] * 3 + [0.05] * 3 + [0.025])
+
+
+def test_fault_under_accumulation_names_the_right_batch_and_samples(tmp_path):
+    report = probe(tmp_path, steps=8, model_args={"log": True}, data_args={"zero_batch": 3, "zero_rows": [2, 5]},
+                   spec_edit=lambda spec: setattr(spec.optimizer, "accumulate_steps", 2))
+    ff = report.first_fault
+    assert (ff.step, ff.batch_index, ff.sample_indices) == (3, 3, [2, 5])
+    assert ff.phase == Phase.FORWARD and ff.op == "log"
+    assert [p.step for p in report.timeline][:3] == [0, 1, 2]

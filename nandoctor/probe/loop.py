@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from nandoctor.errors import NandoctorError
+from nandoctor.errors import NandoctorError, UserCodeError
 from nandoctor.findings import Phase
 from nandoctor.probe.watcher import Fault, FaultKind, StatsSchedule, StepRecord, StepWatcher
 from nandoctor.workload import Workload
@@ -39,8 +39,9 @@ class _Raised(Exception):
         self.phase = phase
 
 
-def _user(phase: Phase, fn: Callable[..., Any], *args: Any) -> Any:
-    """Call the user's code: its exception (or sys.exit) becomes `_Raised`; ours and Ctrl-C pass through."""
+def _user(phase: Phase, fn: Callable[..., Any], *args: Any, what: str | None = None) -> Any:
+    """Call the user's code: its exception (or sys.exit) becomes `_Raised`; ours and Ctrl-C pass through.
+    `what` names the call in the finding when the phase alone would not (the LR scheduler's step)."""
     try:
         return fn(*args)
     except NandoctorError:  # a spec mistake found while calling (a loader that is not iterable): exit 2
@@ -48,7 +49,7 @@ def _user(phase: Phase, fn: Callable[..., Any], *args: Any) -> Any:
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code raised: that is the finding
         if isinstance(exc, StopIteration):
             exc = RuntimeError("the data iterator raised StopIteration from inside a batch")
-        raise _Raised(exc, phase) from None
+        raise _Raised(UserCodeError(what, exc) if what else exc, phase) from None
 
 
 class ProbeLoop:
@@ -61,6 +62,12 @@ class ProbeLoop:
         self.steps = steps
         self.progress = progress
         self.watcher = StepWatcher(workload.model, optimizer, scaler=scaler, fp16=fp16, amp=amp)
+        opt_spec = workload.spec.optimizer
+        # One optimizer step per `accumulate` batches; a probe step stays one batch, so steps name batches.
+        self.accumulate = max(1, int(getattr(opt_spec, "accumulate_steps", 1) or 1))
+        self.scheduler = lr_scheduler_of(optimizer)
+        sched_spec = getattr(opt_spec, "lr_scheduler", None)
+        self.scheduler_by = getattr(sched_spec, "by", "step") or "step"
 
     @property
     def monitor(self) -> Any:
@@ -83,6 +90,8 @@ class ProbeLoop:
                 if batch is _END:
                     if batch_index == 0:  # an empty loader: nothing to train on
                         break
+                    if self.scheduler is not None and self.scheduler_by == "epoch":
+                        _user(Phase.OPTIMIZER, self.scheduler.step, what=_SCHEDULER)
                     epoch, batch_index, it = epoch + 1, 0, None
                     res.epochs = epoch + 1
                     continue
@@ -94,17 +103,21 @@ class ProbeLoop:
                 res.fault = watch.observe_loss(loss)
                 if res.fault is not None:
                     break
-                _user(Phase.BACKWARD, (scaler.scale(loss) if scaler is not None else loss).backward)
+                _user(Phase.BACKWARD, self._backward, loss)
                 res.fault = watch.after_backward(loss)
                 if res.fault is not None:
                     break
-                if scaler is not None:
-                    _user(Phase.OPTIMIZER, scaler.step, self.opt)
-                    _user(Phase.OPTIMIZER, scaler.update)
-                else:
-                    _user(Phase.OPTIMIZER, self.opt.step)
-                _user(Phase.OPTIMIZER, self.opt.clear_grad)
-                watch.after_update(stepped=True)
+                stepped = (step + 1) % self.accumulate == 0
+                if stepped:
+                    if scaler is not None:
+                        _user(Phase.OPTIMIZER, scaler.step, self.opt)
+                        _user(Phase.OPTIMIZER, scaler.update)
+                    else:
+                        _user(Phase.OPTIMIZER, self.opt.step)
+                    _user(Phase.OPTIMIZER, self.opt.clear_grad)
+                    if self.scheduler is not None and self.scheduler_by == "step":
+                        _user(Phase.OPTIMIZER, self.scheduler.step, what=_SCHEDULER)
+                watch.after_update(stepped=stepped)
                 step += 1
                 batch_index += 1
                 res.steps_run = step
@@ -123,8 +136,28 @@ class ProbeLoop:
         res.stats_every = watch.stats_every
         return res
 
+    def _backward(self, loss: Any) -> None:
+        """backward of loss / K when accumulating (the mean over the K batches of one update)."""
+        if self.accumulate > 1:
+            loss = loss / self.accumulate
+        scaler = self.watcher.scaler
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
     def close(self) -> None:
         self.watcher.close()
+
+
+def lr_scheduler_of(optimizer: Any) -> Any:
+    """The optimizer's LR scheduler (paddle.optimizer.lr.LRScheduler) or None for a constant rate."""
+    from nandoctor import workload
+
+    find = getattr(workload, "lr_scheduler", None)
+    if callable(find):
+        return find(optimizer)
+    import paddle
+
+    lr = getattr(optimizer, "_learning_rate", None)
+    return lr if isinstance(lr, paddle.optimizer.lr.LRScheduler) else None
 
 
 def _drop_iterator(it: Any) -> None:
@@ -138,6 +171,7 @@ def _drop_iterator(it: Any) -> None:
 
 
 _END = object()
+_SCHEDULER = "the LR scheduler's step()"
 
 
 def _next(it: Any) -> Any:
