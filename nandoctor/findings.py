@@ -229,7 +229,7 @@ class Report:
     details: dict[str, Any] = field(default_factory=dict)
     # The user's code raised and training could not go on (verdict `crashed`).
     crashed: bool = False
-    # The run was interrupted (Ctrl-C) and the report holds only what was seen so far.
+    # The run was stopped by Ctrl-C or SIGTERM and the report holds only what was seen so far.
     partial: bool = False
     # In memory only, never in the JSON: what a bundle needs to reproduce the fault (the offending
     # batch as numpy arrays, the pre-step model state, the RNG state). See report/bundle.py.
@@ -237,11 +237,14 @@ class Report:
 
     @property
     def verdict(self) -> Verdict:
-        """Crashed beats NaN beats any other error or warning; the contract's four verdicts."""
+        """Crashed beats NaN beats any other error; a run stopped by a signal before any error is
+        `interrupted`; then warnings make `at_risk`."""
         if self.crashed:
             return Verdict.CRASHED
         if any(f.code in NONFINITE_CODES for f in self.findings):
             return Verdict.NAN_FOUND
+        if self.partial and not any(f.severity == Severity.ERROR for f in self.findings):
+            return Verdict.INTERRUPTED
         if any(f.severity in (Severity.ERROR, Severity.WARNING) for f in self.findings):
             return Verdict.AT_RISK
         return Verdict.HEALTHY

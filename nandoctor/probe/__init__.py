@@ -20,6 +20,7 @@ from nandoctor.artifacts import capture
 from nandoctor.device import resolve_device, use_device
 from nandoctor.errors import UserCodeError
 from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity, TimelinePoint
+from nandoctor.interrupt import interrupted_finding
 from nandoctor.probe import faults
 from nandoctor.probe.crash import CrashContext, crash_findings
 from nandoctor.probe.loop import LoopResult, ProbeLoop
@@ -56,6 +57,23 @@ def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progr
     paddle.seed(options.seed)
     np.random.seed(options.seed % 2**32)
     random.seed(options.seed)
+    try:
+        _probe(spec, options, progress, report, device)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM at any moment: model build, loader workers, replay
+        _interrupted(report, int(report.details.get("steps_run", len(report.timeline))))
+    return report
+
+
+def _interrupted(report: Report, steps_run: int) -> None:
+    if report.partial:
+        return
+    report.partial = True
+    report.findings.append(interrupted_finding("probe", f"{steps_run} step(s)", step=steps_run))
+
+
+def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Report, device: str) -> None:
+    import paddle
+
     progress(0, options.steps, "building the model")
     try:
         workload = build_workload(spec)
@@ -66,13 +84,13 @@ def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progr
         report.crashed = True
         loc.step = None
         faults.set_first(report, loc)
-        return report
+        return
     model = workload.model
     if not trainable_names(model):
         report.findings.append(no_trainable_finding(spec, model))
         report.crashed = True
         report.details["steps_run"] = 0
-        return report
+        return
     optimizer = build_optimizer(spec, model)
     report.details["clip"] = _clip(spec)
     fp16 = spec.amp.enabled and spec.amp.dtype == "float16"
@@ -88,7 +106,7 @@ def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progr
         faults.params_before_training(report, bad)
         report.details["steps_run"] = 0
         capture(report, {}, step=None, batch_index=None, model=model)
-        return report
+        return
     was_training = model.training
     model.train()
     scaler = None
@@ -110,15 +128,12 @@ def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progr
                 "dataset path and size, and `drop_last` with a batch size larger than the dataset.",
                 Location(phase=Phase.DATA, batch_index=0), {}, advice_for(Code.DATA_EMPTY.value)))
         if res.interrupted:
-            faults.interrupted(report, res.steps_run)
-    except KeyboardInterrupt:
-        faults.interrupted(report, len(report.timeline))
+            _interrupted(report, res.steps_run)
     finally:
         loop.close()
         _disable_checker()
         if not was_training:
             model.eval()
-    return report
 
 
 def _handle_fault(report: Report, res: LoopResult, workload: Any, optimizer: Any, loop: ProbeLoop) -> None:

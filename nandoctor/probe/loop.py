@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from nandoctor.errors import NandoctorError, UserCodeError
 from nandoctor.findings import Phase
+from nandoctor.interrupt import stop_loader
 from nandoctor.probe.watcher import Fault, FaultKind, StatsSchedule, StepRecord, StepWatcher
 from nandoctor.workload import Workload
 
@@ -131,7 +132,7 @@ class ProbeLoop:
             res.interrupted = True
         finally:
             watch.monitor.begin_step(False)  # detach the stats hooks before any replay
-            _drop_iterator(it)
+            stop_loader(it)
         res.records = watch.records
         res.stats_every = watch.stats_every
         return res
@@ -158,16 +159,6 @@ def lr_scheduler_of(optimizer: Any) -> Any:
 
     lr = getattr(optimizer, "_learning_rate", None)
     return lr if isinstance(lr, paddle.optimizer.lr.LRScheduler) else None
-
-
-def _drop_iterator(it: Any) -> None:
-    """Stop a DataLoader's worker processes now (on an interrupt too), not whenever the GC runs."""
-    shutdown = getattr(it, "_try_shutdown_all", None)
-    if callable(shutdown):
-        try:
-            shutdown()
-        except Exception:  # noqa: BLE001 - workers already gone
-            pass
 
 
 _END = object()
