@@ -82,22 +82,28 @@ def endless_loader(batch_size: int = 4):
                rng.integers(0, 3, size=(batch_size,)).astype("int64"))
 
 
-def slow_loader(n: int = 100000, delay: float = 0.05):
-    """A healthy loader slow enough that a signal lands mid-run."""
-    for item in batches(8):
+def _mark(marker: str, i: int, after: int) -> None:
+    if marker and i == after:
+        with open(marker, "w", encoding="utf-8") as fh:
+            fh.write(str(i))
+
+
+def slow_loader(n: int = 100000, delay: float = 0.05, marker: str = "", mark_after: int = 3):
+    """A healthy loader slow enough that a signal lands mid-run; writes `marker` after a few batches."""
+    items = batches(8)
+    for i in range(n):
         time.sleep(delay)
-        yield item
-    for _ in range(n):
-        time.sleep(delay)
-        yield batches(1)[0]
+        _mark(marker, i, mark_after)
+        yield items[i % len(items)]
 
 
 class _Slow(paddle.io.Dataset):
-    def __init__(self, n: int, delay: float):
-        self.n, self.delay = n, delay
+    def __init__(self, n: int, delay: float, marker: str):
+        self.n, self.delay, self.marker = n, delay, marker
 
     def __getitem__(self, i):
         time.sleep(self.delay)
+        _mark(self.marker, i, 24)
         rng = np.random.default_rng(i)
         return rng.normal(size=(FEATURES,)).astype("float32"), np.int64(i % 3)
 
@@ -105,6 +111,6 @@ class _Slow(paddle.io.Dataset):
         return self.n
 
 
-def worker_loader(n: int = 100000, delay: float = 0.01):
+def worker_loader(n: int = 100000, delay: float = 0.01, marker: str = ""):
     """A paddle DataLoader with two worker processes alive while the probe runs."""
-    return paddle.io.DataLoader(_Slow(n, delay), batch_size=4, num_workers=2, shuffle=False)
+    return paddle.io.DataLoader(_Slow(n, delay, marker), batch_size=4, num_workers=2, shuffle=False)
