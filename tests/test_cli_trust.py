@@ -165,3 +165,23 @@ def test_every_command_has_help_a_real_usage_line_and_no_type_placeholders():
 def test_version():
     result = _cli("--version")
     assert result.exit_code == 0 and result.output.strip() == f"nandoctor {__version__}"
+
+
+@pytest.mark.parametrize("command", ["scan", "probe"])
+def test_sys_exit_in_the_users_code_is_a_finding_not_a_silent_exit(tmp_path, command):
+    spec = write_spec(tmp_path, data="exiting_loader", data_args={"after": 1, "code": 0})
+    result = _cli(command, spec, "--json", tmp_path / "r.json", "-q")
+    assert result.exit_code == 1, result.output  # exit 0 from the loader must not pass for a healthy run
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    [f] = [f for f in data["findings"] if f["code"] == "user_code.error"]
+    assert "SystemExit" in f["message"] and data["verdict"] == "crashed"
+
+
+def test_sys_exit_in_the_model_factory_is_a_finding(tmp_path):
+    spec = write_spec(tmp_path)
+    spec.write_text(spec.read_text(encoding="utf-8").replace(":classifier", ":exiting_model"), encoding="utf-8")
+    result = _cli("probe", spec, "--json", tmp_path / "r.json", "-q")
+    assert result.exit_code == 1, result.output
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert [f["code"] for f in data["findings"]] == ["user_code.error"]
+    assert "SystemExit" in data["findings"][0]["message"]

@@ -114,3 +114,8 @@ class _Slow(paddle.io.Dataset):
 def worker_loader(n: int = 100000, delay: float = 0.01, marker: str = ""):
     """A paddle DataLoader with two worker processes alive while the probe runs."""
     return paddle.io.DataLoader(_Slow(n, delay, marker), batch_size=4, num_workers=2, shuffle=False)
+
+
+def exiting_model():
+    """A model factory that calls sys.exit (argument parsing left in a factory)."""
+    sys.exit(2)

@@ -76,7 +76,10 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
 
     progress(0, options.steps, "building the model")
     try:
-        workload = build_workload(spec)
+        try:
+            workload = build_workload(spec)
+        except SystemExit as exc:  # sys.exit() in the user's module or factory: a finding, not a silent exit
+            raise UserCodeError(f"model.entry {spec.model.entry}", exc) from None
     except UserCodeError as err:
         ctx = CrashContext(step=0, batch_index=None, epoch=0, phase=Phase.PARAMS, what=err.what)
         found, loc = crash_findings(err.exc, ctx, spec.base_dir, None, {}, None, None, None)

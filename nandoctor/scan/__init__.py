@@ -66,7 +66,10 @@ def _scan(spec: Spec, options: ScanOptions, progress: ProgressFn, report: Report
     model: Any = None
     uses_step = spec.step is not None
     try:
-        workload = build_workload(spec)
+        try:
+            workload = build_workload(spec)
+        except SystemExit as exc:  # sys.exit() in the user's module or factory: a finding, not a silent exit
+            raise UserCodeError(f"model.entry {spec.model.entry}", exc) from None
         model, layout, make_loader, uses_step = (workload.model, workload.layout, workload.make_loader,
                                                  workload.uses_step)
     except UserCodeError as err:
@@ -117,10 +120,13 @@ def _scan_loader(spec: Spec, layout: BatchLayout, make_loader: Callable[[], Any]
     length, which may never end), at the end, or at the user's exception."""
     base = spec.base_dir
     try:
-        loader = make_loader()
-        total = _length(loader)
-        with user_import_path(base):
-            it = call_user(f"data.entry {spec.data.entry} (iter)", iter, loader, base_dir=base)
+        try:
+            loader = make_loader()
+            total = _length(loader)
+            with user_import_path(base):
+                it = call_user(f"data.entry {spec.data.entry} (iter)", iter, loader, base_dir=base)
+        except SystemExit as exc:
+            raise UserCodeError(f"data.entry {spec.data.entry}", exc) from None
     except UserCodeError as err:
         report.findings.append(_user_code_finding(err, spec, Phase.DATA, None, "No batch could be read."))
         report.crashed = True
