@@ -197,7 +197,10 @@ def env() -> None:
     from nandoctor.env import collect
     from nandoctor.report.console import render_environment
 
-    render_environment(collect(), _console())
+    try:
+        render_environment(collect(), _console())
+    except Exception as exc:  # noqa: BLE001 - no user code runs here: any failure is ours
+        raise _internal(exc, None) from None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -60,6 +60,7 @@ class Code(str, Enum):
     AMP_INACTIVE = "amp.inactive"
     AMP_SCALE_COLLAPSE = "amp.scale_collapse"
     RUN_INTERRUPTED = "run.interrupted"
+    LOSS_NOT_TENSOR = "loss.not_tensor"
     LOSS_NOT_SCALAR = "loss.not_scalar"
     LOSS_NO_GRAD = "loss.no_grad"
     MODEL_NO_TRAINABLE = "model.no_trainable"

@@ -215,3 +215,12 @@ def test_fault_under_accumulation_names_the_right_batch_and_samples(tmp_path):
     assert (ff.step, ff.batch_index, ff.sample_indices) == (3, 3, [2, 5])
     assert ff.phase == Phase.FORWARD and ff.op == "log"
     assert [p.step for p in report.timeline][:3] == [0, 1, 2]
+
+
+def test_loss_that_is_not_a_tensor_names_the_step_and_what_to_return(tmp_path):
+    report = probe(tmp_path, step="step_float")
+    assert codes(report) == {"loss.not_tensor"}
+    [f] = report.findings
+    assert "step.entry" in f.message and "step_float" in f.message and "is a float" in f.message
+    assert ".item()" in f.message and f.location.phase == Phase.LOSS and f.location.step == 0
+    assert report.verdict.value == "crashed" and report.exit_code == 1

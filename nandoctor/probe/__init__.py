@@ -25,7 +25,7 @@ from nandoctor.probe import faults
 from nandoctor.probe.crash import CrashContext, crash_findings
 from nandoctor.probe.loop import LoopResult, ProbeLoop
 from nandoctor.probe.monitors import param_nonfinite
-from nandoctor.probe.trainability import loss_finding, no_trainable_finding
+from nandoctor.probe.trainability import loss_finding, loss_source, no_trainable_finding
 from nandoctor.probe.watcher import FaultKind, trainable_names
 from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.spec import Spec
@@ -160,6 +160,7 @@ def _handle_fault(report: Report, res: LoopResult, workload: Any, optimizer: Any
         exc = fault.exc
         what = {Phase.DATA: f"data.entry {workload.spec.data.entry}",
                 Phase.FORWARD: "the model's forward pass or loss", Phase.BACKWARD: "loss.backward()",
+                Phase.LOSS: f"the loss from {loss_source(workload.spec, workload.uses_step)}",
                 Phase.OPTIMIZER: "optimizer.step()"}.get(fault.phase, "your code")
         if isinstance(exc, UserCodeError):
             what, exc = exc.what, exc.exc

@@ -13,7 +13,7 @@ from nandoctor.findings import Code, Finding, Location, Phase, Severity
 from nandoctor.spec import Spec
 
 
-def _loss_source(spec: Spec, uses_step: bool) -> str:
+def loss_source(spec: Spec, uses_step: bool) -> str:
     if uses_step and spec.step is not None:
         return f"step.entry {spec.step.entry}"
     if spec.loss is not None and spec.loss.entry is not None:
@@ -24,11 +24,19 @@ def _loss_source(spec: Spec, uses_step: bool) -> str:
 
 
 def loss_finding(fault: Any, spec: Spec, uses_step: bool) -> Finding:
-    """A `loss.not_scalar` or `loss.no_grad` error for the step the loss was seen at."""
-    where = _loss_source(spec, uses_step)
+    """A `loss.not_tensor`, `loss.not_scalar` or `loss.no_grad` error for the step the loss was seen at."""
+    where = loss_source(spec, uses_step)
     loc = Location(step=fault.step, phase=fault.phase or Phase.LOSS, batch_index=fault.batch_index)
     ev = dict(fault.evidence)
     ev["source"] = where
+    if fault.code == Code.LOSS_NOT_TENSOR:
+        return Finding(
+            Code.LOSS_NOT_TENSOR, Severity.ERROR,
+            f"The loss from {where} is a {ev.get('type')}, not a paddle.Tensor, so nothing can be backpropagated "
+            f"and the probe stopped at step {fault.step}. Return the loss tensor itself, e.g. `return "
+            "F.cross_entropy(out, label)`, without .item(), float() or .numpy() (log those separately).",
+            loc, ev,
+            ["Return the loss tensor; turn it into a number only for logging, after the step."])
     if fault.code == Code.LOSS_NOT_SCALAR:
         shape = ev.get("shape")
         return Finding(

@@ -39,7 +39,7 @@ class FaultKind(str, Enum):
     NONFINITE = "nonfinite"  # a non-finite loss or gradient: localised by replay
     UPDATE = "update"  # an optimizer update wrote NaN/Inf into the parameters
     CRASH = "crash"  # the user's code raised (or called sys.exit)
-    LOSS = "loss"  # a loss that cannot train: not a scalar, or no trainable parameter depends on it
+    LOSS = "loss"  # a loss that cannot train: not a tensor, not a scalar, or no parameter depends on it
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Fault:
     bad_params: list[str] = field(default_factory=list)
     grad_norm: float | None = None  # update: the norm of the step whose update did it
     update_range: tuple[int, int] | None = None  # update: the first and last step that may have done it
-    code: Code | None = None  # loss: which problem (loss.not_scalar, loss.no_grad)
+    code: Code | None = None  # loss: which problem (loss.not_tensor, loss.not_scalar, loss.no_grad)
     evidence: dict[str, Any] = field(default_factory=dict)  # loss: the shape, the dtype
 
 
@@ -176,9 +176,8 @@ class StepWatcher:
         import paddle
 
         if not isinstance(loss, paddle.Tensor):
-            exc = TypeError(f"the loss is a {type(loss).__name__}, not a paddle.Tensor; return the loss tensor "
-                            "itself (for example `loss = F.cross_entropy(out, label)`)")
-            return self._fault(FaultKind.CRASH, exc=exc, phase=Phase.LOSS)
+            return self._fault(FaultKind.LOSS, code=Code.LOSS_NOT_TENSOR, phase=Phase.LOSS,
+                               evidence={"type": type(loss).__name__})
         shape = [int(d) for d in loss.shape]
         if int(np.prod(shape)) != 1:
             return self._fault(FaultKind.LOSS, code=Code.LOSS_NOT_SCALAR, phase=Phase.LOSS,
