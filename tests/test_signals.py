@@ -34,9 +34,13 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in status  # a zombie has exited (its parent, gone, cannot reap it)
 
 
-def _start(tmp_path: Path, command: str, data: str, extra: list[str], **data_args):
+def _start(tmp_path: Path, command: str, data: str, extra: list[str], model: str = "", **data_args):
     marker = tmp_path / "marker"
-    spec = write_spec(tmp_path, data=data, data_args={"marker": str(marker), **data_args})
+    if model:
+        spec = write_spec(tmp_path, data=data, model_args={"marker": str(marker)})
+        spec.write_text(spec.read_text(encoding="utf-8").replace(":classifier", f":{model}"), encoding="utf-8")
+    else:
+        spec = write_spec(tmp_path, data=data, data_args={"marker": str(marker), **data_args})
     args = [sys.executable, "-m", "nandoctor", command, str(spec), "--json", str(tmp_path / "r.json"),
             "--markdown", str(tmp_path / "r.md"), "-q", *extra]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -91,3 +95,11 @@ def test_scan_stopped_by_sigterm(tmp_path):
     rc, output, data = _finish(proc, signal.SIGTERM, tmp_path)
     assert rc == 143, output
     assert data["command"] == "scan" and data["verdict"] == "interrupted" and data["partial"] is True
+
+
+@pytest.mark.parametrize("command", ["probe", "scan"])
+def test_signal_during_the_model_build(tmp_path, command):
+    proc = _start(tmp_path, command, "batches", [], model="slow_model")
+    rc, output, data = _finish(proc, signal.SIGTERM, tmp_path)
+    assert rc == 143, output
+    assert data["verdict"] == "interrupted" and data["partial"] is True and data["timeline"] == []

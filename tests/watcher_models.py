@@ -125,3 +125,12 @@ def step_float(model, batch):
     """The user's mistake: the loss turned into a Python float (.item()) before it is returned."""
     out = model(paddle.to_tensor(batch["x"]))
     return float(nn.functional.cross_entropy(out, paddle.to_tensor(batch["label"]).unsqueeze(-1)).item())
+
+
+def slow_model(marker: str = "", seconds: float = 60.0):
+    """A model whose build takes long (weights downloaded, say): a signal lands during the build."""
+    if marker:
+        with open(marker, "w", encoding="utf-8") as fh:
+            fh.write("building")
+    time.sleep(seconds)
+    return classifier()
