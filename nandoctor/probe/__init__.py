@@ -115,8 +115,10 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
     scaler = None
     if spec.amp.enabled and device != "cpu":
         scaler = paddle.amp.GradScaler(init_loss_scaling=spec.amp.init_loss_scaling)
-    loop = ProbeLoop(workload, optimizer, options.steps, progress, scaler=scaler, fp16=fp16, amp=spec.amp.enabled)
+    loop: ProbeLoop | None = None
     try:
+        loop = ProbeLoop(workload, optimizer, options.steps, progress, scaler=scaler, fp16=fp16,
+                         amp=spec.amp.enabled)
         res = loop.run()
         _timeline(report, res)
         _details(report, res, loop)
@@ -132,8 +134,9 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
                 Location(phase=Phase.DATA, batch_index=0), {}, advice_for(Code.DATA_EMPTY.value)))
         if res.interrupted:
             _interrupted(report, res.steps_run)
-    finally:
-        loop.close()
+    finally:  # hooks, checker and mode restored whatever stopped the run, our own failure included
+        if loop is not None:
+            loop.close()
         _disable_checker()
         if not was_training:
             model.eval()
