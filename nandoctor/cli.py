@@ -1,8 +1,10 @@
 """The command line: typer only. Options -> one core call -> render -> exit status.
 
 Exit status (the contract): 0 when the report holds no error finding, 1 when it does, 2 for a bad
-command line or a spec that cannot be loaded. Every NandoctorError becomes one message on stderr and
-exit 2; no traceback for a mistake the user made.
+command line or a spec that cannot be loaded, 3 for nandoctor's own bug, 130/143 when Ctrl-C/SIGTERM
+stopped the run. Every NandoctorError becomes one message on stderr and exit 2, no traceback for a
+mistake the user made; any other exception is ours: one message asking to report it, the traceback in
+a file.
 """
 
 from __future__ import annotations
@@ -14,27 +16,73 @@ from typing import Annotated, Any, NoReturn, Optional
 import typer
 from rich.console import Console
 
-from nandoctor.errors import NandoctorError
+from nandoctor import __version__, interrupt
+from nandoctor.errors import INTERNAL_EXIT, NandoctorError, save_internal_error
 
 # Paddle's import warns about a missing ccache (a build tool for C++ extensions) on every machine without
 # one: noise under a diagnosis, and nothing the user needs to act on.
 warnings.filterwarnings("ignore", message=".*ccache.*")
+
+
+
+def _plain_params(params: list[Any]) -> list[Any]:
+    """Flags take no value: no `<bool>` after them in the help (typer shows one by default); an argument
+    is named by its metavar (CONFIG), so no `<path>` type beside it either."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+        elif isinstance(param, typer.core.TyperArgument):
+            param.display_type_rich = lambda ctx: None
+    return params
+
+
+class _Command(typer.core.TyperCommand):
+    """A usage line as people write it (`nandoctor probe [OPTIONS] CONFIG`), and no `<bool>` on flags."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [piece.strip("{}") for piece in super().collect_usage_pieces(ctx)]
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain_params(super().get_params(ctx))
+
+
+class _Group(typer.core.TyperGroup):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain_params(super().get_params(ctx))
+
 
 app = typer.Typer(
     help="Find where a PaddlePaddle training run first goes NaN or Inf, and what to change.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=_Group,
 )
 
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"nandoctor {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print nandoctor's version and exit.")] = False,
+) -> None:
+    """Find where a PaddlePaddle training run first goes NaN or Inf, and what to change."""
+
 ConfigArg = Annotated[Path, typer.Argument(help="The nandoctor YAML spec naming your model, data, loss and optimizer.",
-                                           show_default=False)]
-JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON to this file.")]
-MarkdownOpt = Annotated[Optional[Path], typer.Option("--markdown", help="Also write the report as Markdown "
-                                                     "(for bug tickets) to this file.")]
+                                           show_default=False, metavar="CONFIG")]
+JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="PATH",
+                                                 help="Also write the report as JSON to this file.")]
+MarkdownOpt = Annotated[Optional[Path], typer.Option("--markdown", metavar="PATH", help="Also write the report as "
+                                                     "Markdown (for bug tickets) to this file.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the verdict line, no progress bar.")]
-BundleOpt = Annotated[Optional[Path], typer.Option("--bundle", help="Write a self-contained folder for a bug ticket: "
-                                                   "report.md, report.json, the offending batch, reproduce.py, plots.")]
+BundleOpt = Annotated[Optional[Path], typer.Option("--bundle", metavar="DIR", help="Write a self-contained folder for "
+                                                   "a bug ticket: report.md, report.json, the offending batch, "
+                                                   "reproduce.py, plots.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing --bundle folder.")]
 
 
@@ -47,6 +95,31 @@ def _fail(err: NandoctorError) -> typer.Exit:
     return typer.Exit(err.exit_code)
 
 
+def _interrupted(exc: BaseException) -> typer.Exit:
+    """A signal before a report existed (spec loading, imports) or while it was written."""
+    Console(stderr=True, highlight=False).print(f"nandoctor: stopped by {interrupt.name(exc)}; no report was written.")
+    return typer.Exit(interrupt.exit_status(exc))
+
+
+def _internal(exc: BaseException, near: Path | None) -> typer.Exit:
+    """nandoctor's own bug: one message asking to report it, the traceback in a file, exit 3."""
+    import sys
+
+    folder = near.parent if near is not None and str(near.parent) else Path(".")
+    saved = save_internal_error(exc, folder if folder.is_dir() else Path("."), sys.argv)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    where = (f"The traceback is saved in {saved}; attach it." if saved is not None else
+             "The traceback could not be saved to a file, so here it is:")
+    err.print(f"nandoctor: internal error, a bug in nandoctor (not in your code or spec): {type(exc).__name__}: "
+              f"{str(exc)[:300]}. Please report it on nandoctor's issue tracker with the title "
+              f"\"nandoctor bug: {type(exc).__name__}\". {where}", markup=False)
+    if saved is None:
+        import traceback
+
+        err.print("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), markup=False)
+    return typer.Exit(INTERNAL_EXIT)
+
+
 def _run(command: str, config: Path, **options: Any) -> NoReturn:
     """One call into the core for scan and probe; its exit status, or 2 with one message for our errors."""
     from nandoctor.run import run_command
@@ -55,13 +128,17 @@ def _run(command: str, config: Path, **options: Any) -> NoReturn:
         code = run_command(command, config, _console(), **options)
     except NandoctorError as err:
         raise _fail(err) from None
+    except KeyboardInterrupt as exc:
+        raise _interrupted(exc) from None
+    except Exception as exc:  # noqa: BLE001 - the user's errors became findings or NandoctorError: this is ours
+        raise _internal(exc, options.get("json_path") or options.get("markdown_path")) from None
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(cls=_Command)
 def scan(
     config: ConfigArg,
-    batches: Annotated[Optional[int], typer.Option("--batches", min=1, help="Stop after this many batches "
+    batches: Annotated[Optional[int], typer.Option("--batches", min=1, metavar="N", help="Stop after this many batches "
                                                    "(default: the whole loader).")] = None,
     json_path: JsonOpt = None,
     markdown_path: MarkdownOpt = None,
@@ -74,14 +151,14 @@ def scan(
          batches=batches)
 
 
-@app.command()
+@app.command(cls=_Command)
 def probe(
     config: ConfigArg,
-    steps: Annotated[Optional[int], typer.Option("--steps", min=1, help="Training steps to run "
+    steps: Annotated[Optional[int], typer.Option("--steps", min=1, metavar="N", help="Training steps to run "
                                                  "(default: probe.steps in the spec, else 200).")] = None,
-    seed: Annotated[Optional[int], typer.Option("--seed", min=0, help="Random seed (default: probe.seed, else 0).")
-                    ] = None,
-    device: Annotated[Optional[str], typer.Option("--device", help="auto, cpu, gpu or gpu:N "
+    seed: Annotated[Optional[int], typer.Option("--seed", min=0, metavar="SEED",
+                                                help="Random seed (default: probe.seed, else 0).")] = None,
+    device: Annotated[Optional[str], typer.Option("--device", metavar="DEVICE", help="auto, cpu, gpu or gpu:N "
                                                   "(default: probe.device, else auto).")] = None,
     json_path: JsonOpt = None,
     markdown_path: MarkdownOpt = None,
@@ -94,10 +171,10 @@ def probe(
          steps=steps, seed=seed, device=device)
 
 
-@app.command()
+@app.command(cls=_Command)
 def report(
-    report_json: Annotated[Path, typer.Argument(help="A report.json written by `nandoctor scan/probe --json` or a "
-                                                "bundle.", show_default=False)],
+    report_json: Annotated[Path, typer.Argument(metavar="REPORT", help="A report.json written by `nandoctor "
+                                                "scan/probe --json` or a bundle.", show_default=False)],
     markdown_path: MarkdownOpt = None,
 ) -> None:
     """Re-render a saved JSON report in the terminal (or as Markdown with --markdown)."""
@@ -107,16 +184,23 @@ def report(
         code = rerender(report_json, _console(), markdown_path=markdown_path)
     except NandoctorError as err:
         raise _fail(err) from None
+    except KeyboardInterrupt as exc:
+        raise _interrupted(exc) from None
+    except Exception as exc:  # noqa: BLE001 - a report that loads but breaks a renderer is our bug
+        raise _internal(exc, markdown_path) from None
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(cls=_Command)
 def env() -> None:
     """Print the environment a bug ticket needs: nandoctor, Paddle, Python, OS, device, CUDA and GPUs."""
     from nandoctor.env import collect
     from nandoctor.report.console import render_environment
 
-    render_environment(collect(), _console())
+    try:
+        render_environment(collect(), _console())
+    except Exception as exc:  # noqa: BLE001 - no user code runs here: any failure is ours
+        raise _internal(exc, None) from None
 
 
 if __name__ == "__main__":  # pragma: no cover

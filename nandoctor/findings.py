@@ -33,6 +33,7 @@ class Verdict(str, Enum):
     AT_RISK = "at_risk"
     NAN_FOUND = "nan_found"
     CRASHED = "crashed"
+    INTERRUPTED = "interrupted"
 
 
 class Code(str, Enum):
@@ -59,6 +60,11 @@ class Code(str, Enum):
     AMP_INACTIVE = "amp.inactive"
     AMP_SCALE_COLLAPSE = "amp.scale_collapse"
     RUN_INTERRUPTED = "run.interrupted"
+    LOSS_NOT_TENSOR = "loss.not_tensor"
+    LOSS_NOT_SCALAR = "loss.not_scalar"
+    LOSS_NO_GRAD = "loss.no_grad"
+    MODEL_NO_TRAINABLE = "model.no_trainable"
+    DATA_UNBOUNDED = "data.unbounded"
 
 
 # Codes that mean "a non-finite value was found": they make the verdict `nan_found`.
@@ -205,6 +211,7 @@ class TimelinePoint:
     grad_norm: float | None = None
     loss_scale: float | None = None
     skipped: bool | None = None
+    lr: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: _jsonable(v) for k, v in asdict(self).items() if v is not None or k in ("loss", "grad_norm")}
@@ -223,7 +230,7 @@ class Report:
     details: dict[str, Any] = field(default_factory=dict)
     # The user's code raised and training could not go on (verdict `crashed`).
     crashed: bool = False
-    # The run was interrupted (Ctrl-C) and the report holds only what was seen so far.
+    # The run was stopped by Ctrl-C or SIGTERM and the report holds only what was seen so far.
     partial: bool = False
     # In memory only, never in the JSON: what a bundle needs to reproduce the fault (the offending
     # batch as numpy arrays, the pre-step model state, the RNG state). See report/bundle.py.
@@ -231,11 +238,14 @@ class Report:
 
     @property
     def verdict(self) -> Verdict:
-        """Crashed beats NaN beats any other error or warning; the contract's four verdicts."""
+        """Crashed beats NaN beats any other error; a run stopped by a signal before any error is
+        `interrupted`; then warnings make `at_risk`."""
         if self.crashed:
             return Verdict.CRASHED
         if any(f.code in NONFINITE_CODES for f in self.findings):
             return Verdict.NAN_FOUND
+        if self.partial and not any(f.severity == Severity.ERROR for f in self.findings):
+            return Verdict.INTERRUPTED
         if any(f.severity in (Severity.ERROR, Severity.WARNING) for f in self.findings):
             return Verdict.AT_RISK
         return Verdict.HEALTHY

@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from nandoctor import interrupt
 from nandoctor.errors import OutputError, SpecError
 from nandoctor.findings import SCHEMA, Report
 from nandoctor.progress import ProgressFn, no_progress
@@ -26,17 +27,29 @@ from nandoctor.spec import check_device, load_spec
 def run_command(command: str, config: Path, console: Console, *, json_path: Path | None = None,
                 markdown_path: Path | None = None, bundle: Path | None = None, force: bool = False,
                 quiet: bool = False, **options: Any) -> int:
-    """Run `scan` or `probe` on a spec and write every output asked for; returns the exit status."""
+    """Run `scan` or `probe` on a spec and write every output asked for; returns the exit status
+    (130/143 when Ctrl-C or SIGTERM stopped the run: the partial report is still written)."""
+    with interrupt.handled():
+        return _run_command(command, config, console, json_path=json_path, markdown_path=markdown_path,
+                            bundle=bundle, force=force, quiet=quiet, **options)
+
+
+def _run_command(command: str, config: Path, console: Console, *, json_path: Path | None,
+                 markdown_path: Path | None, bundle: Path | None, force: bool, quiet: bool, **options: Any) -> int:
     spec = load_spec(config)
     if options.get("device") is not None:  # a typo in --device should not wait for imports or a model build
         check_device(options["device"], "--device")
-    for path in (json_path, markdown_path):
-        if path is not None:
-            check_writable_file(path)
+    outputs = [p for p in (json_path, markdown_path) if p is not None]
+    for path in outputs:
+        check_writable_file(path)
+    check_not_an_input(outputs, spec_inputs(spec))
     if bundle is not None:
         from nandoctor.report.bundle import check_bundle_target
 
         check_bundle_target(bundle, force)
+    import paddle  # noqa: F401 - Paddle's import installs C++ signal handlers that dump a native stack
+
+    interrupt.install()  # ... so Python's go back: SIGTERM ends the run with a partial report instead
     with progress_bar(console, quiet) as on_progress:
         if command == "scan":
             from nandoctor.scan import ScanOptions, run_scan
@@ -56,12 +69,16 @@ def run_command(command: str, config: Path, console: Console, *, json_path: Path
             flags = {"--steps": opts.steps, "--seed": opts.seed, "--device": opts.device}
     report.run.setdefault("config", str(config))
     report.run["command_line"] = reproduce_command(command, config, flags)
+    # The run imported the user's modules: none of them may be overwritten by a report either.
+    check_not_an_input(outputs, spec_inputs(spec) | imported_files(spec.base_dir))
     write_outputs(report, console, json_path=json_path, markdown_path=markdown_path, quiet=quiet)
     if bundle is not None:
         from nandoctor.report.bundle import write_bundle
 
         written = write_bundle(report, spec, bundle, force=force)
         console.print(f"Bundle written to [bold]{written}[/] (attach it to the bug ticket).")
+    if report.partial:
+        return interrupt.exit_status()
     return report.exit_code
 
 
@@ -95,6 +112,7 @@ def rerender(report_json: Path, console: Console, *, markdown_path: Path | None 
         found = f"schema {data.get('schema')!r}" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
         raise SpecError(f"{report_json}: not a nandoctor report ({found}; expected \"schema\": \"{SCHEMA}\"). "
                         "Pass a report.json written by --json or --bundle.")
+    check_report_keys(report_json, data)
     try:
         report = Report.from_dict(data)
     except (ValueError, KeyError, TypeError) as exc:
@@ -114,17 +132,89 @@ def rerender(report_json: Path, console: Console, *, markdown_path: Path | None 
     return report.exit_code
 
 
-def check_writable_file(path: Path) -> None:
-    """Fail before the run, with exit 2, if `path` cannot be written."""
-    if path.is_dir():
-        raise OutputError(f"{path} is a folder; give a file name such as {path / 'report.json'}.")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.exists():
-        raise OutputError(f"cannot write {path}: the folder {parent} does not exist. Create it or pick another path.")
-    import os
+def check_report_keys(path: Path, data: dict[str, Any]) -> None:
+    """A report without its required keys is not 'healthy': it is not a report (exit 2)."""
+    from nandoctor.findings import Verdict
 
-    if not os.access(parent, os.W_OK):
-        raise OutputError(f"cannot write {path}: the folder {parent} is not writable.")
+    missing = [k for k in REQUIRED_REPORT_KEYS if k not in data]
+    problem = f"it has no {', '.join(repr(k) for k in missing)}" if missing else None
+    if problem is None and not isinstance(data["findings"], list):
+        problem = f"'findings' is a {type(data['findings']).__name__}, not a list"
+    if problem is None and data["verdict"] not in {v.value for v in Verdict}:
+        problem = f"'verdict' is {data['verdict']!r}, not one of {', '.join(v.value for v in Verdict)}"
+    if problem is None and data["command"] not in ("scan", "probe"):
+        problem = f"'command' is {data['command']!r}, not 'scan' or 'probe'"
+    if problem is not None:
+        raise SpecError(f"{path}: not a complete nandoctor report ({problem}). Was it edited by hand or cut "
+                        "short? Re-create it with --json.")
+
+
+REQUIRED_REPORT_KEYS = ("schema", "command", "verdict", "findings")
+
+
+def check_writable_file(path: Path) -> None:
+    """Fail before the run, with exit 2, if `path` cannot be written: by creating it (and removing it
+    again), since `os.access` misses names too long for the filesystem and read-only mounts."""
+    try:
+        if path.is_dir():
+            raise OutputError(f"{path} is a folder; give a file name such as {path / 'report.json'}.")
+        parent = path.parent if str(path.parent) else Path(".")
+        if not parent.exists():
+            raise OutputError(f"cannot write {path}: the folder {parent} does not exist. Create it or pick another "
+                              "path.")
+        existed = path.exists()
+        with open(path, "a" if existed else "x", encoding="utf-8"):
+            pass  # "a" leaves an existing file's content as it is; it is replaced only after the run
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}. Pick another path.") from None
+
+
+def spec_inputs(spec: Any) -> set[Path]:
+    """The spec file and the files its entries name (file paths, or modules found under the spec folder)."""
+    files = {Path(spec.path).resolve()}
+    entries = [spec.model.entry, spec.data.entry, getattr(spec.loss, "entry", None),
+               getattr(spec.step, "entry", None),
+               getattr(getattr(spec.optimizer, "lr_scheduler", None), "entry", None)]
+    base = Path(spec.base_dir)
+    for entry in entries:
+        if not isinstance(entry, str) or ":" not in entry:
+            continue
+        target = entry.rsplit(":", 1)[0]
+        if target.endswith(".py") or "/" in target or "\\" in target:
+            candidates = [base / target]
+        else:
+            mod = base.joinpath(*target.split("."))
+            candidates = [mod.with_suffix(".py"), mod / "__init__.py"]
+        files |= {c.resolve() for c in candidates if c.is_file()}
+    return files
+
+
+def imported_files(base_dir: Path) -> set[Path]:
+    """The `.py` files under the spec's folder that the run imported (the user's modules and theirs)."""
+    import sys
+
+    base = Path(base_dir).resolve()
+    out: set[Path] = set()
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if not file:
+            continue
+        path = Path(file).resolve()
+        if path.is_relative_to(base):
+            out.add(path)
+    return out
+
+
+def check_not_an_input(outputs: list[Path], inputs: set[Path]) -> None:
+    """A report must never overwrite the spec or the code the run imports (exit 2)."""
+    for out in outputs:
+        target = out.resolve()
+        if target in inputs:
+            what = "the spec" if target.suffix in (".yaml", ".yml") else "a file the run imports"
+            raise OutputError(f"refusing to write the report to {out}: it is {what} ({target}), which it would "
+                              "overwrite. Pick another path, e.g. report.json.")
 
 
 def write_text(path: Path, text: str) -> None:

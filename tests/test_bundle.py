@@ -333,8 +333,9 @@ def test_interrupted_scan_still_writes_json_markdown_and_bundle(interrupted_proj
     out = tmp_path / "b"
     result = _cli("scan", str(interrupted_project), "--json", str(tmp_path / "r.json"), "--markdown",
                   str(tmp_path / "r.md"), "--bundle", str(out), "--quiet")
-    assert result.exit_code == 1, result.output  # the NaN in batch 1 was seen before the interrupt
+    assert result.exit_code == 130, result.output  # Ctrl-C: 130 (contract), the NaN of batch 1 still reported
     data = _check_partial_outputs(tmp_path, out)
+    assert data["verdict"] == "nan_found"  # an error found before the interrupt keeps its verdict
     assert data["first_fault"]["batch_index"] == 1
     with np.load(out / "batch.npz") as saved:
         assert np.isnan(saved["x"][2, 1])
@@ -358,8 +359,9 @@ def test_interrupted_probe_still_writes_json_markdown_and_bundle(interrupted_pro
     out = tmp_path / "b"
     result = _cli("probe", str(interrupted_project), "--json", str(tmp_path / "r.json"), "--markdown",
                   str(tmp_path / "r.md"), "--bundle", str(out), "--quiet")
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 130, result.output  # Ctrl-C: 130 (contract), never 0 for a run cut short
     data = _check_partial_outputs(tmp_path, out)
+    assert data["verdict"] == "interrupted"
     assert [p["step"] for p in data["timeline"]] == [0, 1, 2]
     assert "run.interrupted" in {f["code"] for f in data["findings"]}
 
@@ -396,7 +398,7 @@ def test_code_copy_follows_entries_and_skips_big_files(tmp_path: Path):
                       .replace("data.py:build_loader", "sub/data.py:build_loader").replace("stop_at: 3", "stop_at: 9"))
     out = tmp_path / "out" / "b"
     result = _cli("scan", str(config), "--bundle", str(out), "--quiet")
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 130, result.output  # the loader raises KeyboardInterrupt at batch 9: Ctrl-C
     copied = sorted(str(p.relative_to(out / "code")) for p in (out / "code").rglob("*.py"))
     assert copied == ["helpers.py", "nets/__init__.py", "nets/models.py", "sub/data.py"]
     readme = (out / "README.txt").read_text()
@@ -457,5 +459,5 @@ def test_ctrl_c_inside_the_model_during_scan_still_writes_a_partial_report(inter
     out = tmp_path / "b"
     result = _cli("scan", str(interrupted_project), "--json", str(tmp_path / "r.json"), "--markdown",
                   str(tmp_path / "r.md"), "--bundle", str(out), "--quiet")
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 130, result.output  # Ctrl-C: 130 (contract), the partial report written
     _check_partial_outputs(tmp_path, out)

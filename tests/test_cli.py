@@ -126,7 +126,14 @@ def test_report_accepts_a_bundle_folder(tmp_path: Path):
     ('{"hello": "world"}', "not a nandoctor report"),
     ("[1, 2, 3]", "not a nandoctor report (a JSON list"),
     ("{not json", "not a readable JSON report"),
-    ('{"schema": "nandoctor.report/1", "findings": [{"code": "x"}]}', "the key 'severity' is missing"),
+    ('{"schema": "nandoctor.report/1", "command": "probe", "verdict": "nan_found", "findings": [{"code": "x"}]}',
+     "the key 'severity' is missing"),
+    # a schema line alone used to render as "healthy" (exit 0): the required keys are checked
+    ('{"schema": "nandoctor.report/1"}', "it has no 'command', 'verdict', 'findings'"),
+    ('{"schema": "nandoctor.report/1", "command": "probe", "findings": []}', "it has no 'verdict'"),
+    ('{"schema": "nandoctor.report/1", "command": "probe", "verdict": "fine", "findings": []}', "'verdict' is 'fine'"),
+    ('{"schema": "nandoctor.report/1", "command": "probe", "verdict": "healthy", "findings": {}}',
+     "'findings' is a dict"),
 ])
 def test_report_rejects_non_reports_with_exit_2(tmp_path: Path, content: str, words: str):
     path = tmp_path / "report.json"

@@ -20,10 +20,13 @@ from nandoctor.artifacts import capture
 from nandoctor.device import resolve_device, use_device
 from nandoctor.errors import UserCodeError
 from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity, TimelinePoint
+from nandoctor.interrupt import interrupted_finding
 from nandoctor.probe import faults
 from nandoctor.probe.crash import CrashContext, crash_findings
 from nandoctor.probe.loop import LoopResult, ProbeLoop
 from nandoctor.probe.monitors import param_nonfinite
+from nandoctor.probe.trainability import loss_finding, loss_source, no_trainable_finding
+from nandoctor.probe.watcher import FaultKind, trainable_names
 from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.spec import Spec
 from nandoctor.workload import build_optimizer, build_workload
@@ -54,9 +57,29 @@ def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progr
     paddle.seed(options.seed)
     np.random.seed(options.seed % 2**32)
     random.seed(options.seed)
+    try:
+        _probe(spec, options, progress, report, device)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM at any moment: model build, loader workers, replay
+        _interrupted(report, int(report.details.get("steps_run", len(report.timeline))))
+    return report
+
+
+def _interrupted(report: Report, steps_run: int) -> None:
+    if report.partial:
+        return
+    report.partial = True
+    report.findings.append(interrupted_finding("probe", f"{steps_run} step(s)", step=steps_run))
+
+
+def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Report, device: str) -> None:
+    import paddle
+
     progress(0, options.steps, "building the model")
     try:
-        workload = build_workload(spec)
+        try:
+            workload = build_workload(spec)
+        except SystemExit as exc:  # sys.exit() in the user's module or factory: a finding, not a silent exit
+            raise UserCodeError(f"model.entry {spec.model.entry}", exc) from None
     except UserCodeError as err:
         ctx = CrashContext(step=0, batch_index=None, epoch=0, phase=Phase.PARAMS, what=err.what)
         found, loc = crash_findings(err.exc, ctx, spec.base_dir, None, {}, None, None, None)
@@ -64,8 +87,13 @@ def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progr
         report.crashed = True
         loc.step = None
         faults.set_first(report, loc)
-        return report
+        return
     model = workload.model
+    if not trainable_names(model):
+        report.findings.append(no_trainable_finding(spec, model))
+        report.crashed = True
+        report.details["steps_run"] = 0
+        return
     optimizer = build_optimizer(spec, model)
     report.details["clip"] = _clip(spec)
     fp16 = spec.amp.enabled and spec.amp.dtype == "float16"
@@ -81,25 +109,22 @@ def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progr
         faults.params_before_training(report, bad)
         report.details["steps_run"] = 0
         capture(report, {}, step=None, batch_index=None, model=model)
-        return report
-    from nandoctor.probe.warnings import WarningTracker
-
+        return
     was_training = model.training
     model.train()
-    loop = ProbeLoop(workload, optimizer, options.steps, progress, None)
+    scaler = None
     if spec.amp.enabled and device != "cpu":
-        loop.scaler = paddle.amp.GradScaler(init_loss_scaling=spec.amp.init_loss_scaling)
+        scaler = paddle.amp.GradScaler(init_loss_scaling=spec.amp.init_loss_scaling)
+    loop: ProbeLoop | None = None
     try:
-        # The tracker needs the monitor's layer and parameter order; the loop builds the monitor.
-        loop.warn = _LazyTracker(lambda: WarningTracker(loop.monitor.layer_names, loop.monitor.param_names,
-                                                        fp16=fp16, amp=spec.amp.enabled,
-                                                        learning_rate=_lr(optimizer)))
+        loop = ProbeLoop(workload, optimizer, options.steps, progress, scaler=scaler, fp16=fp16,
+                         amp=spec.amp.enabled)
         res = loop.run()
         _timeline(report, res)
         _details(report, res, loop)
         _handle_fault(report, res, workload, optimizer, loop)
-        report.findings += loop.warn.findings(res)
-        if loop.scaler is not None:
+        report.findings += loop.watcher.warnings(res.fault)
+        if scaler is not None:
             _scale_collapse(report, res, spec.amp.init_loss_scaling)
         if res.steps_run == 0 and res.fault is None and not res.interrupted:
             report.findings.append(Finding(
@@ -108,37 +133,13 @@ def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progr
                 "dataset path and size, and `drop_last` with a batch size larger than the dataset.",
                 Location(phase=Phase.DATA, batch_index=0), {}, advice_for(Code.DATA_EMPTY.value)))
         if res.interrupted:
-            faults.interrupted(report, res.steps_run)
-    except KeyboardInterrupt:
-        faults.interrupted(report, len(report.timeline))
-    finally:
-        loop.close()
+            _interrupted(report, res.steps_run)
+    finally:  # hooks, checker and mode restored whatever stopped the run, our own failure included
+        if loop is not None:
+            loop.close()
         _disable_checker()
         if not was_training:
             model.eval()
-    return report
-
-
-class _LazyTracker:
-    """Builds the WarningTracker on first use (after the loop made its monitor)."""
-
-    def __init__(self, make: Any) -> None:
-        self.make = make
-        self.tracker: Any = None
-
-    def update(self, record: Any) -> bool:
-        if self.tracker is None:
-            self.tracker = self.make()
-        return self.tracker.update(record)
-
-    def findings(self, res: LoopResult) -> list[Finding]:
-        if self.tracker is None:
-            return []
-        out = self.tracker.findings()
-        if res.fault is not None and res.fault.kind != "crash":
-            fault_step = res.fault.step
-            out = [f for f in out if f.code != Code.GRAD_EXPLOSION or (f.location.step or 0) < fault_step]
-        return out
 
 
 def _handle_fault(report: Report, res: LoopResult, workload: Any, optimizer: Any, loop: ProbeLoop) -> None:
@@ -154,10 +155,15 @@ def _handle_fault(report: Report, res: LoopResult, workload: Any, optimizer: Any
         faults.update_fault(report, fault, optimizer)
         if fault.fields is not None:  # the step already ran: the batch for --bundle, but no pre-step state
             capture(report, fault.fields, step=fault.step, batch_index=fault.batch_index)
+    elif fault.kind == FaultKind.LOSS:
+        report.findings.append(loss_finding(fault, workload.spec, workload.uses_step))
+        report.crashed = True  # training cannot go on with such a loss
+        faults.set_first(report, Location(step=fault.step, phase=fault.phase, batch_index=fault.batch_index))
     elif fault.kind == "crash":
         exc = fault.exc
         what = {Phase.DATA: f"data.entry {workload.spec.data.entry}",
                 Phase.FORWARD: "the model's forward pass or loss", Phase.BACKWARD: "loss.backward()",
+                Phase.LOSS: f"the loss from {loss_source(workload.spec, workload.uses_step)}",
                 Phase.OPTIMIZER: "optimizer.step()"}.get(fault.phase, "your code")
         if isinstance(exc, UserCodeError):
             what, exc = exc.what, exc.exc
@@ -242,7 +248,7 @@ def _bn_types() -> tuple[type, ...]:
 
 def _timeline(report: Report, res: LoopResult) -> None:
     report.timeline = [TimelinePoint(step=r.step, loss=r.loss, grad_norm=r.grad_norm, loss_scale=r.loss_scale,
-                                     skipped=r.skipped) for r in res.records]
+                                     skipped=r.skipped, lr=r.lr) for r in res.records]
 
 
 def _details(report: Report, res: LoopResult, loop: ProbeLoop) -> None:
@@ -282,13 +288,6 @@ def _matrix(names: list[str], cols: list[tuple[int, np.ndarray]], key: str) -> d
 def _clip(spec: Spec) -> float | None:
     clip = spec.optimizer.grad_clip
     return float(clip.value) if clip is not None and clip.kind in ("global_norm", "norm") else None
-
-
-def _lr(optimizer: Any) -> float | None:
-    try:
-        return float(optimizer.get_lr())
-    except Exception:  # noqa: BLE001
-        return None
 
 
 def _disable_checker() -> None:

@@ -50,6 +50,7 @@ VERDICT_TEXT = {
     Verdict.AT_RISK: "at risk",
     Verdict.NAN_FOUND: "NaN/Inf found",
     Verdict.CRASHED: "crashed",
+    Verdict.INTERRUPTED: "interrupted (partial report)",
 }
 
 

@@ -31,6 +31,7 @@ VERDICT_STYLE = {
     Verdict.AT_RISK: "bold yellow",
     Verdict.NAN_FOUND: "bold red",
     Verdict.CRASHED: "bold red",
+    Verdict.INTERRUPTED: "bold yellow",
 }
 SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 SPARK_WIDTH = 60
@@ -195,7 +196,9 @@ def _timeline(report: Report, width: int) -> Group:
 
 def _next_steps(report: Report) -> Text:
     text = Text("\n")
-    if report.exit_code:
+    if report.partial:
+        text.append("Stopped by a signal: exit status 130 (Ctrl-C) or 143 (SIGTERM). ", style="bold")
+    elif report.exit_code:
         text.append("Exit status 1: the report holds an error. ", style="bold")
     else:
         text.append("Exit status 0: no errors. ", style="bold")

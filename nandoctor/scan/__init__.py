@@ -21,6 +21,7 @@ from nandoctor.batches import BatchLayout, batch_size
 from nandoctor.entrypoints import call_user, user_import_path, user_origin
 from nandoctor.errors import UserCodeError
 from nandoctor.findings import Code, Finding, FirstFault, Location, Phase, Report, Severity
+from nandoctor.interrupt import interrupted_finding, stop_loader
 from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.scan.data import DataLimits, DataScanner
 from nandoctor.scan.model_facts import infer_num_classes, position_tables
@@ -29,6 +30,9 @@ from nandoctor.spec import Spec
 from nandoctor.workload import build_workload, loader_factory
 
 __all__ = ["ScanOptions", "run_scan"]
+
+# A loader without a length may be endless (a generator over a stream): without --batches, stop here.
+UNSIZED_BATCH_LIMIT = 1000
 
 
 @dataclass
@@ -43,10 +47,29 @@ def run_scan(spec: Spec, options: ScanOptions | None = None, progress: ProgressF
     options = options or ScanOptions()
     report = Report(command="scan", run={"batches": options.batches})
     report.environment = env.collect()
+    try:
+        _scan(spec, options, progress, report)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM while the model was built or the parameters checked
+        _interrupted(report, 0)
+    report.first_fault = _first_fault(report)
+    return report
+
+
+def _interrupted(report: Report, done: int) -> None:
+    if report.partial:
+        return
+    report.partial = True
+    report.findings.append(interrupted_finding("scan", f"{done} batch(es)", batch_index=done, phase=Phase.DATA))
+
+
+def _scan(spec: Spec, options: ScanOptions, progress: ProgressFn, report: Report) -> None:
     model: Any = None
     uses_step = spec.step is not None
     try:
-        workload = build_workload(spec)
+        try:
+            workload = build_workload(spec)
+        except SystemExit as exc:  # sys.exit() in the user's module or factory: a finding, not a silent exit
+            raise UserCodeError(f"model.entry {spec.model.entry}", exc) from None
         model, layout, make_loader, uses_step = (workload.model, workload.layout, workload.make_loader,
                                                  workload.uses_step)
     except UserCodeError as err:
@@ -65,14 +88,8 @@ def run_scan(spec: Spec, options: ScanOptions | None = None, progress: ProgressF
     scanner = DataScanner(_limits(spec, model))
     try:
         _scan_loader(spec, layout, make_loader, model, uses_step, scanner, options.batches, progress, report)
-    except KeyboardInterrupt:  # Ctrl-C while a batch was being checked, not while the loader ran
-        report.partial = True
-        done = scanner.n_batches
-        report.findings.append(Finding(
-            Code.RUN_INTERRUPTED, Severity.INFO,
-            f"The scan was interrupted after {done} batch(es); the findings cover only those.",
-            Location(phase=Phase.DATA, batch_index=done), {"batches_scanned": done},
-            advice_for(Code.RUN_INTERRUPTED.value)))
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM while a batch was read or checked
+        _interrupted(report, scanner.n_batches)
     finally:
         # The last chunk of batches is checked here, whether the loader ended, raised or was interrupted.
         try:
@@ -81,8 +98,6 @@ def run_scan(spec: Spec, options: ScanOptions | None = None, progress: ProgressF
             _keep_error_batch(scanner, report)
             report.findings += scanner.findings()
             report.details.update(scanner.details())
-    report.first_fault = _first_fault(report)
-    return report
 
 
 def _limits(spec: Spec, model: Any) -> DataLimits:
@@ -101,19 +116,44 @@ def _limits(spec: Spec, model: Any) -> DataLimits:
 
 def _scan_loader(spec: Spec, layout: BatchLayout, make_loader: Callable[[], Any], model: Any, uses_step: bool,
                  scanner: DataScanner, limit: int | None, progress: ProgressFn, report: Report) -> None:
-    """One pass over the loader; stops at `limit` batches, at the end, or at the user's exception."""
+    """One pass over the loader; stops at `limit` batches (UNSIZED_BATCH_LIMIT for a loader without a
+    length, which may never end), at the end, or at the user's exception."""
     base = spec.base_dir
     try:
-        loader = make_loader()
-        total = _length(loader)
-        with user_import_path(base):
-            it = call_user(f"data.entry {spec.data.entry} (iter)", iter, loader, base_dir=base)
+        try:
+            loader = make_loader()
+            total = _length(loader)
+            with user_import_path(base):
+                it = call_user(f"data.entry {spec.data.entry} (iter)", iter, loader, base_dir=base)
+        except SystemExit as exc:
+            raise UserCodeError(f"data.entry {spec.data.entry}", exc) from None
     except UserCodeError as err:
         report.findings.append(_user_code_finding(err, spec, Phase.DATA, None, "No batch could be read."))
         report.crashed = True
         return
+    bounded = False
+    if limit is None and total is None:  # no length: maybe endless (an infinite generator); bound it
+        limit, bounded = UNSIZED_BATCH_LIMIT, True
     if limit is not None:
         total = limit if total is None else min(total, limit)
+    try:
+        index = _read_batches(spec, layout, it, model, uses_step, scanner, limit, total, progress, report)
+    finally:
+        stop_loader(it)  # DataLoader workers stop now, however the pass ended
+    if bounded and index >= UNSIZED_BATCH_LIMIT:
+        report.findings.append(Finding(
+            Code.DATA_UNBOUNDED, Severity.INFO,
+            f"data.entry {spec.data.entry} has no length and had not ended after {UNSIZED_BATCH_LIMIT} batches, so "
+            f"the scan stopped there (it may never end). Pass --batches N to scan more or fewer batches.",
+            Location(phase=Phase.DATA, batch_index=index), {"batches_scanned": index, "limit": UNSIZED_BATCH_LIMIT},
+            ["Use `--batches N` to choose how many batches to scan.",
+             "Give the dataset a `__len__` if it is finite, so the scan knows where it ends."]))
+
+
+def _read_batches(spec: Spec, layout: BatchLayout, it: Any, model: Any, uses_step: bool, scanner: DataScanner,
+                  limit: int | None, total: int | None, progress: ProgressFn, report: Report) -> int:
+    """The loop over batches; returns how many were read."""
+    base = spec.base_dir
     need_classes = scanner.limits.label_bounds is None and model is not None
     index = 0
     progress(0, total, "scanning data")
@@ -124,21 +164,16 @@ def _scan_loader(spec: Spec, layout: BatchLayout, make_loader: Callable[[], Any]
             except StopIteration:
                 break
             except KeyboardInterrupt:
-                report.partial = True
-                report.findings.append(Finding(
-                    Code.RUN_INTERRUPTED, Severity.INFO,
-                    f"The scan was interrupted after {index} batch(es); the findings cover only those.",
-                    Location(phase=Phase.DATA, batch_index=index), {"batches_scanned": index},
-                    advice_for(Code.RUN_INTERRUPTED.value)))
-                return
-            except Exception as exc:  # noqa: BLE001 - the user's loader raised: that is the finding
+                _interrupted(report, index)
+                return index
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's loader raised: that is the finding
                 err = UserCodeError(f"data.entry {spec.data.entry} (producing batch {index})", exc,
                                     user_origin(exc, base))
                 report.findings.append(_user_code_finding(
                     err, spec, Phase.DATA, index,
                     f"The scan stopped there; {index} batch(es) before it were checked."))
                 report.crashed = True
-                return
+                return index
             if _is_empty(batch):
                 scanner.add_empty(index)
             else:
@@ -155,6 +190,7 @@ def _scan_loader(spec: Spec, layout: BatchLayout, make_loader: Callable[[], Any]
                     _keep_error_batch(scanner, report)
             index += 1
             progress(index, total, "scanning data")
+    return index
 
 
 def _keep_error_batch(scanner: DataScanner, report: Report) -> None:

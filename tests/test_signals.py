@@ -1,0 +1,105 @@
+"""Ctrl-C and SIGTERM in a real `nandoctor` process: exit 130/143, a partial report with verdict
+`interrupted`, loader workers stopped, no native stack dump (subprocess tests)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_watcher import write_spec
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited (its parent, gone, cannot reap it)
+
+
+def _start(tmp_path: Path, command: str, data: str, extra: list[str], model: str = "", **data_args):
+    marker = tmp_path / "marker"
+    if model:
+        spec = write_spec(tmp_path, data=data, model_args={"marker": str(marker)})
+        spec.write_text(spec.read_text(encoding="utf-8").replace(":classifier", f":{model}"), encoding="utf-8")
+    else:
+        spec = write_spec(tmp_path, data=data, data_args={"marker": str(marker), **data_args})
+    args = [sys.executable, "-m", "nandoctor", command, str(spec), "--json", str(tmp_path / "r.json"),
+            "--markdown", str(tmp_path / "r.md"), "-q", *extra]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while not marker.exists():
+        if proc.poll() is not None or time.time() > deadline:
+            out, err = proc.communicate(timeout=30) if proc.poll() is None else proc.communicate()
+            pytest.fail(f"the run ended or hung before the marker: rc={proc.returncode}\n{out}\n{err}")
+        time.sleep(0.1)
+    return proc
+
+
+def _finish(proc: subprocess.Popen, sig: int, tmp_path: Path) -> tuple[int, str, dict]:
+    children = _children(proc.pid)
+    proc.send_signal(sig)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the run did not stop after the signal")
+    assert "Traceback" not in err and "C++ Traceback" not in err and "Error Message Summary" not in err, err
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert (tmp_path / "r.md").read_text(encoding="utf-8").startswith("# nandoctor")
+    deadline = time.time() + 30
+    while any(_alive(c) for c in children) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not [c for c in children if _alive(c)], "loader workers outlived nandoctor"
+    return proc.returncode, out + err, data
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_probe_stopped_by_a_signal_writes_a_partial_interrupted_report(tmp_path, sig, code):
+    proc = _start(tmp_path, "probe", "slow_loader", ["--steps", "100000"])
+    rc, output, data = _finish(proc, sig, tmp_path)
+    assert rc == code, output
+    assert data["verdict"] == "interrupted" and data["partial"] is True
+    [f] = [f for f in data["findings"] if f["code"] == "run.interrupted"]
+    assert ("SIGTERM" if sig == signal.SIGTERM else "Ctrl-C") in f["message"]
+    assert len(data["timeline"]) >= 3
+
+
+def test_probe_with_dataloader_workers_alive_stops_them(tmp_path):
+    proc = _start(tmp_path, "probe", "worker_loader", ["--steps", "100000"])
+    assert len(_children(proc.pid)) >= 2  # the two DataLoader workers are running
+    rc, output, data = _finish(proc, signal.SIGTERM, tmp_path)
+    assert rc == 143, output
+    assert data["verdict"] == "interrupted" and data["partial"] is True
+
+
+def test_scan_stopped_by_sigterm(tmp_path):
+    proc = _start(tmp_path, "scan", "slow_loader", ["--batches", "100000"])
+    rc, output, data = _finish(proc, signal.SIGTERM, tmp_path)
+    assert rc == 143, output
+    assert data["command"] == "scan" and data["verdict"] == "interrupted" and data["partial"] is True
+
+
+@pytest.mark.parametrize("command", ["probe", "scan"])
+def test_signal_during_the_model_build(tmp_path, command):
+    proc = _start(tmp_path, command, "batches", [], model="slow_model")
+    rc, output, data = _finish(proc, signal.SIGTERM, tmp_path)
+    assert rc == 143, output
+    assert data["verdict"] == "interrupted" and data["partial"] is True and data["timeline"] == []
