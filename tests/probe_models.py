@@ -95,6 +95,8 @@ class Classifier(nn.Layer):
             self.dist = Dist()
             self.body = nn.Sequential(nn.Linear(1, hidden), nn.ReLU())
         self.head = nn.Linear(hidden, classes)
+        if kind == "spare":  # a layer the forward never calls (a leftover head, say)
+            self.spare = nn.Linear(hidden, hidden)
 
     def forward(self, x):
         if self.kind == "log":
@@ -106,14 +108,21 @@ class Classifier(nn.Layer):
         return self.head(self.body(x))
 
 
-def classifier(kind: str = "plain", classes: int = 3, nan_param: str = "", crash_at_batch_size: int = 0):
+def classifier(kind: str = "plain", classes: int = 3, nan_param: str = "", crash_at_batch_size: int = 0,
+               nan_whole: bool = False, frozen: str = ""):
+    """`nan_param`: a NaN in its first value (every value with `nan_whole`); `frozen`: stop_gradient on it."""
     paddle.seed(0)
     model = Classifier(kind, classes, crash_at_batch_size=crash_at_batch_size)
     if nan_param:
         p = dict(model.named_parameters())[nan_param]
         value = p.numpy()
-        value.flat[0] = np.nan
+        if nan_whole:
+            value[...] = np.nan
+        else:
+            value.flat[0] = np.nan
         p.set_value(value)
+    if frozen:
+        dict(model.named_parameters())[frozen].stop_gradient = True
     return model
 
 

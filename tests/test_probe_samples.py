@@ -91,9 +91,17 @@ EXPECTED: dict[str, Expect] = {
                                              frozenset({"adam_", "adam"}), "encoder.0.weight", 0, None),
                                {"update.nonfinite"},
                                where={"update.nonfinite": {"parameter": "encoder.0.weight"}}),
-    "nan_parameter": Expect(NAN, 1, fault(None, "params", ANY, None, "encoder.norm.weight", None, None),
-                            {"param.nonfinite"},
-                            where={"param.nonfinite": {"parameter": "encoder.norm.weight"}}),
+    # one NaN in a LayerNorm scale (not the whole tensor): the probe trains on, and step 0's forward reads it
+    # (plain loop: step 0's loss is NaN for every sample alone; the checker names layer_norm_intermediate)
+    "nan_parameter": Expect(NAN, 1, fault(0, "forward", "encoder.norm", "layer_norm_intermediate",
+                                          "encoder.norm.weight", 0, None),
+                            {"param.nonfinite", "activation.nonfinite"},
+                            where={"param.nonfinite": {"parameter": "encoder.norm.weight", "phase": "params"}}),
+    # one NaN row (token 37) of an embedding table: a plain loop's loss is first NaN at step 7, whose samples
+    # 3 and 6 (the only ones holding token 37) are NaN alone; the checker names op embedding
+    "embedding_nan_row": Expect(NAN, 1, fault(7, "forward", "embed", "embedding", "embed.weight", 7, [3, 6]),
+                                {"param.nonfinite", "activation.nonfinite"},
+                                where={"param.nonfinite": {"parameter": "embed.weight", "phase": "params"}}),
     "crash_in_user_code": Expect("crashed", 1, fault(6, "forward", "encoder", None, None, 6, None),
                                  {"user_code.error"}),
     "fp16_overflow_risk": Expect("at_risk", 0, None, {"precision.fp16_overflow"}, info={"amp.inactive"},

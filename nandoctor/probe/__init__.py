@@ -20,10 +20,9 @@ from nandoctor.artifacts import capture
 from nandoctor.device import resolve_device, use_device
 from nandoctor.errors import UserCodeError
 from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity, TimelinePoint
-from nandoctor.probe import faults
+from nandoctor.probe import causes, faults
 from nandoctor.probe.crash import CrashContext, crash_findings
 from nandoctor.probe.loop import LoopResult, ProbeLoop
-from nandoctor.probe.monitors import param_nonfinite
 from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.spec import Spec
 from nandoctor.workload import build_optimizer, build_workload
@@ -76,9 +75,8 @@ def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progr
             faults.amp_inactive(report, spec.amp.dtype)
         else:
             workload = _with_autocast(workload, spec)
-    bad = param_nonfinite(model)
-    if bad:
-        faults.params_before_training(report, bad)
+    found_causes = causes.before_training(report, model, optimizer)
+    if found_causes.stop:
         report.details["steps_run"] = 0
         capture(report, {}, step=None, batch_index=None, model=model)
         return report
@@ -99,6 +97,7 @@ def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progr
         _details(report, res, loop)
         _handle_fault(report, res, workload, optimizer, loop)
         report.findings += loop.warn.findings(res)
+        causes.after_run(report, found_causes, res, workload, _lr(optimizer))
         if loop.scaler is not None:
             _scale_collapse(report, res, spec.amp.init_loss_scaling)
         if res.steps_run == 0 and res.fault is None and not res.interrupted:

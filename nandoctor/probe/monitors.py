@@ -85,6 +85,13 @@ class StepMonitor:
             self.layer_names.append(name)
             self._layers.append(layer)
         self._hook_fns = [self._make_hook(i) for i in range(len(self._layers))]
+        # A parameter that already holds NaN/Inf (a resumed checkpoint with a bad embedding row) would make
+        # every sum non-finite and hide the updates: it is left out of the sum (one check, at start).
+        self._sum_params = self.params
+        if self.params:
+            ok = paddle.stack([paddle.isfinite(p).all() for p in self.params]).numpy()
+            if not ok.all():
+                self._sum_params = [p for p, good in zip(self.params, ok) if good]
 
     def _attach(self, on: bool) -> None:
         """Hooks exist only during stats steps: a registered hook, even one that returns at once, sends
@@ -170,15 +177,15 @@ class StepMonitor:
         import paddle
         from paddle import _C_ops
 
-        if not self.params:
+        if not self._sum_params:
             return None
-        if self._grouped:
+        if self._grouped and self._sum_params is self.params:
             return paddle.add_n([_C_ops.stack([self.params[i] for i in idx], 0).sum().reshape([1])
                                  for idx, _ in self._groups])
         # Bare ops (~5 us each against ~30 us through the Python API): this runs after every update.
         f32 = paddle.float32
         return _C_ops.add_n([_C_ops.sum(p if p.dtype == f32 else p.astype(f32), None, None, False)
-                             for p in self.params]).reshape([1])
+                             for p in self._sum_params]).reshape([1])
 
     def _grad_sq(self, per_param: bool) -> tuple[Any, list[int]]:
         """Squared gradient norms as one device tensor (per parameter, or only the global one for a large

@@ -2,13 +2,14 @@
 
 Each rule must stay silent on a healthy run, so each asks for a large, sustained signal: a gradient
 norm orders of magnitude above its early level, an activation beyond float16's 65504 (only when the
-spec asks for float16 AMP), gradients below float16's smallest subnormal (only with AMP).
+spec asks for float16 AMP; an info without it), gradients below float16's smallest subnormal (only with AMP).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,12 +62,13 @@ class WarningTracker:
                 alert = ratio >= _ALERT_RATIO
                 if ratio >= _EXPLODE_RATIO and self.explosion is None:
                     self.explosion = self._explosion(record.step, early)
-        if record.act_max is not None and self.fp16:
+        if record.act_max is not None:  # the float16 what-if: a warning with float16 AMP, else info
             over = np.where(np.isfinite(record.act_max) & (record.act_max > FP16_MAX))[0]
             for i in over.tolist():
                 first, top = self.fp16_hits.get(i, (record.step, 0.0))
                 self.fp16_hits[i] = (first, max(top, float(record.act_max[i])))
-            alert = alert or bool(np.any(np.isfinite(record.act_max) & (record.act_max > FP16_MAX / 4)))
+            if self.fp16:
+                alert = alert or bool(np.any(np.isfinite(record.act_max) & (record.act_max > FP16_MAX / 4)))
         if self.amp and record.grad_sq is not None and record.step > 0:
             norms = np.sqrt(record.grad_sq)
             tiny = np.where(np.isfinite(norms) & (norms > 0) & (norms < FP16_TINY))[0]
@@ -104,13 +106,16 @@ class WarningTracker:
             out.append(self.explosion)
         for i, (step, top) in sorted(self.fp16_hits.items(), key=lambda kv: -kv[1][1])[:10]:
             name = self.layer_names[i]
+            if self.fp16:
+                sev, tail = Severity.WARNING, "with AMP in float16 (as the spec asks) this layer would output inf"
+            else:
+                sev, tail = Severity.INFO, "the spec has no float16 AMP, but with it this layer would output inf"
             out.append(Finding(
-                Code.PRECISION_FP16_OVERFLOW, Severity.WARNING,
+                Code.PRECISION_FP16_OVERFLOW, sev,
                 f"Layer {name} outputs values up to {top:.3g} (first at step {step}), {top / FP16_MAX:.3g}x "
-                "float16's maximum of 65504: finite in float32, but with AMP in float16 this layer would output "
-                "inf and the run would go NaN.",
+                f"float16's maximum of 65504: finite in float32, but {tail} and the run would go NaN.",
                 Location(step=step, phase=Phase.FORWARD, layer=name),
-                {"max_abs": top, "fp16_max": FP16_MAX, "margin": top / FP16_MAX},
+                {"max_abs": top, "fp16_max": FP16_MAX, "margin": top / FP16_MAX, "amp_float16": self.fp16},
                 advice_for(Code.PRECISION_FP16_OVERFLOW.value)))
         if self.vanishing:
             items = sorted(self.vanishing.items())
@@ -123,3 +128,82 @@ class WarningTracker:
                 Location(step=step, phase=Phase.BACKWARD, parameter=names[0]),
                 {"parameters": names[:20]}, advice_for(Code.GRAD_VANISHING.value)))
         return out
+
+
+# The lookback after a fault: growth this large, ending right before the fault, is its cause.
+_RISE_RATIO = 3.0  # over at least _RISE_STEPS rising steps
+_RISE_STEPS = 2
+_JUMP_RATIO = 100.0  # or in a single step, right before the fault
+CLIP_FACTOR = 2.0  # the suggested clip threshold: the typical pre-growth norm times this
+
+
+@dataclass
+class Rise:
+    start_step: int
+    start: float
+    end_step: int
+    end: float
+    level: float  # the median of the values before the rise (the start value when there are none)
+
+    @property
+    def growth(self) -> float:
+        return self.end / self.start
+
+
+def find_rise(series: list[tuple[int, float]]) -> Rise | None:
+    """The rise that ends the series (strictly increasing up to its last value), when it is a real growth:
+    >= 3x over >= 2 steps, or >= 100x in one step, and >= 3x above the level before it (a recovery from
+    a dip is no growth)."""
+    xs = [(s, v) for s, v in series if math.isfinite(v) and v > 0]
+    if len(xs) < 2 or xs[-1][0] != series[-1][0]:
+        return None
+    i = len(xs) - 1
+    while i > 0 and xs[i - 1][1] < xs[i][1]:
+        i -= 1
+    rising = len(xs) - 1 - i
+    if rising == 0:
+        return None
+    before = [v for _, v in xs[:i]][-10:]
+    level = statistics.median(before) if before else xs[i][1]
+    rise = Rise(xs[i][0], xs[i][1], xs[-1][0], xs[-1][1], level)
+    big = (rise.growth >= _RISE_RATIO and rising >= _RISE_STEPS) or xs[-1][1] / xs[-2][1] >= _JUMP_RATIO
+    if not big or rise.end < _RISE_RATIO * level:
+        return None
+    if rising >= _RISE_STEPS and rise.growth < _RISE_RATIO:  # only the last jump is big: it began there
+        rise.start_step, rise.start = xs[-2]
+    return rise
+
+
+def growth_before_fault(records: list[Any], fault_step: int, fallback_lr: float | None) -> Finding | None:
+    """grad.explosion when the gradient norm (or else the loss) rose before the fault at `fault_step`,
+    reported at the step where the growth began, with the learning rate there and a clip threshold."""
+    before = [r for r in records if r.step < fault_step]
+    at_fault = [r for r in records if r.step == fault_step]
+    norms = [(r.step, float(r.grad_norm)) for r in before if r.grad_norm is not None]
+    losses = [(r.step, float(r.loss)) for r in before + at_fault if r.loss is not None]
+    if losses and not math.isfinite(losses[-1][1]):
+        losses = losses[:-1]
+    rise, what = find_rise(norms), "gradient norm"
+    if rise is None:
+        rise, what = find_rise(losses), "loss"
+    if rise is None:
+        return None
+    by_step = {r.step: r for r in records}
+    lr = getattr(by_step.get(rise.start_step), "lr", None)
+    lr = lr if lr is not None else fallback_lr
+    pre = [v for s, v in norms if s < rise.start_step][-10:] or [v for s, v in norms if s == rise.start_step]
+    typical = statistics.median(pre) if pre else None
+    clip = typical * CLIP_FACTOR if typical else None
+    lr_text = f" The learning rate at step {rise.start_step} was {lr:g}." if lr is not None else ""
+    return Finding(
+        Code.GRAD_EXPLOSION, Severity.WARNING,
+        f"The {what} grew {rise.growth:.3g}x from {rise.start:.3g} at step {rise.start_step} to {rise.end:.3g} at "
+        f"step {rise.end_step}, right before the fault at step {fault_step}: the fault is where that growth "
+        f"overflowed, and the growth began at step {rise.start_step}.{lr_text} Lower the learning rate or clip "
+        "the gradients.",
+        Location(step=rise.start_step, phase=Phase.BACKWARD),
+        {"signal": what, "step_start": rise.start_step, "value_at_start": rise.start, "step_now": rise.end_step,
+         "value_now": rise.end, "growth": rise.growth, "level_before": rise.level, "fault_step": fault_step,
+         "learning_rate": lr, "typical_grad_norm": typical, "clip_threshold": clip,
+         "history": [[s, v] for s, v in (norms if what == "gradient norm" else losses)[-20:]]},
+        advice_for(Code.GRAD_EXPLOSION.value, clip_norm=clip, learning_rate=lr, lr_step=rise.start_step))

@@ -15,6 +15,7 @@ are [gates*hidden, in]. A parameter of an unknown layer gets the union of the pl
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,81 @@ TOO_SMALL = 1.0 / 30.0
 EMBEDDING_MAX_STD = 8.0  # 8x N(0, 1)
 MIN_NUMEL = 16  # a std over fewer entries says little
 _EMBEDDING_HINTS = ("emb", "pos", "token", "cls")
+MAX_ROWS = 100  # rows listed in evidence; the count is always exact
+
+
+@dataclass
+class NonfiniteParam:
+    """Where one parameter or buffer holds NaN/Inf: counts, and the rows (indices along axis 0) holding them.
+
+    Rows matter because a resumed checkpoint often has a few bad rows of an embedding table: only the
+    inputs that read those rows (token ids, for an nn.Embedding) go NaN, not every step.
+    """
+
+    name: str
+    shape: list[int]
+    nan: int
+    inf: int
+    rows: list[int]  # the first MAX_ROWS of them
+    n_rows: int
+    wholly: bool  # every value is non-finite
+    token_ids: bool  # the 2-D weight of an nn.Embedding: its rows are token ids
+
+    def where(self) -> str:
+        """'token id(s) 37 (1 of 64 rows)', 'row(s) 3, 5 (2 of 24)' or 'every value'."""
+        if self.wholly:
+            return "every value"
+        total = self.shape[0] if self.shape else 1
+        shown = ", ".join(str(r) for r in self.rows[:10]) + ("…" if self.n_rows > 10 else "")
+        if self.token_ids:
+            return f"token id(s) {shown} ({self.n_rows} of {total} rows)"
+        return f"{'row(s)' if len(self.shape) > 1 else 'index(es)'} {shown} ({self.n_rows} of {total})"
+
+    def evidence(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"nan": self.nan, "inf": self.inf, "shape": self.shape,
+                               "rows": self.rows, "num_rows": self.n_rows, "wholly_nonfinite": self.wholly}
+        if self.token_ids:
+            out["token_ids"] = self.rows
+        return out
+
+
+def nonfinite_facts(name: str, arr: np.ndarray, layer: Any) -> NonfiniteParam:
+    """Counts and rows of the NaN/Inf values in `arr` (a parameter or buffer owned by `layer`)."""
+    import paddle.nn as nn
+
+    bad = ~np.isfinite(arr)
+    n_nan = int(np.isnan(arr).sum())
+    if arr.ndim:
+        rows = np.where(bad.reshape(arr.shape[0], -1).any(axis=1))[0]
+    else:
+        rows = np.zeros(1 if bad else 0, dtype=int)
+    return NonfiniteParam(name=name, shape=[int(s) for s in arr.shape], nan=n_nan, inf=int(bad.sum()) - n_nan,
+                          rows=[int(r) for r in rows[:MAX_ROWS]], n_rows=int(rows.size), wholly=bool(bad.all()),
+                          token_ids=isinstance(layer, nn.Embedding) and arr.ndim == 2)
+
+
+def nonfinite_finding(name: str, arr: np.ndarray, layer_name: str | None, layer: Any, *, is_buffer: bool,
+                      frozen: bool) -> Finding:
+    """The scan's param.nonfinite finding, naming the bad rows (token ids for an embedding table)."""
+    facts = nonfinite_facts(name, arr, layer)
+    what = "Buffer" if is_buffer else "Parameter"
+    if facts.wholly:
+        effect = "every forward pass through it is NaN"
+    elif facts.token_ids:
+        effect = "only batches holding these ids read them, and those steps go NaN"
+    else:
+        effect = "every input that reads these entries gives NaN"
+    frozen_text = (" It is frozen (stop_gradient), so training will not change it; if the model reads it, "
+                   "the loss is NaN all the same." if frozen else "")
+    return Finding(
+        Code.PARAM_NONFINITE, Severity.ERROR,
+        f"{what} '{name}' (shape {facts.shape}) holds {facts.nan} NaN and {facts.inf} Inf value(s) before "
+        f"training, in {facts.where()}: {effect}.{frozen_text} Load an earlier checkpoint, or re-initialise "
+        "those rows.",
+        Location(phase=Phase.PARAMS, parameter=name, layer=layer_name or None),
+        {**facts.evidence(), "numel": int(arr.size), "first_index": np.argwhere(~np.isfinite(arr))[0].tolist()
+         if arr.ndim else [], "buffer": is_buffer, "frozen": frozen},
+        advice_for(Code.PARAM_NONFINITE.value))
 
 
 def scan_params(model: Any) -> tuple[list[Finding], dict[str, Any]]:
@@ -39,7 +115,7 @@ def scan_params(model: Any) -> tuple[list[Finding], dict[str, Any]]:
         arr = np.asarray(param.numpy())
         numel += int(arr.size)
         layer_name, layer = owners.get(id(param), (None, None))
-        findings += _check(name, arr, layer_name, layer, is_buffer=False)
+        findings += _check(name, arr, layer_name, layer, is_buffer=False, param=param)
     n_buffers = 0
     for name, buf in model.named_buffers():
         if buf is None or not hasattr(buf, "numpy"):
@@ -47,6 +123,26 @@ def scan_params(model: Any) -> tuple[list[Finding], dict[str, Any]]:
         n_buffers += 1
         findings += _check(name, np.asarray(buf.numpy()), None, None, is_buffer=True)
     return findings, {"parameters": n_params, "buffers": n_buffers, "numel": numel}
+
+
+def init_scale_findings(model: Any) -> list[Finding]:
+    """Only the weight-scale checks (param.init_scale), for the probe to run before training: a forward
+    overflow that follows from the initial scale then carries its cause. NaN/Inf is the probe's own job."""
+    owners = _owners(model)
+    out: list[Finding] = []
+    for name, param in model.named_parameters():
+        arr = np.asarray(param.numpy())
+        if arr.dtype.kind != "f" or not np.isfinite(arr).all():
+            continue
+        layer_name, layer = owners.get(id(param), (None, None))
+        out += [f for f in _check(name, arr, layer_name, layer, is_buffer=False, param=param)
+                if f.code == Code.PARAM_INIT_SCALE]
+    return out
+
+
+def owners(model: Any) -> dict[int, tuple[str, Any]]:
+    """id(parameter) -> (dotted layer name, layer) of the outermost layer that registers it."""
+    return _owners(model)
 
 
 def _owners(model: Any) -> dict[int, tuple[str, Any]]:
@@ -58,25 +154,15 @@ def _owners(model: Any) -> dict[int, tuple[str, Any]]:
     return out
 
 
-def _check(name: str, arr: np.ndarray, layer_name: str | None, layer: Any, is_buffer: bool) -> list[Finding]:
+def _check(name: str, arr: np.ndarray, layer_name: str | None, layer: Any, is_buffer: bool,
+           param: Any = None) -> list[Finding]:
     if arr.dtype.kind != "f":
         return []
-    what = "Buffer" if is_buffer else "Parameter"
     location = Location(phase=Phase.PARAMS, parameter=name, layer=layer_name or None)
     finite = np.isfinite(arr)
     if not finite.all():
-        n_nan = int(np.isnan(arr).sum())
-        n_inf = int((~finite).sum()) - n_nan
-        first = np.argwhere(~finite)[0].tolist() if arr.ndim else []
-        return [Finding(
-            Code.PARAM_NONFINITE, Severity.ERROR,
-            f"{what} '{name}' (shape {list(arr.shape)}) holds {n_nan} NaN and {n_inf} Inf value(s) before "
-            f"training{f', the first at index {tuple(first)}' if first else ''}: the first forward pass "
-            "through it is NaN. Load an earlier checkpoint, or re-initialise that layer.",
-            location,
-            {"nan": n_nan, "inf": n_inf, "shape": list(arr.shape), "numel": int(arr.size),
-             "first_index": first, "buffer": is_buffer},
-            advice_for(Code.PARAM_NONFINITE.value))]
+        return [nonfinite_finding(name, arr, layer_name, layer, is_buffer=is_buffer,
+                                  frozen=bool(getattr(param, "stop_gradient", False)) if param is not None else False)]
     if is_buffer:
         return []
     shape = [int(s) for s in arr.shape if s != 1]

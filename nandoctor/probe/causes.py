@@ -1,0 +1,50 @@
+"""Causes, not only symptoms: what the probe checks before training and reads back after a fault.
+
+Before training: parameters that already hold NaN/Inf (nan_params.py decides whether the probe can train
+on) and weights initialised far from their fan-in's scale (scan/params.py's check, as warnings, so a
+forward overflow at step 0 carries its cause). After the run: the step that first read a bad parameter,
+and the growth of the gradient norm or loss that led to the fault (grad.explosion, where it began).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nandoctor.findings import Code, Report
+from nandoctor.probe import nan_params
+from nandoctor.probe.monitors import param_nonfinite
+from nandoctor.probe.warnings import growth_before_fault
+from nandoctor.scan.params import init_scale_findings
+
+
+@dataclass
+class Causes:
+    """What before_training learnt, for after_run."""
+
+    bad: list[nan_params.BadParam] = field(default_factory=list)
+    stop: bool = False
+
+
+def before_training(report: Report, model: Any, optimizer: Any) -> Causes:
+    """Findings about the starting parameters; `.stop` when the probe must not train at all."""
+    out = Causes()
+    report.findings += init_scale_findings(model)
+    names = param_nonfinite(model)
+    if names:
+        out.bad = nan_params.inspect(model, optimizer, names)
+        out.stop = nan_params.before_training(report, out.bad)
+    return out
+
+
+def after_run(report: Report, causes: Causes, res: Any, workload: Any, lr: float | None) -> None:
+    """After the loop and the fault's own findings: tie the fault to its causes."""
+    fault = res.fault
+    if causes.bad:
+        nan_params.after_run(report, causes.bad, fault, workload, res.steps_run)
+    if fault is None or fault.kind not in ("nonfinite", "update"):
+        return
+    found = growth_before_fault(res.records, fault.step, lr)
+    if found is not None:  # it sees the whole rise up to the fault: it replaces the tracker's warning
+        report.findings = [f for f in report.findings if f.code != Code.GRAD_EXPLOSION]
+        report.findings.append(found)

@@ -1,0 +1,190 @@
+"""Parameters that hold NaN/Inf before training: whether the probe can train on, and the step that reads them.
+
+A resumed checkpoint often has a few NaN rows in an embedding table: only the batches holding those token
+ids go NaN, maybe hundreds of steps in. Stopping before training ("every step would be NaN") is then
+false, so the probe stops only for a trained parameter that is wholly non-finite (every step reads it).
+Otherwise it reports the bad rows, trains on, and afterwards names the first step that read them, the
+samples and the token ids. A frozen parameter (stop_gradient, or not given to the optimizer) is only a
+warning: training does not touch it, and if the model reads it the loop still catches that step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from nandoctor.advice import advice_for
+from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity
+from nandoctor.probe import faults
+from nandoctor.scan.params import NonfiniteParam, nonfinite_facts, owners
+
+_FAULT_CODES = (Code.ACTIVATION_NONFINITE, Code.LOSS_NONFINITE, Code.GRAD_NONFINITE)
+
+
+@dataclass
+class BadParam:
+    facts: NonfiniteParam
+    layer: str | None  # the dotted name of the layer that registers it ("" for the root model)
+    buffer: bool
+    frozen: bool  # stop_gradient, or not among the optimizer's parameters
+    finding: Finding | None = None
+
+    @property
+    def name(self) -> str:
+        return self.facts.name
+
+    @property
+    def stops_training(self) -> bool:
+        """Every value non-finite in a parameter the optimizer trains: every step reads it."""
+        return self.facts.wholly and not self.buffer and not self.frozen
+
+
+def inspect(model: Any, optimizer: Any, names: list[str]) -> list[BadParam]:
+    """The facts for each non-finite state-dict entry in `names` (from monitors.param_nonfinite)."""
+    own = owners(model)
+    params = dict(model.named_parameters())
+    trained = {id(p) for p in (getattr(optimizer, "_parameter_list", None) or [])}
+    layers = dict(model.named_sublayers(include_self=True))
+    state = model.state_dict()
+    out = []
+    for name in names:
+        p = params.get(name)
+        t = p if p is not None else state[name]
+        layer_name, layer = own.get(id(p), (None, None)) if p is not None else _buffer_owner(name, layers)
+        frozen = p is not None and (bool(p.stop_gradient) or (bool(trained) and id(p) not in trained))
+        facts = nonfinite_facts(name, np.asarray(t.numpy()), layer)
+        out.append(BadParam(facts, layer_name, buffer=p is None, frozen=frozen))
+    return out
+
+
+def _buffer_owner(name: str, layers: dict[str, Any]) -> tuple[str | None, Any]:
+    prefix = name.rpartition(".")[0]
+    return (prefix, layers[prefix]) if prefix in layers else (None, None)
+
+
+def before_training(report: Report, bad: list[BadParam]) -> bool:
+    """Findings for the bad parameters; True when the probe must not train (see BadParam.stops_training)."""
+    stop = [b for b in bad if b.stops_training]
+    if stop:
+        faults.params_before_training(report, [b.name for b in stop] + [b.name for b in bad if b not in stop],
+                                      {b.name: b.facts.evidence() for b in bad})
+        return True
+    for b in bad:
+        what = "Buffer" if b.buffer else "Parameter"
+        loc = Location(phase=Phase.PARAMS, layer=b.layer or None, parameter=b.name)
+        evidence = {**b.facts.evidence(), "buffer": b.buffer, "frozen": b.frozen}
+        head = (f"{what} '{b.name}' (shape {b.facts.shape}) holds {b.facts.nan} NaN and {b.facts.inf} Inf "
+                f"value(s) before training, in {b.facts.where()}.")
+        if b.frozen:
+            b.finding = Finding(
+                Code.PARAM_NONFINITE, Severity.WARNING,
+                f"{head} It is frozen (stop_gradient, or not among the optimizer's parameters), so training does "
+                "not change it; the probe trained on, and a step whose loss reads it is reported as the fault.",
+                loc, evidence, advice_for(Code.PARAM_NONFINITE.value, frozen=True))
+        else:
+            why = ("Only batches holding these ids read them" if b.facts.token_ids
+                   else "Not every value is bad (a step may never read these)")
+            b.finding = Finding(
+                Code.PARAM_NONFINITE, Severity.ERROR,
+                f"{head} {why}, so the probe trained on to find the first step that does.",
+                loc, evidence, advice_for(Code.PARAM_NONFINITE.value, name=b.name, rows=b.facts.rows,
+                                          token_ids=b.facts.token_ids))
+        report.findings.append(b.finding)
+    return False
+
+
+def after_run(report: Report, bad: list[BadParam], fault: Any, workload: Any, steps_run: int) -> None:
+    """Tie the run's first fault to the bad parameter it read, or say that no step read it."""
+    ff = report.first_fault
+    read = None
+    if fault is not None and fault.kind == "nonfinite" and ff is not None and ff.layer is not None:
+        read = next((b for b in bad if b.layer is not None and _inside(b.layer, ff.layer)), None)
+    for b in bad:
+        if b.finding is None:
+            continue
+        if b is read:
+            _first_read(report, b, fault, workload)
+        elif b.finding.severity == Severity.ERROR:
+            until = (f"before the fault at step {fault.step}" if fault is not None
+                     else f"in the {steps_run} step(s) probed")
+            which = "No batch held these ids" if b.facts.token_ids else "No step read these entries"
+            b.finding.message += f" {which} {until}; a later one will go NaN."
+            b.finding.evidence["first_read_step"] = None
+    if report.first_fault is None and any(b.finding is not None and b.finding.severity == Severity.ERROR
+                                          for b in bad):
+        first = next(b for b in bad if b.finding is not None and b.finding.severity == Severity.ERROR)
+        faults.set_first(report, first.finding.location)
+
+
+def _inside(owner: str, layer: str) -> bool:
+    """The fault's layer is the parameter's layer or one of its sublayers (the root model owns all)."""
+    return owner == "" or layer == owner or layer.startswith(owner + ".")
+
+
+def _first_read(report: Report, b: BadParam, fault: Any, workload: Any) -> None:
+    ff = report.first_fault
+    ff.parameter = b.name
+    for f in report.findings:
+        if f.code in _FAULT_CODES and f.location.step == ff.step:
+            f.location.parameter = b.name
+            f.message += f" It read {b.facts.where()} of {b.name}, NaN before training."
+    ids_hit: list[int] = []
+    samples = ff.sample_indices
+    if b.facts.token_ids:
+        per_sample = _embedding_ids(workload, fault, b)
+        if per_sample is not None:
+            bad_ids = set(b.facts.rows)
+            hits = {i: sorted(bad_ids & ids) for i, ids in enumerate(per_sample) if bad_ids & ids}
+            ids_hit = sorted({t for ts in hits.values() for t in ts})
+            if hits and not samples:
+                samples = ff.sample_indices = sorted(hits)
+                for f in report.findings:
+                    if f.code in _FAULT_CODES and f.location.step == ff.step:
+                        f.location.sample_indices = samples
+    who = f"sample(s) {', '.join(str(s) for s in samples[:10])} of batch {ff.batch_index}" if samples else \
+        f"batch {ff.batch_index}"
+    ids = f", which carry token id(s) {', '.join(str(t) for t in ids_hit[:10])}" if ids_hit else ""
+    b.finding.message += f" First read at step {ff.step} by {who}{ids} (phase {ff.phase.value}, layer {ff.layer})."
+    b.finding.evidence.update({"first_read_step": ff.step, "batch_index": ff.batch_index,
+                               "samples": samples, "token_ids_read": ids_hit or None})
+
+
+def _embedding_ids(workload: Any, fault: Any, b: BadParam) -> list[set[int]] | None:
+    """The token ids each sample of the failing batch feeds the embedding (one replay with a pre-hook on
+    it; buffers and RNG restored), or None when its input has no batch dimension to split by."""
+    import paddle
+
+    from nandoctor.batches import batch_size
+    from nandoctor.probe.localize import Replayer
+
+    layer = dict(workload.model.named_sublayers(include_self=True)).get(b.layer)
+    if layer is None or fault.fields is None:
+        return None
+    seen: list[np.ndarray] = []
+
+    def pre(_layer: Any, inputs: Any) -> None:
+        if inputs and isinstance(inputs[0], paddle.Tensor):
+            seen.append(np.asarray(inputs[0].numpy()))
+
+    hook = layer.register_forward_pre_hook(pre)
+    rp = Replayer(workload, fault.rng)
+    try:
+        rp.reset_rng()
+        with paddle.no_grad():
+            rp.loss(fault.fields)
+    except Exception:  # noqa: BLE001 - the ids are a nicety on top of the bisection's samples
+        return None
+    finally:
+        hook.remove()
+        rp.restore()
+    n = batch_size(fault.fields)
+    if not seen or n is None or seen[0].ndim == 0 or seen[0].shape[0] != n:
+        return None
+    per = [set() for _ in range(n)]
+    for arr in seen:
+        if arr.ndim and arr.shape[0] == n:
+            for i in range(n):
+                per[i].update(int(v) for v in np.unique(arr[i]))
+    return per
