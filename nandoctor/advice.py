@@ -102,7 +102,10 @@ def advice_for(code: str, op: str | None = None, **facts: Any) -> list[str]:
         lr = facts.get("learning_rate")
         at = f"at step {facts['lr_step']}" if facts.get("lr_step") is not None else "now"
         lr_text = f" ({lr:g} {at})" if isinstance(lr, (int, float)) else ""
-        out += [f"Clip gradients at about {facts['clip_norm']:.3g}, the norm seen before the growth began: "
+        typical = facts.get("typical_norm")
+        seen = (f"{facts['clip_norm'] / typical:.2g}x the typical norm before the growth began ({typical:.3g})"
+                if typical else "the norm seen before the growth began")
+        out += [f"Clip gradients at about {facts['clip_norm']:.3g}, {seen}: "
                 f"`optimizer.grad_clip: {{global_norm: {facts['clip_norm']:.3g}}}`.",
                 f"Lower the learning rate{lr_text} by 3-10x and add a warmup of a few hundred steps."]
         return out

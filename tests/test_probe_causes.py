@@ -7,10 +7,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from probe_spec import codes, probe
 
 from nandoctor.findings import Phase
 from nandoctor.probe import ProbeOptions, run_probe
+from nandoctor.probe.loop import StepRecord
+from nandoctor.probe.warnings import growth_before_fault
 from nandoctor.spec import load_spec
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_configs"
@@ -102,3 +105,65 @@ def test_wholly_nan_trained_parameter_still_stops_before_training(tmp_path):
     assert report.timeline == [] and report.first_fault.phase == Phase.PARAMS
     [p] = report.findings
     assert "did not train" in p.message and p.evidence["tensors"]["body.0.weight"]["wholly_nonfinite"]
+
+
+# ---- the growth before a fault ------------------------------------------------------------------
+def _records(norms: list[float], fault_loss: float = float("nan"), lr: float | None = None) -> list[StepRecord]:
+    out = [StepRecord(i, 1.0, n, None, None) for i, n in enumerate(norms)]
+    out.append(StepRecord(len(norms), fault_loss, float("nan"), None, None))
+    if lr is not None:
+        for r in out:
+            r.lr = lr * (1 + r.step)  # a scheduler's value per step, as the watcher records it
+    return out
+
+
+@pytest.mark.parametrize("norms, start", [
+    ([2.0, 2.1, 1.9, 2.0, 6.5], None),  # one step of 3.25x after a flat stretch: noise can do that
+    ([2.0, 2.1, 1.9, 2.0, 3.0, 6.5], 3),  # 3.25x over 2 rising steps, 3x above the level before
+    ([1.0, 2.0, 4.0], 0),  # the shortest history: growth from the first step
+    ([1.0, 1.1, 0.9, 1.0, 1e6], 3),  # 1e6x in the single step right before the NaN
+])
+def test_growth_before_the_fault_is_found_with_where_it_began(norms, start):
+    found = growth_before_fault(_records(norms), len(norms), fallback_lr=0.5)
+    if start is None:
+        assert found is None
+        return
+    assert found is not None and found.location.step == start
+    assert found.evidence["learning_rate"] == 0.5 and found.evidence["fault_step"] == len(norms)
+    clip = found.evidence["clip_threshold"]
+    assert clip > 0 and f"global_norm: {clip:.3g}" in " ".join(found.advice)
+
+
+@pytest.mark.parametrize("norms", [
+    [5.0, 4.0, 1.0, 2.0, 4.0],  # a recovery from a dip back to the usual level
+    [3.0, 2.5, 2.8, 2.6, 2.9, 2.7],  # flat noise
+    [4.0, 3.0, 2.0, 1.0],  # falling
+    [1.0],  # one step: nothing to compare
+])
+def test_no_growth_no_finding(norms):
+    assert growth_before_fault(_records(norms), len(norms), fallback_lr=0.5) is None
+
+
+def test_growth_names_the_learning_rate_recorded_at_its_start():
+    found = growth_before_fault(_records([1.0, 1.0, 1.0, 2.0, 4.0], lr=0.1), 5, fallback_lr=9.0)
+    assert found.location.step == 2 and found.evidence["learning_rate"] == pytest.approx(0.3)
+    assert "0.3 at step 2" in " ".join(found.advice)
+
+
+def test_transformer_lr_divergence_reports_where_the_growth_began():
+    report = _sample_report("transformer_lr_divergence")
+    assert report.first_fault.step == 5
+    [g] = [f for f in report.findings if f.code.value == "grad.explosion"]
+    assert g.location.step == 2 and g.evidence["step_now"] == 4 and g.evidence["learning_rate"] == 1.0
+    assert 4 < g.evidence["growth"] < 4.3  # 3.71 -> 15.4, as the plain loop measured
+    clip = g.evidence["clip_threshold"]
+    assert 5 < clip < 15 and f"global_norm: {clip:.3g}" in g.advice[0]
+    assert "learning rate (1 at step 2)" in g.advice[1]
+
+
+def test_bad_init_overflow_carries_its_cause():
+    report = _sample_report("bad_init_overflow")
+    assert report.first_fault.step == 0 and report.first_fault.op == "exp"
+    inits = [f for f in report.findings if f.code.value == "param.init_scale"]
+    assert inits and all(f.severity.value == "warning" and f.evidence["ratio"] > 8 for f in inits)
+    assert {f.location.parameter for f in inits} <= {"body.0.weight", "body.2.weight", "log_rate.weight"}

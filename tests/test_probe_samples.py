@@ -84,8 +84,14 @@ EXPECTED: dict[str, Expect] = {
                             {"activation.nonfinite", "grad.explosion"}, before_fault={"grad.explosion"}),
     "exploding_rnn": Expect(NAN, 1, fault(14, "forward", "rnn", "rnn_intermediate", None, 14, None),
                             {"activation.nonfinite", "grad.explosion"}, before_fault={"grad.explosion"}),
+    # the probe runs the init-scale check before training, so the cause comes with the symptom
     "bad_init_overflow": Expect(NAN, 1, fault(0, "forward", "rate", "exp", None, 0, [5]),
-                                {"activation.nonfinite"}, allowed={"param.init_scale"}),
+                                {"activation.nonfinite", "param.init_scale"}),
+    # SGD at lr 1.0: a plain loop's gradient norm is 4.71, 7.07, 3.71, 9.53, 15.4 (steps 0-4), then step 5's
+    # loss is NaN for every sample alone; the checker names exp in blocks.0.attn (the hand-written softmax)
+    "transformer_lr_divergence": Expect(NAN, 1, fault(5, "forward", "blocks.0.attn", "exp", None, 5, None),
+                                        {"activation.nonfinite", "grad.explosion"},
+                                        where={"grad.explosion": {"step": 2}}, before_fault={"grad.explosion"}),
     # Adam with epsilon 0: 0/0 in the update of the weight row fed by an always-zero input channel
     "nonfinite_update": Expect(NAN, 1, fault(0, "optimizer", frozenset({None, "encoder.0"}),
                                              frozenset({"adam_", "adam"}), "encoder.0.weight", 0, None),

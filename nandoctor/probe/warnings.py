@@ -107,13 +107,13 @@ class WarningTracker:
         for i, (step, top) in sorted(self.fp16_hits.items(), key=lambda kv: -kv[1][1])[:10]:
             name = self.layer_names[i]
             if self.fp16:
-                sev, tail = Severity.WARNING, "with AMP in float16 (as the spec asks) this layer would output inf"
+                sev, tail = Severity.WARNING, "but with AMP in float16 (as the spec asks) this layer would output inf"
             else:
                 sev, tail = Severity.INFO, "the spec has no float16 AMP, but with it this layer would output inf"
             out.append(Finding(
                 Code.PRECISION_FP16_OVERFLOW, sev,
                 f"Layer {name} outputs values up to {top:.3g} (first at step {step}), {top / FP16_MAX:.3g}x "
-                f"float16's maximum of 65504: finite in float32, but {tail} and the run would go NaN.",
+                f"float16's maximum of 65504: finite in float32; {tail} and the run would go NaN.",
                 Location(step=step, phase=Phase.FORWARD, layer=name),
                 {"max_abs": top, "fp16_max": FP16_MAX, "margin": top / FP16_MAX, "amp_float16": self.fp16},
                 advice_for(Code.PRECISION_FP16_OVERFLOW.value)))
@@ -134,7 +134,9 @@ class WarningTracker:
 _RISE_RATIO = 3.0  # over at least _RISE_STEPS rising steps
 _RISE_STEPS = 2
 _JUMP_RATIO = 100.0  # or in a single step, right before the fault
-CLIP_FACTOR = 2.0  # the suggested clip threshold: the typical pre-growth norm times this
+_MIN_STEP = 1.2  # the growth begins at the first step that rises by this much
+_ABOVE_LEVEL = 2.0  # and ending this far above the level before it (a recovery from a dip is no growth)
+CLIP_FACTOR = 1.5  # the suggested clip threshold: the typical pre-growth norm times this
 
 
 @dataclass
@@ -152,7 +154,7 @@ class Rise:
 
 def find_rise(series: list[tuple[int, float]]) -> Rise | None:
     """The rise that ends the series (strictly increasing up to its last value), when it is a real growth:
-    >= 3x over >= 2 steps, or >= 100x in one step, and >= 3x above the level before it (a recovery from
+    >= 3x over >= 2 steps, or >= 100x in one step, and >= 2x above the level before it (a recovery from
     a dip is no growth)."""
     xs = [(s, v) for s, v in series if math.isfinite(v) and v > 0]
     if len(xs) < 2 or xs[-1][0] != series[-1][0]:
@@ -160,6 +162,8 @@ def find_rise(series: list[tuple[int, float]]) -> Rise | None:
     i = len(xs) - 1
     while i > 0 and xs[i - 1][1] < xs[i][1]:
         i -= 1
+    while i < len(xs) - 1 and xs[i + 1][1] < _MIN_STEP * xs[i][1]:  # a flat start is no growth yet
+        i += 1
     rising = len(xs) - 1 - i
     if rising == 0:
         return None
@@ -167,7 +171,7 @@ def find_rise(series: list[tuple[int, float]]) -> Rise | None:
     level = statistics.median(before) if before else xs[i][1]
     rise = Rise(xs[i][0], xs[i][1], xs[-1][0], xs[-1][1], level)
     big = (rise.growth >= _RISE_RATIO and rising >= _RISE_STEPS) or xs[-1][1] / xs[-2][1] >= _JUMP_RATIO
-    if not big or rise.end < _RISE_RATIO * level:
+    if not big or rise.end < _ABOVE_LEVEL * level:
         return None
     if rising >= _RISE_STEPS and rise.growth < _RISE_RATIO:  # only the last jump is big: it began there
         rise.start_step, rise.start = xs[-2]
@@ -206,4 +210,5 @@ def growth_before_fault(records: list[Any], fault_step: int, fallback_lr: float 
          "value_now": rise.end, "growth": rise.growth, "level_before": rise.level, "fault_step": fault_step,
          "learning_rate": lr, "typical_grad_norm": typical, "clip_threshold": clip,
          "history": [[s, v] for s, v in (norms if what == "gradient norm" else losses)[-20:]]},
-        advice_for(Code.GRAD_EXPLOSION.value, clip_norm=clip, learning_rate=lr, lr_step=rise.start_step))
+        advice_for(Code.GRAD_EXPLOSION.value, clip_norm=clip, learning_rate=lr, lr_step=rise.start_step,
+                   typical_norm=typical))
