@@ -172,3 +172,29 @@ def step_masked_mean(model, batch):
     per = paddle.nn.functional.cross_entropy(model(x), label.unsqueeze(-1), reduction="none").squeeze(-1)
     mask = (label != 0).astype("float32")
     return (per * mask).sum() / mask.sum()
+
+
+class DeepTokenModel(nn.Layer):
+    """An embedding and a deep stack of small layers: more tensors than the monitor's small-model limit."""
+
+    def __init__(self, vocab: int, dim: int, depth: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.stack = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(dim, dim), nn.GELU())])
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, ids):
+        return self.head(self.stack(self.tok(ids)).mean(axis=1))
+
+
+def deep_token_model(vocab: int = 30, dim: int = 8, depth: int = 60, nan_row: int = -1, frozen: bool = False):
+    """`nan_row`: that row of the embedding table is NaN (a resumed checkpoint's bad token); `frozen`: the
+    table has stop_gradient set."""
+    paddle.seed(0)
+    model = DeepTokenModel(vocab, dim, depth)
+    if nan_row >= 0:
+        w = model.tok.weight.numpy()
+        w[nan_row] = np.nan
+        model.tok.weight.set_value(w)
+    model.tok.weight.stop_gradient = frozen
+    return model

@@ -167,3 +167,42 @@ def test_bad_init_overflow_carries_its_cause():
     inits = [f for f in report.findings if f.code.value == "param.init_scale"]
     assert inits and all(f.severity.value == "warning" and f.evidence["ratio"] > 8 for f in inits)
     assert {f.location.parameter for f in inits} <= {"body.0.weight", "body.2.weight", "log_rate.weight"}
+
+
+def test_nan_row_in_a_many_tensor_model_is_not_blamed_on_an_update(tmp_path, monkeypatch):
+    """Above the small-model limit the parameter check runs only on stats steps; the NaN row that was there
+    before training must still be named as read at its step, not as written by an earlier update."""
+    from nandoctor.probe.loop import StatsSchedule
+
+    monkeypatch.setattr(StatsSchedule, "want", lambda self, step: step == 0)  # as if stats were costly
+    report = probe(tmp_path, model="deep_token_model", model_args={"nan_row": 25}, data="token_loader",
+                   data_args={"batches": 8, "long_batch": -1, "bad_id_batch": 5, "bad_id_row": 2}, steps=8)
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.layer, ff.parameter, ff.sample_indices) == (5, Phase.FORWARD, "tok",
+                                                                              "tok.weight", [2])
+    assert "update.nonfinite" not in codes(report)
+
+
+def test_frozen_nan_parameter_in_a_many_tensor_model_is_not_blamed_on_an_update(tmp_path, monkeypatch):
+    from nandoctor.probe.loop import StatsSchedule
+
+    monkeypatch.setattr(StatsSchedule, "want", lambda self, step: step == 0)
+    report = probe(tmp_path, model="deep_token_model", model_args={"nan_row": 25, "frozen": True},
+                   data="token_loader", data_args={"batches": 6, "long_batch": -1}, steps=6)
+    assert len(report.timeline) == 6 and report.first_fault is None
+    assert codes(report) == {"param.nonfinite"} and codes(report, "warning") == {"param.nonfinite"}
+
+
+def test_parameter_left_out_of_the_optimizer_groups_counts_as_frozen():
+    import paddle
+
+    from nandoctor.probe.nan_params import inspect
+
+    model = paddle.nn.Sequential(paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 2))
+    model[1].bias.set_value(np.array([np.nan, 0.0], dtype="float32"))
+    model[0].bias.set_value(np.array([np.nan, 0.0, 0.0, 0.0], dtype="float32"))
+    groups = [{"params": [model[0].weight, model[0].bias]}, {"params": [model[1].weight], "learning_rate": 0.1}]
+    opt = paddle.optimizer.Adam(learning_rate=0.01, parameters=groups)
+    bad = {b.name: b for b in inspect(model, opt, ["0.bias", "1.bias"])}
+    assert not bad["0.bias"].frozen and bad["1.bias"].frozen
+    assert bad["0.bias"].facts.rows == [0] and not bad["0.bias"].stops_training

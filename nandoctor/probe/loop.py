@@ -246,7 +246,7 @@ class ProbeLoop:
         fine one step earlier) or the first."""
         from nandoctor.probe.monitors import param_nonfinite
 
-        names = param_nonfinite(self.w.model)
+        names = [n for n in param_nonfinite(self.w.model) if n not in getattr(self.monitor, "start_nonfinite", ())]
         trainable = set(self.monitor.param_names) if self.monitor else set()
         names = [n for n in names if n in trainable] or names
         if not names or not history:

@@ -87,11 +87,11 @@ class StepMonitor:
         self._hook_fns = [self._make_hook(i) for i in range(len(self._layers))]
         # A parameter that already holds NaN/Inf (a resumed checkpoint with a bad embedding row) would make
         # every sum non-finite and hide the updates: it is left out of the sum (one check, at start).
-        self._sum_params = self.params
-        if self.params:
-            ok = paddle.stack([paddle.isfinite(p).all() for p in self.params]).numpy()
-            if not ok.all():
-                self._sum_params = [p for p, good in zip(self.params, ok) if good]
+        # The loop's exact check must not blame an update for these either (frozen ones and buffers included).
+        self.start_nonfinite = set(param_nonfinite(self.model))
+        self._sum_params = [p for n, p in zip(self.param_names, self.params) if n not in self.start_nonfinite]
+        if len(self._sum_params) == len(self.params):
+            self._sum_params = self.params  # the grouped sum needs every parameter
 
     def _attach(self, on: bool) -> None:
         """Hooks exist only during stats steps: a registered hook, even one that returns at once, sends

@@ -45,7 +45,7 @@ def inspect(model: Any, optimizer: Any, names: list[str]) -> list[BadParam]:
     """The facts for each non-finite state-dict entry in `names` (from monitors.param_nonfinite)."""
     own = owners(model)
     params = dict(model.named_parameters())
-    trained = {id(p) for p in (getattr(optimizer, "_parameter_list", None) or [])}
+    trained = {id(p) for p in _optimizer_params(optimizer)}
     layers = dict(model.named_sublayers(include_self=True))
     state = model.state_dict()
     out = []
@@ -56,6 +56,14 @@ def inspect(model: Any, optimizer: Any, names: list[str]) -> list[BadParam]:
         frozen = p is not None and (bool(p.stop_gradient) or (bool(trained) and id(p) not in trained))
         facts = nonfinite_facts(name, np.asarray(t.numpy()), layer)
         out.append(BadParam(facts, layer_name, buffer=p is None, frozen=frozen))
+    return out
+
+
+def _optimizer_params(optimizer: Any) -> list[Any]:
+    """The parameters the optimizer updates; param groups ([{'params': [...]}, ...]) flattened."""
+    out: list[Any] = []
+    for item in getattr(optimizer, "_parameter_list", None) or []:
+        out += list(item.get("params", [])) if isinstance(item, dict) else [item]
     return out
 
 

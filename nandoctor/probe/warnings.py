@@ -39,6 +39,7 @@ class WarningTracker:
         self.explosion: Finding | None = None
         self.fp16_hits: dict[int, tuple[int, float]] = {}  # layer index -> (first step, max value)
         self.vanishing: dict[int, tuple[int, float]] = {}  # param index -> (first step, norm)
+        self.lrs: dict[int, float | None] = {}
 
     def early_level(self) -> float | None:
         """The median norm of the first steps; fixed once those steps are in, so computed once then."""
@@ -54,6 +55,7 @@ class WarningTracker:
     def update(self, record: Any) -> bool:
         """Take one step's numbers; True while something looks like trouble (stats on every step)."""
         alert = False
+        self.lrs[record.step] = getattr(record, "lr", None)  # the watcher records the scheduler's value
         if record.grad_norm is not None and math.isfinite(record.grad_norm):
             self.norms.append((record.step, record.grad_norm))
             early = self.early_level()
@@ -88,8 +90,10 @@ class WarningTracker:
         start_step, start_norm = self.norms[start_i]
         now = self.norms[-1][1]
         before = [n for s, n in self.norms if s < start_step] or [early]
-        clip = float(np.median(before[-10:]))
-        lr = self.learning_rate
+        typical = float(np.median(before[-10:]))
+        clip = typical * CLIP_FACTOR
+        lr = self.lrs.get(start_step)
+        lr = lr if lr is not None else self.learning_rate
         return Finding(
             Code.GRAD_EXPLOSION, Severity.WARNING,
             f"The global gradient norm grew from about {early:.3g} (early steps) to {now:.3g} at step {step} "
@@ -97,8 +101,9 @@ class WarningTracker:
             "heading for overflow: clip gradients or lower the learning rate.",
             Location(step=start_step, phase=Phase.BACKWARD),
             {"early_norm": early, "norm_at_start": start_norm, "norm_now": now, "step_now": step,
-             "growth": now / early, "learning_rate": lr},
-            advice_for(Code.GRAD_EXPLOSION.value, clip_norm=clip, learning_rate=lr))
+             "growth": now / early, "learning_rate": lr, "clip_threshold": clip},
+            advice_for(Code.GRAD_EXPLOSION.value, clip_norm=clip, learning_rate=lr, lr_step=start_step,
+                       typical_norm=typical))
 
     def findings(self) -> list[Finding]:
         out: list[Finding] = []
@@ -183,7 +188,10 @@ def growth_before_fault(records: list[Any], fault_step: int, fallback_lr: float 
     reported at the step where the growth began, with the learning rate there and a clip threshold."""
     before = [r for r in records if r.step < fault_step]
     at_fault = [r for r in records if r.step == fault_step]
-    norms = [(r.step, float(r.grad_norm)) for r in before if r.grad_norm is not None]
+    # the faulting step's own values count when finite (an update fault: its gradient was finite)
+    norms = [(r.step, float(r.grad_norm)) for r in before + at_fault if r.grad_norm is not None]
+    if norms and not math.isfinite(norms[-1][1]):
+        norms = norms[:-1]
     losses = [(r.step, float(r.loss)) for r in before + at_fault if r.loss is not None]
     if losses and not math.isfinite(losses[-1][1]):
         losses = losses[:-1]
