@@ -74,13 +74,25 @@ def test_embedding_nan_row_traced_to_the_step_samples_and_token_ids():
 
 
 def test_partly_nan_parameter_no_step_reads_trains_on_and_says_so(tmp_path):
-    report = probe(tmp_path, model_args={"kind": "spare", "nan_param": "spare.weight"}, steps=6)
-    assert len(report.timeline) == 6 and codes(report, "error") == {"param.nonfinite"}
+    """An embedding table the model uses, whose NaN row no batch of the probe holds: an error (a later batch
+    will read it), training went on, and the report says no step read it."""
+    report = probe(tmp_path, model="deep_token_model", model_args={"nan_row": 25, "depth": 2}, data="token_loader",
+                   data_args={"batches": 6, "long_batch": -1}, steps=6)
+    assert len(report.timeline) == 6 and codes(report) == {"param.nonfinite"}
     [p] = report.findings
-    assert "No step read these entries in the 6 step(s) probed" in p.message
+    assert p.severity.value == "error" and "No batch held these ids in the 6 step(s) probed" in p.message
     ff = report.first_fault
-    assert (ff.step, ff.phase, ff.parameter) == (None, Phase.PARAMS, "spare.weight")
+    assert (ff.step, ff.phase, ff.parameter) == (None, Phase.PARAMS, "tok.weight")
     assert report.exit_code == 1
+
+
+def test_partly_nan_parameter_the_loss_never_uses_is_a_warning(tmp_path):
+    report = probe(tmp_path, model_args={"kind": "spare", "nan_param": "spare.weight"}, steps=6)
+    assert len(report.timeline) == 6 and report.first_fault is None
+    [p] = report.findings
+    assert (p.code.value, p.severity.value, p.evidence["unused"]) == ("param.nonfinite", "warning", True)
+    assert "No gradient reached it in the 6 step(s)" in p.message and "not trained" in p.message
+    assert report.exit_code == 0
 
 
 def test_frozen_unused_nan_parameter_is_a_warning_and_training_goes_on(tmp_path):

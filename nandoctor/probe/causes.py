@@ -41,7 +41,7 @@ def after_run(report: Report, causes: Causes, res: Any, workload: Any, lr: float
     """After the loop and the fault's own findings: tie the fault to its causes."""
     fault = res.fault
     if causes.bad:
-        nan_params.after_run(report, causes.bad, fault, workload, res.steps_run)
+        nan_params.after_run(report, causes.bad, fault, workload, res.steps_run, res.records)
     if fault is None or fault.kind not in ("nonfinite", "update"):
         return
     found = growth_before_fault(res.records, fault.step, lr)

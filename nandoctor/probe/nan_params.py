@@ -103,17 +103,26 @@ def before_training(report: Report, bad: list[BadParam]) -> bool:
     return False
 
 
-def after_run(report: Report, bad: list[BadParam], fault: Any, workload: Any, steps_run: int) -> None:
-    """Tie the run's first fault to the bad parameter it read, or say that no step read it."""
+def after_run(report: Report, bad: list[BadParam], fault: Any, workload: Any, steps_run: int,
+              records: list[Any]) -> None:
+    """Tie the run's first fault to the bad parameter it read, or say that no step read it (and when no
+    gradient ever reached it, that the loss does not use it: a warning, like a frozen one)."""
     ff = report.first_fault
     read = None
     if fault is not None and fault.kind == "nonfinite" and ff is not None and ff.layer is not None:
         read = next((b for b in bad if b.layer is not None and _inside(b.layer, ff.layer)), None)
+    unused = _never_got_a_gradient(workload.model, records)
     for b in bad:
         if b.finding is None:
             continue
         if b is read:
             _first_read(report, b, fault, workload)
+        elif b.name in unused and b.finding.severity == Severity.ERROR:
+            b.finding.severity = Severity.WARNING
+            b.finding.message += (f" No gradient reached it in the {len(records)} step(s) probed: the loss does not "
+                                  "use it, so it is not trained (and the NaN does no harm until something reads it).")
+            b.finding.evidence["unused"] = True
+            b.finding.advice = advice_for(Code.PARAM_NONFINITE.value, frozen=True)
         elif b.finding.severity == Severity.ERROR:
             until = (f"before the fault at step {fault.step}" if fault is not None
                      else f"in the {steps_run} step(s) probed")
@@ -124,6 +133,17 @@ def after_run(report: Report, bad: list[BadParam], fault: Any, workload: Any, st
                                           for b in bad):
         first = next(b for b in bad if b.finding is not None and b.finding.severity == Severity.ERROR)
         faults.set_first(report, first.finding.location)
+
+
+def _never_got_a_gradient(model: Any, records: list[Any]) -> set[str]:
+    """Trained parameters with no gradient on any step whose per-parameter norms were read (the loop's
+    order: named_parameters without stop_gradient)."""
+    names = [n for n, p in model.named_parameters() if not p.stop_gradient]
+    seen = [r.grad_sq for r in records if getattr(r, "grad_sq", None) is not None and len(r.grad_sq) == len(names)]
+    if not seen:
+        return set()
+    got = np.any(~np.isnan(np.stack(seen)), axis=0)
+    return {n for n, g in zip(names, got) if not g}
 
 
 def _inside(owner: str, layer: str) -> bool:
