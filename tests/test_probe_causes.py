@@ -134,6 +134,8 @@ def _records(norms: list[float], fault_loss: float = float("nan"), lr: float | N
     ([2.0, 2.1, 1.9, 2.0, 3.0, 6.5], 3),  # 3.25x over 2 rising steps, 3x above the level before
     ([1.0, 2.0, 4.0], 0),  # the shortest history: growth from the first step
     ([1.0, 1.1, 0.9, 1.0, 1e6], 3),  # 1e6x in the single step right before the NaN
+    # a spike that fell back for a step before the NaN (SGD at lr 0.8 on transformer_lr_divergence)
+    ([0.47, 0.50, 0.72, 0.59, 0.83, 1.36, 10.6, 0.76], 3),
 ])
 def test_growth_before_the_fault_is_found_with_where_it_began(norms, start):
     found = growth_before_fault(_records(norms), len(norms), fallback_lr=0.5)
@@ -151,6 +153,7 @@ def test_growth_before_the_fault_is_found_with_where_it_began(norms, start):
     [3.0, 2.5, 2.8, 2.6, 2.9, 2.7],  # flat noise
     [4.0, 3.0, 2.0, 1.0],  # falling
     [1.0],  # one step: nothing to compare
+    [1.0, 1.2, 0.9, 1.4, 3.1, 1.0],  # a noisy bump that fell back is no cause: not 10x above the level
 ])
 def test_no_growth_no_finding(norms):
     assert growth_before_fault(_records(norms), len(norms), fallback_lr=0.5) is None

@@ -141,6 +141,8 @@ _RISE_STEPS = 2
 _JUMP_RATIO = 100.0  # or in a single step, right before the fault
 _MIN_STEP = 1.2  # the growth begins at the first step that rises by this much
 _ABOVE_LEVEL = 2.0  # and ending this far above the level before it (a recovery from a dip is no growth)
+_PEAK_WINDOW = 3  # a peak this close before the fault, followed by a dip, counts only when it towers:
+_PEAK_ABOVE_LEVEL = 10.0
 CLIP_FACTOR = 1.5  # the suggested clip threshold: the typical pre-growth norm times this
 
 
@@ -160,26 +162,38 @@ class Rise:
 def find_rise(series: list[tuple[int, float]]) -> Rise | None:
     """The rise that ends the series (strictly increasing up to its last value), when it is a real growth:
     >= 3x over >= 2 steps, or >= 100x in one step, and >= 2x above the level before it (a recovery from
-    a dip is no growth)."""
+    a dip is no growth). Failing that, a rise to a peak in the last _PEAK_WINDOW values that towers >= 10x
+    over the level before it (the norm spiked, fell back for a step, then the run went NaN)."""
     xs = [(s, v) for s, v in series if math.isfinite(v) and v > 0]
     if len(xs) < 2 or xs[-1][0] != series[-1][0]:
         return None
-    i = len(xs) - 1
+    found = _rise_to(xs, len(xs) - 1, _ABOVE_LEVEL)
+    if found is None:
+        tail = range(max(1, len(xs) - _PEAK_WINDOW), len(xs) - 1)
+        peak = max(tail, key=lambda j: xs[j][1], default=None)
+        if peak is not None:
+            found = _rise_to(xs, peak, _PEAK_ABOVE_LEVEL)
+    return found
+
+
+def _rise_to(xs: list[tuple[int, float]], end: int, above: float) -> Rise | None:
+    i = end
     while i > 0 and xs[i - 1][1] < xs[i][1]:
         i -= 1
-    while i < len(xs) - 1 and xs[i + 1][1] < _MIN_STEP * xs[i][1]:  # a flat start is no growth yet
+    while i < end and xs[i + 1][1] < _MIN_STEP * xs[i][1]:  # a flat start is no growth yet
         i += 1
-    rising = len(xs) - 1 - i
+    rising = end - i
     if rising == 0:
         return None
     before = [v for _, v in xs[:i]][-10:]
     level = statistics.median(before) if before else xs[i][1]
-    rise = Rise(xs[i][0], xs[i][1], xs[-1][0], xs[-1][1], level)
-    big = (rise.growth >= _RISE_RATIO and rising >= _RISE_STEPS) or xs[-1][1] / xs[-2][1] >= _JUMP_RATIO
-    if not big or rise.end < _ABOVE_LEVEL * level:
+    rise = Rise(xs[i][0], xs[i][1], xs[end][0], xs[end][1], level)
+    jump = xs[end][1] / xs[end - 1][1]
+    big = (rise.growth >= _RISE_RATIO and rising >= _RISE_STEPS) or jump >= _JUMP_RATIO
+    if not big or rise.end < above * level:
         return None
     if rising >= _RISE_STEPS and rise.growth < _RISE_RATIO:  # only the last jump is big: it began there
-        rise.start_step, rise.start = xs[-2]
+        rise.start_step, rise.start = xs[end - 1]
     return rise
 
 
