@@ -122,6 +122,7 @@ def test_nan_rows_of_an_embedding_are_named_as_token_ids():
     assert ev["rows"] == ev["token_ids"] == [5, 31] and ev["num_rows"] == 2 and not ev["wholly_nonfinite"]
     assert (ev["nan"], ev["inf"]) == (15, 1)
     assert "token id(s) 5, 31 (2 of 40 rows)" in f.message and "only batches holding these ids" in f.message
+    assert "token id(s) 5, 31 of 0.weight" in f.advice[0]
 
 
 def test_nan_rows_of_a_linear_weight_and_a_frozen_parameter():

@@ -102,7 +102,8 @@ def nonfinite_finding(name: str, arr: np.ndarray, layer_name: str | None, layer:
         Location(phase=Phase.PARAMS, parameter=name, layer=layer_name or None),
         {**facts.evidence(), "numel": int(arr.size), "first_index": np.argwhere(~np.isfinite(arr))[0].tolist()
          if arr.ndim else [], "buffer": is_buffer, "frozen": frozen},
-        advice_for(Code.PARAM_NONFINITE.value))
+        advice_for(Code.PARAM_NONFINITE.value, **({} if facts.wholly else
+                                                  {"name": name, "rows": facts.rows, "token_ids": facts.token_ids})))
 
 
 def scan_params(model: Any) -> tuple[list[Finding], dict[str, Any]]:
