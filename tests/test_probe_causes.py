@@ -174,6 +174,8 @@ def test_transformer_lr_divergence_reports_where_the_growth_began():
     clip = g.evidence["clip_threshold"]
     assert 5 < clip < 15 and f"global_norm: {clip:.3g}" in g.advice[0]
     assert "learning rate (1 at step 2)" in g.advice[1]
+    [symptom] = [f for f in report.findings if f.code.value == "activation.nonfinite"]
+    assert symptom.evidence["causes"] == ["grad.explosion"] and "Likely cause" in symptom.message
 
 
 def test_bad_init_overflow_carries_its_cause():
@@ -182,6 +184,8 @@ def test_bad_init_overflow_carries_its_cause():
     inits = [f for f in report.findings if f.code.value == "param.init_scale"]
     assert inits and all(f.severity.value == "warning" and f.evidence["ratio"] > 8 for f in inits)
     assert {f.location.parameter for f in inits} <= {"body.0.weight", "body.2.weight", "log_rate.weight"}
+    [symptom] = [f for f in report.findings if f.code.value == "activation.nonfinite"]
+    assert symptom.evidence["causes"] == ["param.init_scale"] and "fan-in" in symptom.message
 
 
 def test_nan_row_in_a_many_tensor_model_is_not_blamed_on_an_update(tmp_path, monkeypatch):

@@ -48,3 +48,31 @@ def after_run(report: Report, causes: Causes, res: Any, workload: Any, lr: float
     if found is not None:  # it sees the whole rise up to the fault: it replaces the tracker's warning
         report.findings = [f for f in report.findings if f.code != Code.GRAD_EXPLOSION]
         report.findings.append(found)
+    _name_causes(report, fault.step)
+
+
+_SYMPTOMS = (Code.ACTIVATION_NONFINITE, Code.LOSS_NONFINITE, Code.GRAD_NONFINITE, Code.UPDATE_NONFINITE)
+_INIT_STEPS = 3  # a forward overflow this early still follows from the initial scale
+
+
+def _name_causes(report: Report, fault_step: int) -> None:
+    """The fault's own finding says what led to it, so the first thing read is cause and symptom together."""
+    symptom = next((f for f in report.findings if f.code in _SYMPTOMS and f.location.step == fault_step), None)
+    if symptom is None:
+        return
+    causes: list[tuple[str, str]] = []  # (code, text)
+    for f in report.findings:
+        if f.code == Code.GRAD_EXPLOSION and (f.location.step or 0) <= fault_step:
+            ev = f.evidence
+            grew = f"{ev['growth']:.3g}x" if "growth" in ev else "sharply"
+            causes.append((f.code.value, f"the {ev.get('signal', 'gradient norm')} grew {grew} from step "
+                           f"{f.location.step} (grad.explosion: lower the learning rate or clip)"))
+    inits = [f for f in report.findings if f.code == Code.PARAM_INIT_SCALE and f.evidence.get("ratio", 1) > 1]
+    if inits and fault_step < _INIT_STEPS and symptom.location.phase is not None \
+            and symptom.location.phase.value in ("forward", "loss"):
+        names = ", ".join(f"{f.location.parameter} ({f.evidence['ratio']:.3g}x)" for f in inits[:3])
+        causes.append((Code.PARAM_INIT_SCALE.value,
+                       f"weights initialised far above their fan-in's scale: {names} (param.init_scale)"))
+    if causes:
+        symptom.message += " Likely cause: " + "; ".join(text for _, text in causes) + "."
+        symptom.evidence["causes"] = [code for code, _ in causes]
