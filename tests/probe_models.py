@@ -198,3 +198,34 @@ def deep_token_model(vocab: int = 30, dim: int = 8, depth: int = 60, nan_row: in
         model.tok.weight.set_value(w)
     model.tok.weight.stop_gradient = frozen
     return model
+
+
+class TiedHead(nn.Layer):
+    """The output projection: logits against the embedding table itself (tied weights, as in many LMs)."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.weight = table
+
+    def forward(self, h):
+        return paddle.matmul(h, self.weight, transpose_y=True)
+
+
+class TiedTokenModel(nn.Layer):
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.out = TiedHead(self.tok.weight)
+        self.head = nn.Linear(vocab, 2)
+
+    def forward(self, ids):
+        return self.head(self.out(self.tok(ids).mean(axis=1)))
+
+
+def tied_token_model(vocab: int = 30, dim: int = 8, nan_row: int = 25):
+    paddle.seed(0)
+    model = TiedTokenModel(vocab, dim)
+    w = model.tok.weight.numpy()
+    w[nan_row] = np.nan
+    model.tok.weight.set_value(w)
+    return model

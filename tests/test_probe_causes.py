@@ -225,3 +225,14 @@ def test_parameter_left_out_of_the_optimizer_groups_counts_as_frozen():
     bad = {b.name: b for b in inspect(model, opt, ["0.bias", "1.bias"])}
     assert not bad["0.bias"].frozen and bad["1.bias"].frozen
     assert bad["0.bias"].facts.rows == [0] and not bad["0.bias"].stops_training
+
+
+def test_tied_table_read_through_the_output_projection_is_tied_to_the_fault(tmp_path):
+    """No batch holds the bad id, but the tied output projection reads every row: step 0, layer proj."""
+    report = probe(tmp_path, model="tied_token_model", data="token_loader",
+                   data_args={"batches": 4, "long_batch": -1}, steps=4)
+    ff = report.first_fault
+    [p] = [f for f in report.findings if f.code.value == "param.nonfinite"]
+    assert ff.step == 0 and ff.parameter == "tok.weight", ff
+    assert p.evidence["first_read_step"] == 0 and "First read at step 0" in p.message
+    assert "tied weights" in p.message and ff.layer == "out"

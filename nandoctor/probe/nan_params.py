@@ -10,7 +10,7 @@ warning: training does not touch it, and if the model reads it the loop still ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ class BadParam:
     buffer: bool
     frozen: bool  # stop_gradient, or not among the optimizer's parameters
     finding: Finding | None = None
+    users: list[str] = field(default_factory=list)  # every layer that registers it (tied weights: several)
 
     @property
     def name(self) -> str:
@@ -49,13 +50,23 @@ def inspect(model: Any, optimizer: Any, names: list[str]) -> list[BadParam]:
     layers = dict(model.named_sublayers(include_self=True))
     state = model.state_dict()
     out = []
+    seen: set[int] = set()
     for name in names:
         p = params.get(name)
+        if p is None:  # a tied weight appears in the state dict under each layer that holds it
+            p = next((q for q in params.values() if q is state[name]), None)
+            if p is not None and id(p) in seen:
+                continue
+        if p is not None:
+            seen.add(id(p))
         t = p if p is not None else state[name]
         layer_name, layer = own.get(id(p), (None, None)) if p is not None else _buffer_owner(name, layers)
         frozen = p is not None and (bool(p.stop_gradient) or (bool(trained) and id(p) not in trained))
         facts = nonfinite_facts(name, np.asarray(t.numpy()), layer)
-        out.append(BadParam(facts, layer_name, buffer=p is None, frozen=frozen))
+        users = [n for n, lay in layers.items() if p is not None
+                 and any(q is p for _, q in lay.named_parameters(include_sublayers=False))]
+        out.append(BadParam(facts, layer_name, buffer=p is None, frozen=frozen,
+                            users=users or ([layer_name] if layer_name is not None else [])))
     return out
 
 
@@ -92,8 +103,14 @@ def before_training(report: Report, bad: list[BadParam]) -> bool:
                 "not change it; the probe trained on, and a step whose loss reads it is reported as the fault.",
                 loc, evidence, advice_for(Code.PARAM_NONFINITE.value, frozen=True))
         else:
-            why = ("Only batches holding these ids read them" if b.facts.token_ids
-                   else "Not every value is bad (a step may never read these)")
+            tied = [u for u in b.users if u != b.layer]
+            if tied:
+                why = (f"Not every value is bad, though layer(s) {', '.join(tied)} hold it too (tied weights) and "
+                       "may read every row")
+            elif b.facts.token_ids:
+                why = "Only batches holding these ids read them"
+            else:
+                why = "Not every value is bad (a step may never read these)"
             b.finding = Finding(
                 Code.PARAM_NONFINITE, Severity.ERROR,
                 f"{head} {why}, so the probe trained on to find the first step that does.",
@@ -110,7 +127,7 @@ def after_run(report: Report, bad: list[BadParam], fault: Any, workload: Any, st
     ff = report.first_fault
     read = None
     if fault is not None and fault.kind == "nonfinite" and ff is not None and ff.layer is not None:
-        read = next((b for b in bad if b.layer is not None and _inside(b.layer, ff.layer)), None)
+        read = next((b for b in bad if any(_inside(u, ff.layer) for u in b.users)), None)
     unused = _never_got_a_gradient(workload.model, records)
     for b in bad:
         if b.finding is None:
@@ -124,10 +141,15 @@ def after_run(report: Report, bad: list[BadParam], fault: Any, workload: Any, st
             b.finding.evidence["unused"] = True
             b.finding.advice = advice_for(Code.PARAM_NONFINITE.value, frozen=True)
         elif b.finding.severity == Severity.ERROR:
-            until = (f"before the fault at step {fault.step}" if fault is not None
-                     else f"in the {steps_run} step(s) probed")
-            which = "No batch held these ids" if b.facts.token_ids else "No step read these entries"
-            b.finding.message += f" {which} {until}; a later one will go NaN."
+            if fault is not None and fault.kind == "nonfinite" and ff is not None:
+                where = f"layer {ff.layer}" if ff.layer else "outside every layer"
+                b.finding.message += (f" The first fault (step {fault.step}, {where}) is outside the layers that "
+                                      "hold it, so it is not known to read it.")
+            else:
+                until = (f"before the fault at step {fault.step}" if fault is not None
+                         else f"in the {steps_run} step(s) probed")
+                which = "No batch held these ids" if b.facts.token_ids else "No step read these entries"
+                b.finding.message += f" {which} {until}; a later one will go NaN."
             b.finding.evidence["first_read_step"] = None
     if report.first_fault is None and any(b.finding is not None and b.finding.severity == Severity.ERROR
                                           for b in bad):
