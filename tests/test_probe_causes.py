@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,14 +31,7 @@ def _plain_loop_first_nan(folder: Path) -> tuple[int, list[int], list[int]]:
     import paddle
     import paddle.nn.functional as F
 
-    sys.path.insert(0, str(folder))
-    try:
-        from data import build_loader  # type: ignore[import-not-found]
-        from model import build_model  # type: ignore[import-not-found]
-    finally:
-        sys.path.remove(str(folder))
-        sys.modules.pop("data", None)
-        sys.modules.pop("model", None)
+    build_model, build_loader = _import_sample(folder)
     paddle.seed(0)
     model = build_model(64, 16, 3)
     bad = np.where(~np.isfinite(model.embed.weight.numpy()).all(axis=1))[0].tolist()
@@ -165,9 +159,70 @@ def test_growth_names_the_learning_rate_recorded_at_its_start():
     assert "0.3 at step 2" in " ".join(found.advice)
 
 
+def _import_sample(folder: Path) -> tuple[Any, Any]:
+    sys.path.insert(0, str(folder))
+    try:
+        from data import build_loader  # type: ignore[import-not-found]
+        from model import build_model  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("data", None)
+        sys.modules.pop("model", None)
+    return build_model, build_loader
+
+
+def _plain_loop_divergence(folder: Path) -> tuple[int, list[float], str, str | None]:
+    """Ground truth without nandoctor: SGD at lr 1.0 on the sample's model and data; the gradient norm per step
+    in float64 on the host, the first step whose loss is NaN, and the op and innermost layer Paddle's tensor
+    checker names when that step is replayed."""
+    import math
+    import re
+
+    import paddle
+    import paddle.nn.functional as F
+    from paddle.amp import debugging
+
+    build_model, build_loader = _import_sample(folder)
+    paddle.seed(0)
+    model = build_model(32, 32, 2, 16, 4)
+    opt = paddle.optimizer.SGD(learning_rate=1.0, parameters=model.parameters())
+    norms: list[float] = []
+    for step, (ids, label) in enumerate(build_loader(60, 16, 12)):
+        x, y = paddle.to_tensor(ids), paddle.to_tensor(label)
+        loss = F.cross_entropy(model(x), y)
+        if not math.isfinite(float(loss)):
+            stack: list[str] = []
+            hooks = []
+            for name, layer in model.named_sublayers():
+                hooks.append(layer.register_forward_pre_hook(lambda _l, _i, n=name, s=stack: s.append(n)))
+                hooks.append(layer.register_forward_post_hook(lambda _l, _i, _o, s=stack: s.pop() and None))
+            debugging.enable_tensor_checker(debugging.TensorCheckerConfig(
+                enable=True, debug_mode=debugging.DebugMode.CHECK_NAN_INF_AND_ABORT))
+            try:
+                model(x)
+                op = "none"
+            except Exception as exc:  # noqa: BLE001 - the checker's abort
+                op = re.search(r"op=([A-Za-z0-9_]+)", str(exc)).group(1)
+            finally:
+                debugging.disable_tensor_checker()
+                for h in hooks:
+                    h.remove()
+            return step, norms, op, stack[-1] if stack else None
+        loss.backward()
+        norms.append(math.sqrt(sum(float((p.grad.astype("float64") ** 2).sum()) for p in model.parameters())))
+        opt.step()
+        opt.clear_grad()
+    raise AssertionError("the plain loop never went NaN")
+
+
 def test_transformer_lr_divergence_reports_where_the_growth_began():
+    step, norms, op, layer = _plain_loop_divergence(SAMPLES / "transformer_lr_divergence")
+    assert (step, op, layer) == (5, "exp", "blocks.0.attn")
+    assert norms[3] / norms[2] > 2 and norms[4] / norms[2] > 4 and norms[2] < min(norms[:2])  # began at 2
     report = _sample_report("transformer_lr_divergence")
-    assert report.first_fault.step == 5
+    ff = report.first_fault
+    assert (ff.step, ff.op, ff.layer) == (step, op, layer)
+    assert [round(p.grad_norm, 3) for p in report.timeline[:step]] == [round(n, 3) for n in norms]
     [g] = [f for f in report.findings if f.code.value == "grad.explosion"]
     assert g.location.step == 2 and g.evidence["step_now"] == 4 and g.evidence["learning_rate"] == 1.0
     assert 4 < g.evidence["growth"] < 4.3  # 3.71 -> 15.4, as the plain loop measured
