@@ -229,3 +229,12 @@ def tied_token_model(vocab: int = 30, dim: int = 8, nan_row: int = 25):
     w[nan_row] = np.nan
     model.tok.weight.set_value(w)
     return model
+
+
+def bn_classifier(nan_variance: bool = True):
+    """Linear -> BatchNorm1D -> ReLU -> Linear, restored with NaN running variances (a corrupt checkpoint)."""
+    paddle.seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, 16), nn.BatchNorm1D(16), nn.ReLU(), nn.Linear(16, 3))
+    if nan_variance:
+        model[1]._variance.set_value(np.full([16], np.nan, dtype="float32"))
+    return model

@@ -291,3 +291,14 @@ def test_tied_table_read_through_the_output_projection_is_tied_to_the_fault(tmp_
     assert ff.step == 0 and ff.parameter == "tok.weight", ff
     assert p.evidence["first_read_step"] == 0 and "First read at step 0" in p.message
     assert "tied weights" in p.message and ff.layer == "out"
+
+
+def test_nan_batchnorm_statistics_do_not_stop_training_but_are_reported(tmp_path):
+    """Train-mode batch norm reads batch statistics, not the running ones: training is fine, eval is not."""
+    report = probe(tmp_path, model="bn_classifier", steps=5)
+    assert len(report.timeline) == 5 and codes(report) == {"param.nonfinite"}
+    [p] = report.findings
+    assert p.location.parameter == "1._variance" and p.evidence["buffer"] and p.evidence["wholly_nonfinite"]
+    assert "batch-norm running statistics" in p.message and "model.eval()" in p.message
+    assert p.severity.value == "error"
+    assert report.first_fault.phase == Phase.PARAMS

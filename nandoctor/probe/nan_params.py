@@ -21,6 +21,7 @@ from nandoctor.probe import faults
 from nandoctor.scan.params import NonfiniteParam, nonfinite_facts, owners
 
 _FAULT_CODES = (Code.ACTIVATION_NONFINITE, Code.LOSS_NONFINITE, Code.GRAD_NONFINITE)
+_BN_STATS = ("_mean", "_variance")
 
 
 @dataclass
@@ -61,11 +62,13 @@ def inspect(model: Any, optimizer: Any, names: list[str]) -> list[BadParam]:
             seen.add(id(p))
         t = p if p is not None else state[name]
         layer_name, layer = own.get(id(p), (None, None)) if p is not None else _buffer_owner(name, layers)
-        frozen = p is not None and (bool(p.stop_gradient) or (bool(trained) and id(p) not in trained))
+        # Paddle keeps batch-norm running statistics as frozen parameters: they are state, like buffers
+        stats = p is not None and "BatchNorm" in type(layer).__name__ and name.rsplit(".", 1)[-1] in _BN_STATS
+        frozen = p is not None and not stats and (bool(p.stop_gradient) or (bool(trained) and id(p) not in trained))
         facts = nonfinite_facts(name, np.asarray(t.numpy()), layer)
         users = [n for n, lay in layers.items() if p is not None
                  and any(q is p for _, q in lay.named_parameters(include_sublayers=False))]
-        out.append(BadParam(facts, layer_name, buffer=p is None, frozen=frozen,
+        out.append(BadParam(facts, layer_name, buffer=p is None or stats, frozen=frozen,
                             users=users or ([layer_name] if layer_name is not None else [])))
     return out
 
@@ -104,7 +107,10 @@ def before_training(report: Report, bad: list[BadParam]) -> bool:
                 loc, evidence, advice_for(Code.PARAM_NONFINITE.value, frozen=True))
         else:
             tied = [u for u in b.users if u != b.layer]
-            if tied:
+            if b.buffer:
+                why = ("It is state, not trained (batch-norm running statistics, say), which a training step "
+                       "may never read")
+            elif tied:
                 why = (f"Not every value is bad, though layer(s) {', '.join(tied)} hold it too (tied weights) and "
                        "may read every row")
             elif b.facts.token_ids:
@@ -126,7 +132,7 @@ def after_run(report: Report, bad: list[BadParam], fault: Any, workload: Any, st
     gradient ever reached it, that the loss does not use it: a warning, like a frozen one)."""
     ff = report.first_fault
     read = None
-    if fault is not None and fault.kind == "nonfinite" and ff is not None and ff.layer is not None:
+    if fault is not None and fault.kind == "nonfinite" and ff is not None:
         read = next((b for b in bad if any(_inside(u, ff.layer) for u in b.users)), None)
     unused = _never_got_a_gradient(workload.model, records)
     for b in bad:
@@ -145,6 +151,9 @@ def after_run(report: Report, bad: list[BadParam], fault: Any, workload: Any, st
                 where = f"layer {ff.layer}" if ff.layer else "outside every layer"
                 b.finding.message += (f" The first fault (step {fault.step}, {where}) is outside the layers that "
                                       "hold it, so it is not known to read it.")
+            elif b.buffer:
+                b.finding.message += (f" No training step read it in the {steps_run} step(s) probed; evaluation "
+                                      "(model.eval()) or inference that uses it will go NaN.")
             else:
                 until = (f"before the fault at step {fault.step}" if fault is not None
                          else f"in the {steps_run} step(s) probed")
@@ -168,8 +177,11 @@ def _never_got_a_gradient(model: Any, records: list[Any]) -> set[str]:
     return {n for n, g in zip(names, got) if not g}
 
 
-def _inside(owner: str, layer: str) -> bool:
-    """The fault's layer is the parameter's layer or one of its sublayers (the root model owns all)."""
+def _inside(owner: str, layer: str | None) -> bool:
+    """The fault's layer is the parameter's layer or one of its sublayers (the root model owns all; a fault
+    outside every sublayer, layer None, is in the root's own forward or the loss)."""
+    if layer is None:
+        return owner == ""
     return owner == "" or layer == owner or layer.startswith(owner + ".")
 
 

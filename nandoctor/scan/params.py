@@ -162,8 +162,10 @@ def _check(name: str, arr: np.ndarray, layer_name: str | None, layer: Any, is_bu
     location = Location(phase=Phase.PARAMS, parameter=name, layer=layer_name or None)
     finite = np.isfinite(arr)
     if not finite.all():
-        return [nonfinite_finding(name, arr, layer_name, layer, is_buffer=is_buffer,
-                                  frozen=bool(getattr(param, "stop_gradient", False)) if param is not None else False)]
+        # Paddle keeps batch-norm running statistics as frozen parameters: they are state, not frozen weights
+        stats = "BatchNorm" in type(layer).__name__ and name.rsplit(".", 1)[-1] in ("_mean", "_variance")
+        return [nonfinite_finding(name, arr, layer_name, layer, is_buffer=is_buffer or stats,
+                                  frozen=bool(getattr(param, "stop_gradient", False)) and not stats)]
     if is_buffer:
         return []
     shape = [int(s) for s in arr.shape if s != 1]
