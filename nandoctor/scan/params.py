@@ -128,16 +128,22 @@ def scan_params(model: Any) -> tuple[list[Finding], dict[str, Any]]:
 
 def init_scale_findings(model: Any) -> list[Finding]:
     """Only the weight-scale checks (param.init_scale), for the probe to run before training: a forward
-    overflow that follows from the initial scale then carries its cause. NaN/Inf is the probe's own job."""
-    owners = _owners(model)
+    overflow that follows from the initial scale then carries its cause. The std is computed where the
+    weight lives (no host copy of a large model); NaN/Inf and all-zero weights are left to other checks."""
+    import paddle
+
+    owners_ = _owners(model)
     out: list[Finding] = []
     for name, param in model.named_parameters():
-        arr = np.asarray(param.numpy())
-        if arr.dtype.kind != "f" or not np.isfinite(arr).all():
+        shape = [int(s) for s in param.shape]
+        if param.dtype not in (paddle.float32, paddle.float16, paddle.bfloat16, paddle.float64) or \
+                len([s for s in shape if s != 1]) < 2 or math.prod(shape) < MIN_NUMEL:
             continue
-        layer_name, layer = owners.get(id(param), (None, None))
-        out += [f for f in _check(name, arr, layer_name, layer, is_buffer=False, param=param)
-                if f.code == Code.PARAM_INIT_SCALE]
+        std = float(param.detach().astype("float32").std(unbiased=False))
+        if not math.isfinite(std) or std == 0.0:
+            continue
+        layer_name, layer = owners_.get(id(param), (None, None))
+        out += _scale_finding(name, shape, std, layer_name, layer)
     return out
 
 
@@ -181,8 +187,13 @@ def _check(name: str, arr: np.ndarray, layer_name: str | None, layer: Any, is_bu
             location, {"shape": list(arr.shape)}, advice_for(Code.PARAM_ZERO.value))]
     if arr.size < MIN_NUMEL:
         return []
-    std = float(arr.astype(np.float64).std())
-    kind, fan_in, band, quoted = expected_band(name, [int(s) for s in arr.shape], layer)
+    return _scale_finding(name, [int(s) for s in arr.shape], float(arr.astype(np.float64).std()), layer_name, layer)
+
+
+def _scale_finding(name: str, shape: list[int], std: float, layer_name: str | None, layer: Any) -> list[Finding]:
+    """param.init_scale when `std` is far outside the band of every default init for this weight."""
+    location = Location(phase=Phase.PARAMS, parameter=name, layer=layer_name or None)
+    kind, fan_in, band, quoted = expected_band(name, shape, layer)
     if kind == "embedding":
         if std <= EMBEDDING_MAX_STD:
             return []
@@ -201,12 +212,12 @@ def _check(name: str, arr: np.ndarray, layer_name: str | None, layer: Any, is_bu
     expected = 1.0 if kind == "embedding" else math.sqrt(quoted[0] * quoted[1])
     return [Finding(
         Code.PARAM_INIT_SCALE, Severity.WARNING,
-        f"Weight '{name}' ({layer_kind}, shape {list(arr.shape)}{fan_text}) has std {std:.3g}, {size} than "
+        f"Weight '{name}' ({layer_kind}, shape {shape}{fan_text}) has std {std:.3g}, {size} than "
         f"its {'embedding scale' if kind == 'embedding' else 'fan-in'} needs (about {quoted[0]:.3g} to "
         f"{quoted[1]:.3g}): {consequence}. Re-initialise it (XavierUniform, or KaimingNormal before ReLU).",
         location,
         {"actual_std": std, "expected_std": list(quoted), "ratio": ratio, "fan_in": fan_in,
-         "shape": list(arr.shape), "layer_type": layer_kind},
+         "shape": shape, "layer_type": layer_kind},
         advice_for(Code.PARAM_INIT_SCALE.value, expected_std=expected))]
 
 
