@@ -65,6 +65,8 @@ def test_embedding_nan_row_traced_to_the_step_samples_and_token_ids():
     assert p.evidence["token_ids_read"] == [37]
     assert f"First read at step {step}" in p.message and "token id(s) 37" in p.message
     assert any("37" in a for a in p.advice)
+    [symptom] = [f for f in report.findings if f.code.value == "activation.nonfinite"]
+    assert "It read token id(s) 37 of embed.weight" in symptom.message
 
 
 def test_partly_nan_parameter_no_step_reads_trains_on_and_says_so(tmp_path):

@@ -188,10 +188,7 @@ def _inside(owner: str, layer: str | None) -> bool:
 def _first_read(report: Report, b: BadParam, fault: Any, workload: Any) -> None:
     ff = report.first_fault
     ff.parameter = b.name
-    for f in report.findings:
-        if f.code in _FAULT_CODES and f.location.step == ff.step:
-            f.location.parameter = b.name
-            f.message += f" It read {b.facts.where()} of {b.name}, NaN before training."
+    symptoms = [f for f in report.findings if f.code in _FAULT_CODES and f.location.step == ff.step]
     ids_hit: list[int] = []
     samples = ff.sample_indices
     if b.facts.token_ids:
@@ -202,9 +199,12 @@ def _first_read(report: Report, b: BadParam, fault: Any, workload: Any) -> None:
             ids_hit = sorted({t for ts in hits.values() for t in ts})
             if hits and not samples:
                 samples = ff.sample_indices = sorted(hits)
-                for f in report.findings:
-                    if f.code in _FAULT_CODES and f.location.step == ff.step:
-                        f.location.sample_indices = samples
+                for f in symptoms:
+                    f.location.sample_indices = samples
+    what = f"token id(s) {', '.join(str(t) for t in ids_hit[:10])}" if ids_hit else b.facts.where()
+    for f in symptoms:
+        f.location.parameter = b.name
+        f.message += f" It read {what} of {b.name}, NaN before training."
     who = f"sample(s) {', '.join(str(s) for s in samples[:10])} of batch {ff.batch_index}" if samples else \
         f"batch {ff.batch_index}"
     ids = f", which carry token id(s) {', '.join(str(t) for t in ids_hit[:10])}" if ids_hit else ""
