@@ -100,11 +100,24 @@ def advice_for(code: str, op: str | None = None, **facts: Any) -> list[str]:
         out += _BY_OP.get(op, _BY_OP.get(base, []))
     if code == "grad.explosion" and facts.get("clip_norm") is not None:
         lr = facts.get("learning_rate")
-        lr_text = f" (now {lr:g})" if isinstance(lr, (int, float)) else ""
-        out += [f"Clip gradients at about {facts['clip_norm']:.3g}, the norm seen before the growth began: "
+        at = f"at step {facts['lr_step']}" if facts.get("lr_step") is not None else "now"
+        lr_text = f" ({lr:g} {at})" if isinstance(lr, (int, float)) else ""
+        typical = facts.get("typical_norm")
+        seen = (f"{facts['clip_norm'] / typical:.2g}x the typical norm before the growth began ({typical:.3g})"
+                if typical else "the norm seen before the growth began")
+        out += [f"Clip gradients at about {facts['clip_norm']:.3g}, {seen}: "
                 f"`optimizer.grad_clip: {{global_norm: {facts['clip_norm']:.3g}}}`.",
                 f"Lower the learning rate{lr_text} by 3-10x and add a warmup of a few hundred steps."]
         return out
+    if code == "param.nonfinite" and facts.get("frozen"):
+        return ["The parameter is frozen, so training will never repair it: load it from a finite checkpoint, "
+                "or drop it from the model if nothing reads it."]
+    if code == "param.nonfinite" and facts.get("rows"):
+        rows = ", ".join(str(r) for r in facts["rows"][:10])
+        what = "token id(s)" if facts.get("token_ids") else "row(s)"
+        return [f"Only {what} {rows} of {facts.get('name', 'the parameter')} are bad: load them from an earlier, "
+                f"finite checkpoint, or re-initialise just those rows (e.g. with the mean of the finite rows).",
+                _BY_CODE[code][0]]
     if code == "param.init_scale" and facts.get("expected_std") is not None:
         out.append(f"Its standard deviation should be about {facts['expected_std']:.3g} for its fan-in; "
                    + _BY_CODE[code][0])

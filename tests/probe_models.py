@@ -95,6 +95,8 @@ class Classifier(nn.Layer):
             self.dist = Dist()
             self.body = nn.Sequential(nn.Linear(1, hidden), nn.ReLU())
         self.head = nn.Linear(hidden, classes)
+        if kind == "spare":  # a layer the forward never calls (a leftover head, say)
+            self.spare = nn.Linear(hidden, hidden)
 
     def forward(self, x):
         if self.kind == "log":
@@ -106,14 +108,21 @@ class Classifier(nn.Layer):
         return self.head(self.body(x))
 
 
-def classifier(kind: str = "plain", classes: int = 3, nan_param: str = "", crash_at_batch_size: int = 0):
+def classifier(kind: str = "plain", classes: int = 3, nan_param: str = "", crash_at_batch_size: int = 0,
+               nan_whole: bool = False, frozen: str = ""):
+    """`nan_param`: a NaN in its first value (every value with `nan_whole`); `frozen`: stop_gradient on it."""
     paddle.seed(0)
     model = Classifier(kind, classes, crash_at_batch_size=crash_at_batch_size)
     if nan_param:
         p = dict(model.named_parameters())[nan_param]
         value = p.numpy()
-        value.flat[0] = np.nan
+        if nan_whole:
+            value[...] = np.nan
+        else:
+            value.flat[0] = np.nan
         p.set_value(value)
+    if frozen:
+        dict(model.named_parameters())[frozen].stop_gradient = True
     return model
 
 
@@ -163,3 +172,69 @@ def step_masked_mean(model, batch):
     per = paddle.nn.functional.cross_entropy(model(x), label.unsqueeze(-1), reduction="none").squeeze(-1)
     mask = (label != 0).astype("float32")
     return (per * mask).sum() / mask.sum()
+
+
+class DeepTokenModel(nn.Layer):
+    """An embedding and a deep stack of small layers: more tensors than the monitor's small-model limit."""
+
+    def __init__(self, vocab: int, dim: int, depth: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.stack = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(dim, dim), nn.GELU())])
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, ids):
+        return self.head(self.stack(self.tok(ids)).mean(axis=1))
+
+
+def deep_token_model(vocab: int = 30, dim: int = 8, depth: int = 60, nan_row: int = -1, frozen: bool = False):
+    """`nan_row`: that row of the embedding table is NaN (a resumed checkpoint's bad token); `frozen`: the
+    table has stop_gradient set."""
+    paddle.seed(0)
+    model = DeepTokenModel(vocab, dim, depth)
+    if nan_row >= 0:
+        w = model.tok.weight.numpy()
+        w[nan_row] = np.nan
+        model.tok.weight.set_value(w)
+    model.tok.weight.stop_gradient = frozen
+    return model
+
+
+class TiedHead(nn.Layer):
+    """The output projection: logits against the embedding table itself (tied weights, as in many LMs)."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.weight = table
+
+    def forward(self, h):
+        return paddle.matmul(h, self.weight, transpose_y=True)
+
+
+class TiedTokenModel(nn.Layer):
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.out = TiedHead(self.tok.weight)
+        self.head = nn.Linear(vocab, 2)
+
+    def forward(self, ids):
+        return self.head(self.out(self.tok(ids).mean(axis=1)))
+
+
+def tied_token_model(vocab: int = 30, dim: int = 8, nan_row: int = 25):
+    paddle.seed(0)
+    model = TiedTokenModel(vocab, dim)
+    w = model.tok.weight.numpy()
+    w[nan_row] = np.nan
+    model.tok.weight.set_value(w)
+    return model
+
+
+def bn_classifier(nan_variance: bool = True):
+    """Linear -> BatchNorm1D -> ReLU -> Linear, restored with NaN running variances (a corrupt checkpoint)."""
+    paddle.seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, 16), nn.BatchNorm1D(16), nn.ReLU(), nn.Linear(16, 3))
+    if nan_variance:
+        model[1]._variance.set_value(np.full([16], np.nan, dtype="float32"))
+    return model

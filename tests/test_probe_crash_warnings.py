@@ -75,6 +75,12 @@ def test_fp16_headroom_warning_and_amp_inactive_on_cpu(tmp_path):
     assert "amp.inactive" in codes(report, "info")
     warns = [f for f in report.findings if f.code.value == "precision.fp16_overflow"]
     assert warns and warns[0].evidence["margin"] > 1 and warns[0].location.layer
-    # the same magnitudes without AMP are no risk: no warning
+    assert {f.severity.value for f in warns} == {"warning"}
+    # the same magnitudes without AMP: the float16 what-if is still reported, as info (no warning)
     report = probe(tmp_path, data_args={"scale": 3e5}, steps=3)
-    assert "precision.fp16_overflow" not in codes(report)
+    assert "precision.fp16_overflow" not in codes(report, "warning", "error")
+    infos = [f for f in report.findings if f.code.value == "precision.fp16_overflow"]
+    assert {f.severity.value for f in infos} == {"info"} and all("no float16 AMP" in f.message for f in infos)
+    assert {f.location.layer for f in infos} == {f.location.layer for f in warns}
+    assert max(f.evidence["margin"] for f in infos) > 1
+    assert report.verdict.value == "healthy"

@@ -50,7 +50,7 @@ def test_nan_in_tensor_data_is_caught_on_the_device(tmp_path):
 
 
 def test_nan_parameter_before_training(tmp_path):
-    report = probe(tmp_path, model_args={"nan_param": "head.bias"})
+    report = probe(tmp_path, model_args={"nan_param": "head.bias", "nan_whole": True})  # every step reads it
     ff = report.first_fault
     assert (ff.step, ff.phase, ff.parameter, ff.batch_index) == (None, Phase.PARAMS, "head.bias", None)
     assert codes(report) == {"param.nonfinite"} and report.timeline == []

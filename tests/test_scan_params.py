@@ -106,3 +106,34 @@ def test_zero_weight_matrix_but_not_zero_bias():
 def test_summary_counts():
     _, summary = scan_params(WithCheckpoint())
     assert summary == {"parameters": 4, "buffers": 1, "numel": 8 * 8 + 8 + 8 * 2 + 2}
+
+
+def test_nan_rows_of_an_embedding_are_named_as_token_ids():
+    """A resumed checkpoint with two NaN rows in an embedding table: which rows, how many, as token ids."""
+    paddle.seed(0)
+    model = nn.Sequential(nn.Embedding(40, 8), nn.Linear(8, 2))
+    w = model[0].weight.numpy()
+    w[[5, 31]] = np.nan
+    w[31, 2] = np.inf
+    model[0].weight.set_value(w)
+    [f] = findings(model)
+    assert f.code == Code.PARAM_NONFINITE and f.severity == Severity.ERROR and f.location.parameter == "0.weight"
+    ev = f.evidence
+    assert ev["rows"] == ev["token_ids"] == [5, 31] and ev["num_rows"] == 2 and not ev["wholly_nonfinite"]
+    assert (ev["nan"], ev["inf"]) == (15, 1)
+    assert "token id(s) 5, 31 (2 of 40 rows)" in f.message and "only batches holding these ids" in f.message
+    assert "token id(s) 5, 31 of 0.weight" in f.advice[0]
+
+
+def test_nan_rows_of_a_linear_weight_and_a_frozen_parameter():
+    paddle.seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 2))
+    w = model[0].weight.numpy()
+    w[3, 1] = np.nan
+    model[0].weight.set_value(w)
+    model[1].bias.set_value(np.full([2], np.nan, dtype="float32"))
+    model[1].bias.stop_gradient = True
+    by_name = {f.location.parameter: f for f in findings(model)}
+    lin, frozen = by_name["0.weight"], by_name["1.bias"]
+    assert lin.evidence["rows"] == [3] and "token_ids" not in lin.evidence and "row(s) 3 (1 of 6)" in lin.message
+    assert frozen.evidence["wholly_nonfinite"] and frozen.evidence["frozen"] and "frozen" in frozen.message

@@ -21,12 +21,11 @@ from nandoctor.device import resolve_device, use_device
 from nandoctor.errors import UserCodeError
 from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity, TimelinePoint
 from nandoctor.interrupt import interrupted_finding
-from nandoctor.probe import faults
+from nandoctor.probe import causes, faults
 from nandoctor.probe.crash import CrashContext, crash_findings
 from nandoctor.probe.loop import LoopResult, ProbeLoop
-from nandoctor.probe.monitors import param_nonfinite
 from nandoctor.probe.trainability import loss_finding, loss_source, no_trainable_finding
-from nandoctor.probe.watcher import FaultKind, trainable_names
+from nandoctor.probe.watcher import FaultKind, current_lr, trainable_names
 from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.spec import Spec
 from nandoctor.workload import build_optimizer, build_workload
@@ -104,9 +103,8 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
             faults.amp_inactive(report, spec.amp.dtype)
         else:
             workload = _with_autocast(workload, spec)
-    bad = param_nonfinite(model)
-    if bad:
-        faults.params_before_training(report, bad)
+    found_causes = causes.before_training(report, model, optimizer)
+    if found_causes.stop:
         report.details["steps_run"] = 0
         capture(report, {}, step=None, batch_index=None, model=model)
         return
@@ -124,6 +122,7 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
         _details(report, res, loop)
         _handle_fault(report, res, workload, optimizer, loop)
         report.findings += loop.watcher.warnings(res.fault)
+        causes.after_run(report, found_causes, res, workload, current_lr(optimizer))
         if scaler is not None:
             _scale_collapse(report, res, spec.amp.init_loss_scaling)
         if res.steps_run == 0 and res.fault is None and not res.interrupted:

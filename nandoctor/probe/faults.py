@@ -31,14 +31,17 @@ def set_first(report: Report, loc: Location) -> None:
                                     sample_indices=loc.sample_indices)
 
 
-def params_before_training(report: Report, names: list[str]) -> None:
+def params_before_training(report: Report, names: list[str], facts: dict[str, Any] | None = None) -> None:
+    """A trained parameter wholly NaN/Inf: every step reads it, so the probe does not train at all."""
     loc = Location(step=None, phase=Phase.PARAMS, parameter=names[0])
     shown = ", ".join(names[:8]) + ("…" if len(names) > 8 else "")
     report.findings.append(Finding(
         Code.PARAM_NONFINITE, Severity.ERROR,
-        f"Parameter {names[0]} holds NaN/Inf before any training step ({len(names)} tensor(s) affected: {shown}). "
-        "The probe did not train: every step would be non-finite from the start.",
-        loc, {"parameters": names}, advice_for(Code.PARAM_NONFINITE.value)))
+        f"Parameter {names[0]} is NaN/Inf in every value before any training step ({len(names)} tensor(s) "
+        f"affected: {shown}). The probe did not train: every step that uses it is non-finite from the start (if "
+        "nothing uses it, set stop_gradient on it or remove it, and the probe trains on).",
+        loc, {"parameters": names, **({"tensors": facts} if facts else {})},
+        advice_for(Code.PARAM_NONFINITE.value)))
     set_first(report, loc)
 
 

@@ -85,6 +85,13 @@ class StepMonitor:
             self.layer_names.append(name)
             self._layers.append(layer)
         self._hook_fns = [self._make_hook(i) for i in range(len(self._layers))]
+        # A parameter that already holds NaN/Inf (a resumed checkpoint with a bad embedding row) would make
+        # every sum non-finite and hide the updates: it is left out of the sum (one check, at start).
+        # The loop's exact check must not blame an update for these either (frozen ones and buffers included).
+        self.start_nonfinite = _start_nonfinite(self.model)
+        self._sum_params = [p for n, p in zip(self.param_names, self.params) if n not in self.start_nonfinite]
+        if len(self._sum_params) == len(self.params):
+            self._sum_params = self.params  # the grouped sum needs every parameter
 
     def _attach(self, on: bool) -> None:
         """Hooks exist only during stats steps: a registered hook, even one that returns at once, sends
@@ -170,15 +177,15 @@ class StepMonitor:
         import paddle
         from paddle import _C_ops
 
-        if not self.params:
+        if not self._sum_params:
             return None
-        if self._grouped:
+        if self._grouped and self._sum_params is self.params:
             return paddle.add_n([_C_ops.stack([self.params[i] for i in idx], 0).sum().reshape([1])
                                  for idx, _ in self._groups])
         # Bare ops (~5 us each against ~30 us through the Python API): this runs after every update.
         f32 = paddle.float32
         return _C_ops.add_n([_C_ops.sum(p if p.dtype == f32 else p.astype(f32), None, None, False)
-                             for p in self.params]).reshape([1])
+                             for p in self._sum_params]).reshape([1])
 
     def _grad_sq(self, per_param: bool) -> tuple[Any, list[int]]:
         """Squared gradient norms as one device tensor (per parameter, or only the global one for a large
@@ -291,6 +298,18 @@ def float_dtypes() -> tuple[Any, ...]:
 
         _FLOATS = (paddle.float32, paddle.float16, paddle.bfloat16, paddle.float64)
     return _FLOATS
+
+
+def _start_nonfinite(model: Any) -> set[str]:
+    """Names of parameters and buffers non-finite before training, in one host sync (not one per tensor)."""
+    import paddle
+
+    items = [(k, t) for k, t in model.state_dict().items()
+             if isinstance(t, paddle.Tensor) and t.dtype in float_dtypes() and t.size > 0]
+    if not items:
+        return set()
+    ok = paddle.stack([paddle.isfinite(t).all() for _, t in items]).numpy()
+    return {k for (k, _), good in zip(items, ok) if not good}
 
 
 def param_nonfinite(model: Any) -> list[str]:

@@ -2,13 +2,14 @@
 
 Each rule must stay silent on a healthy run, so each asks for a large, sustained signal: a gradient
 norm orders of magnitude above its early level, an activation beyond float16's 65504 (only when the
-spec asks for float16 AMP), gradients below float16's smallest subnormal (only with AMP).
+spec asks for float16 AMP; an info without it), gradients below float16's smallest subnormal (only with AMP).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ class WarningTracker:
         self.explosion: Finding | None = None
         self.fp16_hits: dict[int, tuple[int, float]] = {}  # layer index -> (first step, max value)
         self.vanishing: dict[int, tuple[int, float]] = {}  # param index -> (first step, norm)
+        self.lrs: dict[int, float | None] = {}
 
     def early_level(self) -> float | None:
         """The median norm of the first steps; fixed once those steps are in, so computed once then."""
@@ -53,6 +55,7 @@ class WarningTracker:
     def update(self, record: Any) -> bool:
         """Take one step's numbers; True while something looks like trouble (stats on every step)."""
         alert = False
+        self.lrs[record.step] = getattr(record, "lr", None)  # the watcher records the scheduler's value
         if record.grad_norm is not None and math.isfinite(record.grad_norm):
             self.norms.append((record.step, record.grad_norm))
             early = self.early_level()
@@ -61,12 +64,13 @@ class WarningTracker:
                 alert = ratio >= _ALERT_RATIO
                 if ratio >= _EXPLODE_RATIO and self.explosion is None:
                     self.explosion = self._explosion(record.step, early)
-        if record.act_max is not None and self.fp16:
+        if record.act_max is not None:  # the float16 what-if: a warning with float16 AMP, else info
             over = np.where(np.isfinite(record.act_max) & (record.act_max > FP16_MAX))[0]
             for i in over.tolist():
                 first, top = self.fp16_hits.get(i, (record.step, 0.0))
                 self.fp16_hits[i] = (first, max(top, float(record.act_max[i])))
-            alert = alert or bool(np.any(np.isfinite(record.act_max) & (record.act_max > FP16_MAX / 4)))
+            if self.fp16:
+                alert = alert or bool(np.any(np.isfinite(record.act_max) & (record.act_max > FP16_MAX / 4)))
         if self.amp and record.grad_sq is not None and record.step > 0:
             norms = np.sqrt(record.grad_sq)
             tiny = np.where(np.isfinite(norms) & (norms > 0) & (norms < FP16_TINY))[0]
@@ -86,8 +90,10 @@ class WarningTracker:
         start_step, start_norm = self.norms[start_i]
         now = self.norms[-1][1]
         before = [n for s, n in self.norms if s < start_step] or [early]
-        clip = float(np.median(before[-10:]))
-        lr = self.learning_rate
+        typical = float(np.median(before[-10:]))
+        clip = typical * CLIP_FACTOR
+        lr = self.lrs.get(start_step)
+        lr = lr if lr is not None else self.learning_rate
         return Finding(
             Code.GRAD_EXPLOSION, Severity.WARNING,
             f"The global gradient norm grew from about {early:.3g} (early steps) to {now:.3g} at step {step} "
@@ -95,8 +101,9 @@ class WarningTracker:
             "heading for overflow: clip gradients or lower the learning rate.",
             Location(step=start_step, phase=Phase.BACKWARD),
             {"early_norm": early, "norm_at_start": start_norm, "norm_now": now, "step_now": step,
-             "growth": now / early, "learning_rate": lr},
-            advice_for(Code.GRAD_EXPLOSION.value, clip_norm=clip, learning_rate=lr))
+             "growth": now / early, "learning_rate": lr, "clip_threshold": clip},
+            advice_for(Code.GRAD_EXPLOSION.value, clip_norm=clip, learning_rate=lr, lr_step=start_step,
+                       typical_norm=typical))
 
     def findings(self) -> list[Finding]:
         out: list[Finding] = []
@@ -104,13 +111,16 @@ class WarningTracker:
             out.append(self.explosion)
         for i, (step, top) in sorted(self.fp16_hits.items(), key=lambda kv: -kv[1][1])[:10]:
             name = self.layer_names[i]
+            if self.fp16:
+                sev, tail = Severity.WARNING, "but with AMP in float16 (as the spec asks) this layer would output inf"
+            else:
+                sev, tail = Severity.INFO, "the spec has no float16 AMP, but with it this layer would output inf"
             out.append(Finding(
-                Code.PRECISION_FP16_OVERFLOW, Severity.WARNING,
+                Code.PRECISION_FP16_OVERFLOW, sev,
                 f"Layer {name} outputs values up to {top:.3g} (first at step {step}), {top / FP16_MAX:.3g}x "
-                "float16's maximum of 65504: finite in float32, but with AMP in float16 this layer would output "
-                "inf and the run would go NaN.",
+                f"float16's maximum of 65504: finite in float32; {tail} and the run would go NaN.",
                 Location(step=step, phase=Phase.FORWARD, layer=name),
-                {"max_abs": top, "fp16_max": FP16_MAX, "margin": top / FP16_MAX},
+                {"max_abs": top, "fp16_max": FP16_MAX, "margin": top / FP16_MAX, "amp_float16": self.fp16},
                 advice_for(Code.PRECISION_FP16_OVERFLOW.value)))
         if self.vanishing:
             items = sorted(self.vanishing.items())
@@ -123,3 +133,104 @@ class WarningTracker:
                 Location(step=step, phase=Phase.BACKWARD, parameter=names[0]),
                 {"parameters": names[:20]}, advice_for(Code.GRAD_VANISHING.value)))
         return out
+
+
+# The lookback after a fault: growth this large, ending right before the fault, is its cause.
+_RISE_RATIO = 3.0  # over at least _RISE_STEPS rising steps
+_RISE_STEPS = 2
+_JUMP_RATIO = 100.0  # or in a single step, right before the fault
+_MIN_STEP = 1.2  # the growth begins at the first step that rises by this much
+_ABOVE_LEVEL = 2.0  # and ending this far above the level before it (a recovery from a dip is no growth)
+_PEAK_WINDOW = 3  # a peak this close before the fault, followed by a dip, counts only when it towers:
+_PEAK_ABOVE_LEVEL = 10.0
+CLIP_FACTOR = 1.5  # the suggested clip threshold: the typical pre-growth norm times this
+
+
+@dataclass
+class Rise:
+    start_step: int
+    start: float
+    end_step: int
+    end: float
+    level: float  # the median of the values before the rise (the start value when there are none)
+
+    @property
+    def growth(self) -> float:
+        return self.end / self.start
+
+
+def find_rise(series: list[tuple[int, float]]) -> Rise | None:
+    """The rise that ends the series (strictly increasing up to its last value), when it is a real growth:
+    >= 3x over >= 2 steps, or >= 100x in one step, and >= 2x above the level before it (a recovery from
+    a dip is no growth). Failing that, a rise to a peak in the last _PEAK_WINDOW values that towers >= 10x
+    over the level before it (the norm spiked, fell back for a step, then the run went NaN)."""
+    xs = [(s, v) for s, v in series if math.isfinite(v) and v > 0]
+    if len(xs) < 2 or xs[-1][0] != series[-1][0]:
+        return None
+    found = _rise_to(xs, len(xs) - 1, _ABOVE_LEVEL)
+    if found is None:
+        tail = range(max(1, len(xs) - _PEAK_WINDOW), len(xs) - 1)
+        peak = max(tail, key=lambda j: xs[j][1], default=None)
+        if peak is not None:
+            found = _rise_to(xs, peak, _PEAK_ABOVE_LEVEL)
+    return found
+
+
+def _rise_to(xs: list[tuple[int, float]], end: int, above: float) -> Rise | None:
+    i = end
+    while i > 0 and xs[i - 1][1] < xs[i][1]:
+        i -= 1
+    while i < end and xs[i + 1][1] < _MIN_STEP * xs[i][1]:  # a flat start is no growth yet
+        i += 1
+    rising = end - i
+    if rising == 0:
+        return None
+    before = [v for _, v in xs[:i]][-10:]
+    level = statistics.median(before) if before else xs[i][1]
+    rise = Rise(xs[i][0], xs[i][1], xs[end][0], xs[end][1], level)
+    jump = xs[end][1] / xs[end - 1][1]
+    big = (rise.growth >= _RISE_RATIO and rising >= _RISE_STEPS) or jump >= _JUMP_RATIO
+    if not big or rise.end < above * level:
+        return None
+    if rising >= _RISE_STEPS and rise.growth < _RISE_RATIO:  # only the last jump is big: it began there
+        rise.start_step, rise.start = xs[end - 1]
+    return rise
+
+
+def growth_before_fault(records: list[Any], fault_step: int, fallback_lr: float | None) -> Finding | None:
+    """grad.explosion when the gradient norm (or else the loss) rose before the fault at `fault_step`,
+    reported at the step where the growth began, with the learning rate there and a clip threshold."""
+    before = [r for r in records if r.step < fault_step]
+    at_fault = [r for r in records if r.step == fault_step]
+    # the faulting step's own values count when finite (an update fault: its gradient was finite)
+    norms = [(r.step, float(r.grad_norm)) for r in before + at_fault if r.grad_norm is not None]
+    if norms and not math.isfinite(norms[-1][1]):
+        norms = norms[:-1]
+    losses = [(r.step, float(r.loss)) for r in before + at_fault if r.loss is not None]
+    if losses and not math.isfinite(losses[-1][1]):
+        losses = losses[:-1]
+    rise, what = find_rise(norms), "gradient norm"
+    if rise is None:
+        rise, what = find_rise(losses), "loss"
+    if rise is None:
+        return None
+    by_step = {r.step: r for r in records}
+    lr = getattr(by_step.get(rise.start_step), "lr", None)
+    lr = lr if lr is not None else fallback_lr
+    pre = [v for s, v in norms if s < rise.start_step][-10:] or [v for s, v in norms if s == rise.start_step]
+    typical = statistics.median(pre) if pre else None
+    clip = typical * CLIP_FACTOR if typical else None
+    lr_text = f" The learning rate at step {rise.start_step} was {lr:g}." if lr is not None else ""
+    return Finding(
+        Code.GRAD_EXPLOSION, Severity.WARNING,
+        f"The {what} grew {rise.growth:.3g}x from {rise.start:.3g} at step {rise.start_step} to {rise.end:.3g} at "
+        f"step {rise.end_step}, right before the fault at step {fault_step}: the fault is where that growth "
+        f"overflowed, and the growth began at step {rise.start_step}.{lr_text} Lower the learning rate or clip "
+        "the gradients.",
+        Location(step=rise.start_step, phase=Phase.BACKWARD),
+        {"signal": what, "step_start": rise.start_step, "value_at_start": rise.start, "step_now": rise.end_step,
+         "value_now": rise.end, "growth": rise.growth, "level_before": rise.level, "fault_step": fault_step,
+         "learning_rate": lr, "typical_grad_norm": typical, "clip_threshold": clip,
+         "history": [[s, v] for s, v in (norms if what == "gradient norm" else losses)[-20:]]},
+        advice_for(Code.GRAD_EXPLOSION.value, clip_norm=clip, learning_rate=lr, lr_step=rise.start_step,
+                   typical_norm=typical))

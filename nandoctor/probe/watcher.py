@@ -276,7 +276,8 @@ class StepWatcher:
         fine one step earlier) or the first."""
         from nandoctor.probe.monitors import param_nonfinite
 
-        names = param_nonfinite(self.model)
+        # entries that were non-finite before training (a NaN row the run trains on) are not an update's doing
+        names = [n for n in param_nonfinite(self.model) if n not in self.monitor.start_nonfinite]
         trainable = set(self.monitor.param_names)
         names = [n for n in names if n in trainable] or names
         history = self.history

@@ -15,6 +15,7 @@ are [gates*hidden, in]. A parameter of an unknown layer gets the union of the pl
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,82 @@ TOO_SMALL = 1.0 / 30.0
 EMBEDDING_MAX_STD = 8.0  # 8x N(0, 1)
 MIN_NUMEL = 16  # a std over fewer entries says little
 _EMBEDDING_HINTS = ("emb", "pos", "token", "cls")
+MAX_ROWS = 100  # rows listed in evidence; the count is always exact
+
+
+@dataclass
+class NonfiniteParam:
+    """Where one parameter or buffer holds NaN/Inf: counts, and the rows (indices along axis 0) holding them.
+
+    Rows matter because a resumed checkpoint often has a few bad rows of an embedding table: only the
+    inputs that read those rows (token ids, for an nn.Embedding) go NaN, not every step.
+    """
+
+    name: str
+    shape: list[int]
+    nan: int
+    inf: int
+    rows: list[int]  # the first MAX_ROWS of them
+    n_rows: int
+    wholly: bool  # every value is non-finite
+    token_ids: bool  # the 2-D weight of an nn.Embedding: its rows are token ids
+
+    def where(self) -> str:
+        """'token id(s) 37 (1 of 64 rows)', 'row(s) 3, 5 (2 of 24)' or 'every value'."""
+        if self.wholly:
+            return "every value"
+        total = self.shape[0] if self.shape else 1
+        shown = ", ".join(str(r) for r in self.rows[:10]) + ("…" if self.n_rows > 10 else "")
+        if self.token_ids:
+            return f"token id(s) {shown} ({self.n_rows} of {total} rows)"
+        return f"{'row(s)' if len(self.shape) > 1 else 'index(es)'} {shown} ({self.n_rows} of {total})"
+
+    def evidence(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"nan": self.nan, "inf": self.inf, "shape": self.shape,
+                               "rows": self.rows, "num_rows": self.n_rows, "wholly_nonfinite": self.wholly}
+        if self.token_ids:
+            out["token_ids"] = self.rows
+        return out
+
+
+def nonfinite_facts(name: str, arr: np.ndarray, layer: Any) -> NonfiniteParam:
+    """Counts and rows of the NaN/Inf values in `arr` (a parameter or buffer owned by `layer`)."""
+    import paddle.nn as nn
+
+    bad = ~np.isfinite(arr)
+    n_nan = int(np.isnan(arr).sum())
+    if arr.ndim:
+        rows = np.where(bad.reshape(arr.shape[0], -1).any(axis=1))[0]
+    else:
+        rows = np.zeros(1 if bad else 0, dtype=int)
+    return NonfiniteParam(name=name, shape=[int(s) for s in arr.shape], nan=n_nan, inf=int(bad.sum()) - n_nan,
+                          rows=[int(r) for r in rows[:MAX_ROWS]], n_rows=int(rows.size), wholly=bool(bad.all()),
+                          token_ids=isinstance(layer, nn.Embedding) and arr.ndim == 2)
+
+
+def nonfinite_finding(name: str, arr: np.ndarray, layer_name: str | None, layer: Any, *, is_buffer: bool,
+                      frozen: bool) -> Finding:
+    """The scan's param.nonfinite finding, naming the bad rows (token ids for an embedding table)."""
+    facts = nonfinite_facts(name, arr, layer)
+    what = "Buffer" if is_buffer else "Parameter"
+    if facts.wholly:
+        effect = "every forward pass through it is NaN"
+    elif facts.token_ids:
+        effect = "only batches holding these ids read them, and those steps go NaN"
+    else:
+        effect = "every input that reads these entries gives NaN"
+    frozen_text = (" It is frozen (stop_gradient), so training will not change it; if the model reads it, "
+                   "the loss is NaN all the same." if frozen else "")
+    return Finding(
+        Code.PARAM_NONFINITE, Severity.ERROR,
+        f"{what} '{name}' (shape {facts.shape}) holds {facts.nan} NaN and {facts.inf} Inf value(s) before "
+        f"training, in {facts.where()}: {effect}.{frozen_text} Load an earlier checkpoint, or re-initialise "
+        "those rows.",
+        Location(phase=Phase.PARAMS, parameter=name, layer=layer_name or None),
+        {**facts.evidence(), "numel": int(arr.size), "first_index": np.argwhere(~np.isfinite(arr))[0].tolist()
+         if arr.ndim else [], "buffer": is_buffer, "frozen": frozen},
+        advice_for(Code.PARAM_NONFINITE.value, **({} if facts.wholly else
+                                                  {"name": name, "rows": facts.rows, "token_ids": facts.token_ids})))
 
 
 def scan_params(model: Any) -> tuple[list[Finding], dict[str, Any]]:
@@ -39,7 +116,7 @@ def scan_params(model: Any) -> tuple[list[Finding], dict[str, Any]]:
         arr = np.asarray(param.numpy())
         numel += int(arr.size)
         layer_name, layer = owners.get(id(param), (None, None))
-        findings += _check(name, arr, layer_name, layer, is_buffer=False)
+        findings += _check(name, arr, layer_name, layer, is_buffer=False, param=param)
     n_buffers = 0
     for name, buf in model.named_buffers():
         if buf is None or not hasattr(buf, "numpy"):
@@ -47,6 +124,32 @@ def scan_params(model: Any) -> tuple[list[Finding], dict[str, Any]]:
         n_buffers += 1
         findings += _check(name, np.asarray(buf.numpy()), None, None, is_buffer=True)
     return findings, {"parameters": n_params, "buffers": n_buffers, "numel": numel}
+
+
+def init_scale_findings(model: Any) -> list[Finding]:
+    """Only the weight-scale checks (param.init_scale), for the probe to run before training: a forward
+    overflow that follows from the initial scale then carries its cause. The std is computed where the
+    weight lives (no host copy of a large model); NaN/Inf and all-zero weights are left to other checks."""
+    import paddle
+
+    owners_ = _owners(model)
+    out: list[Finding] = []
+    for name, param in model.named_parameters():
+        shape = [int(s) for s in param.shape]
+        if param.dtype not in (paddle.float32, paddle.float16, paddle.bfloat16, paddle.float64) or \
+                len([s for s in shape if s != 1]) < 2 or math.prod(shape) < MIN_NUMEL:
+            continue
+        std = float(param.detach().astype("float32").std(unbiased=False))
+        if not math.isfinite(std) or std == 0.0:
+            continue
+        layer_name, layer = owners_.get(id(param), (None, None))
+        out += _scale_finding(name, shape, std, layer_name, layer)
+    return out
+
+
+def owners(model: Any) -> dict[int, tuple[str, Any]]:
+    """id(parameter) -> (dotted layer name, layer) of the outermost layer that registers it."""
+    return _owners(model)
 
 
 def _owners(model: Any) -> dict[int, tuple[str, Any]]:
@@ -58,25 +161,17 @@ def _owners(model: Any) -> dict[int, tuple[str, Any]]:
     return out
 
 
-def _check(name: str, arr: np.ndarray, layer_name: str | None, layer: Any, is_buffer: bool) -> list[Finding]:
+def _check(name: str, arr: np.ndarray, layer_name: str | None, layer: Any, is_buffer: bool,
+           param: Any = None) -> list[Finding]:
     if arr.dtype.kind != "f":
         return []
-    what = "Buffer" if is_buffer else "Parameter"
     location = Location(phase=Phase.PARAMS, parameter=name, layer=layer_name or None)
     finite = np.isfinite(arr)
     if not finite.all():
-        n_nan = int(np.isnan(arr).sum())
-        n_inf = int((~finite).sum()) - n_nan
-        first = np.argwhere(~finite)[0].tolist() if arr.ndim else []
-        return [Finding(
-            Code.PARAM_NONFINITE, Severity.ERROR,
-            f"{what} '{name}' (shape {list(arr.shape)}) holds {n_nan} NaN and {n_inf} Inf value(s) before "
-            f"training{f', the first at index {tuple(first)}' if first else ''}: the first forward pass "
-            "through it is NaN. Load an earlier checkpoint, or re-initialise that layer.",
-            location,
-            {"nan": n_nan, "inf": n_inf, "shape": list(arr.shape), "numel": int(arr.size),
-             "first_index": first, "buffer": is_buffer},
-            advice_for(Code.PARAM_NONFINITE.value))]
+        # Paddle keeps batch-norm running statistics as frozen parameters: they are state, not frozen weights
+        stats = "BatchNorm" in type(layer).__name__ and name.rsplit(".", 1)[-1] in ("_mean", "_variance")
+        return [nonfinite_finding(name, arr, layer_name, layer, is_buffer=is_buffer or stats,
+                                  frozen=bool(getattr(param, "stop_gradient", False)) and not stats)]
     if is_buffer:
         return []
     shape = [int(s) for s in arr.shape if s != 1]
@@ -92,8 +187,13 @@ def _check(name: str, arr: np.ndarray, layer_name: str | None, layer: Any, is_bu
             location, {"shape": list(arr.shape)}, advice_for(Code.PARAM_ZERO.value))]
     if arr.size < MIN_NUMEL:
         return []
-    std = float(arr.astype(np.float64).std())
-    kind, fan_in, band, quoted = expected_band(name, [int(s) for s in arr.shape], layer)
+    return _scale_finding(name, [int(s) for s in arr.shape], float(arr.astype(np.float64).std()), layer_name, layer)
+
+
+def _scale_finding(name: str, shape: list[int], std: float, layer_name: str | None, layer: Any) -> list[Finding]:
+    """param.init_scale when `std` is far outside the band of every default init for this weight."""
+    location = Location(phase=Phase.PARAMS, parameter=name, layer=layer_name or None)
+    kind, fan_in, band, quoted = expected_band(name, shape, layer)
     if kind == "embedding":
         if std <= EMBEDDING_MAX_STD:
             return []
@@ -112,12 +212,12 @@ def _check(name: str, arr: np.ndarray, layer_name: str | None, layer: Any, is_bu
     expected = 1.0 if kind == "embedding" else math.sqrt(quoted[0] * quoted[1])
     return [Finding(
         Code.PARAM_INIT_SCALE, Severity.WARNING,
-        f"Weight '{name}' ({layer_kind}, shape {list(arr.shape)}{fan_text}) has std {std:.3g}, {size} than "
+        f"Weight '{name}' ({layer_kind}, shape {shape}{fan_text}) has std {std:.3g}, {size} than "
         f"its {'embedding scale' if kind == 'embedding' else 'fan-in'} needs (about {quoted[0]:.3g} to "
         f"{quoted[1]:.3g}): {consequence}. Re-initialise it (XavierUniform, or KaimingNormal before ReLU).",
         location,
         {"actual_std": std, "expected_std": list(quoted), "ratio": ratio, "fan_in": fan_in,
-         "shape": list(arr.shape), "layer_type": layer_kind},
+         "shape": shape, "layer_type": layer_kind},
         advice_for(Code.PARAM_INIT_SCALE.value, expected_std=expected))]
 
 

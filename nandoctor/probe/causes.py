@@ -1,0 +1,78 @@
+"""Causes, not only symptoms: what the probe checks before training and reads back after a fault.
+
+Before training: parameters that already hold NaN/Inf (nan_params.py decides whether the probe can train
+on) and weights initialised far from their fan-in's scale (scan/params.py's check, as warnings, so a
+forward overflow at step 0 carries its cause). After the run: the step that first read a bad parameter,
+and the growth of the gradient norm or loss that led to the fault (grad.explosion, where it began).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nandoctor.findings import Code, Report
+from nandoctor.probe import nan_params
+from nandoctor.probe.monitors import param_nonfinite
+from nandoctor.probe.warnings import growth_before_fault
+from nandoctor.scan.params import init_scale_findings
+
+
+@dataclass
+class Causes:
+    """What before_training learnt, for after_run."""
+
+    bad: list[nan_params.BadParam] = field(default_factory=list)
+    stop: bool = False
+
+
+def before_training(report: Report, model: Any, optimizer: Any) -> Causes:
+    """Findings about the starting parameters; `.stop` when the probe must not train at all."""
+    out = Causes()
+    report.findings += init_scale_findings(model)
+    names = param_nonfinite(model)
+    if names:
+        out.bad = nan_params.inspect(model, optimizer, names)
+        out.stop = nan_params.before_training(report, out.bad)
+    return out
+
+
+def after_run(report: Report, causes: Causes, res: Any, workload: Any, lr: float | None) -> None:
+    """After the loop and the fault's own findings: tie the fault to its causes."""
+    fault = res.fault
+    if causes.bad:
+        nan_params.after_run(report, causes.bad, fault, workload, res.steps_run, res.records)
+    if fault is None or fault.kind not in ("nonfinite", "update"):
+        return
+    found = growth_before_fault(res.records, fault.step, lr)
+    if found is not None:  # it sees the whole rise up to the fault: it replaces the tracker's warning
+        report.findings = [f for f in report.findings if f.code != Code.GRAD_EXPLOSION]
+        report.findings.append(found)
+    _name_causes(report, fault.step)
+
+
+_SYMPTOMS = (Code.ACTIVATION_NONFINITE, Code.LOSS_NONFINITE, Code.GRAD_NONFINITE, Code.UPDATE_NONFINITE)
+_INIT_STEPS = 3  # a forward overflow this early still follows from the initial scale
+
+
+def _name_causes(report: Report, fault_step: int) -> None:
+    """The fault's own finding says what led to it, so the first thing read is cause and symptom together."""
+    symptom = next((f for f in report.findings if f.code in _SYMPTOMS and f.location.step == fault_step), None)
+    if symptom is None:
+        return
+    causes: list[tuple[str, str]] = []  # (code, text)
+    for f in report.findings:
+        if f.code == Code.GRAD_EXPLOSION and (f.location.step or 0) <= fault_step:
+            ev = f.evidence
+            grew = f"{ev['growth']:.3g}x" if "growth" in ev else "sharply"
+            causes.append((f.code.value, f"the {ev.get('signal', 'gradient norm')} grew {grew} from step "
+                           f"{f.location.step} (grad.explosion: lower the learning rate or clip)"))
+    inits = [f for f in report.findings if f.code == Code.PARAM_INIT_SCALE and f.evidence.get("ratio", 1) > 1]
+    if inits and fault_step < _INIT_STEPS and symptom.location.phase is not None \
+            and symptom.location.phase.value in ("forward", "loss"):
+        names = ", ".join(f"{f.location.parameter} ({f.evidence['ratio']:.3g}x)" for f in inits[:3])
+        causes.append((Code.PARAM_INIT_SCALE.value,
+                       f"weights initialised far above their fan-in's scale: {names} (param.init_scale)"))
+    if causes:
+        symptom.message += " Likely cause: " + "; ".join(text for _, text in causes) + "."
+        symptom.evidence["causes"] = [code for code, _ in causes]
