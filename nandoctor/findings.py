@@ -34,6 +34,9 @@ class Verdict(str, Enum):
     NAN_FOUND = "nan_found"
     CRASHED = "crashed"
     INTERRUPTED = "interrupted"
+    # an error that is neither a non-finite value nor a crash (labels out of range, an empty loader ...):
+    # the contract forbids `at_risk` for a report with an error, and `nan_found` would be untrue
+    ERROR_FOUND = "error_found"
 
 
 class Code(str, Enum):
@@ -239,14 +242,19 @@ class Report:
     @property
     def verdict(self) -> Verdict:
         """Crashed beats NaN beats any other error; a run stopped by a signal before any error is
-        `interrupted`; then warnings make `at_risk`."""
+        `interrupted`; then warnings make `at_risk`. A non-finite value reported only as a warning (a NaN
+        in a frozen parameter the run trains around) is `at_risk`: the verdict never says more than the
+        exit status does."""
+        errors = [f for f in self.findings if f.severity == Severity.ERROR]
         if self.crashed:
             return Verdict.CRASHED
-        if any(f.code in NONFINITE_CODES for f in self.findings):
+        if any(f.code in NONFINITE_CODES for f in errors):
             return Verdict.NAN_FOUND
-        if self.partial and not any(f.severity == Severity.ERROR for f in self.findings):
+        if errors:
+            return Verdict.ERROR_FOUND
+        if self.partial:
             return Verdict.INTERRUPTED
-        if any(f.severity in (Severity.ERROR, Severity.WARNING) for f in self.findings):
+        if any(f.severity == Severity.WARNING for f in self.findings):
             return Verdict.AT_RISK
         return Verdict.HEALTHY
 

@@ -254,7 +254,7 @@ def test_next_step_line_matches_the_verdict():
     report = scan_report()
     report.findings = [f for f in report.findings if f.code.value == "data.label_range"]  # an error, no NaN
     text = _console_text(report)
-    assert "at_risk" in text and "Exit status 1" in text and "Fix the errors above" in text
+    assert "error_found" in text and "Exit status 1" in text and "Fix the errors above" in text
     assert "Nothing broke yet" not in text
     report.findings[0].severity = Severity.WARNING
     assert "Nothing broke yet" in _console_text(report)

@@ -17,9 +17,9 @@ SAMPLES = Path(__file__).resolve().parent.parent / "sample_configs"
 EXPECTED = {
     "nan_in_data": (1, "nan_found", {"data.nonfinite": {"phase": "data", "batch_index": 3,
                                                          "sample_indices": [5], "field": "x"}}),
-    "label_out_of_range": (1, "at_risk", {"data.label_range": {"phase": "data", "batch_index": 2,
+    "label_out_of_range": (1, "error_found", {"data.label_range": {"phase": "data", "batch_index": 2,
                                                                "sample_indices": [9], "field": "target"}}),
-    "seq_too_long": (1, "at_risk", {"data.seq_len": {"phase": "data", "batch_index": 2, "sample_indices": [3],
+    "seq_too_long": (1, "error_found", {"data.seq_len": {"phase": "data", "batch_index": 2, "sample_indices": [3],
                                                      "field": "ids", "layer": "pos_embedding"}}),
     "outlier_sample": (0, "at_risk", {"data.range": {"phase": "data", "batch_index": 4, "sample_indices": [2],
                                                      "field": "x"}}),
@@ -27,7 +27,7 @@ EXPECTED = {
                                                             "parameter": "classifier.weight",
                                                             "batch_index": None}}),
     "bad_init": (0, "at_risk", {"param.init_scale": {"phase": "params", "parameter": "encoder.weight"}}),
-    "empty_batch": (1, "at_risk", {"data.empty": {"phase": "data", "batch_index": 2}}),
+    "empty_batch": (1, "error_found", {"data.empty": {"phase": "data", "batch_index": 2}}),
     "loader_crash": (1, "crashed", {"user_code.error": {"phase": "data", "batch_index": 3}}),
 }
 HEALTHY = sorted(p.name for p in SAMPLES.glob("healthy_*") if (p / "config.yaml").is_file())

@@ -51,6 +51,7 @@ VERDICT_TEXT = {
     Verdict.NAN_FOUND: "NaN/Inf found",
     Verdict.CRASHED: "crashed",
     Verdict.INTERRUPTED: "interrupted (partial report)",
+    Verdict.ERROR_FOUND: "errors found",
 }
 
 

@@ -32,6 +32,7 @@ VERDICT_STYLE = {
     Verdict.NAN_FOUND: "bold red",
     Verdict.CRASHED: "bold red",
     Verdict.INTERRUPTED: "bold yellow",
+    Verdict.ERROR_FOUND: "bold red",
 }
 SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 SPARK_WIDTH = 60
