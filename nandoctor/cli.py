@@ -84,6 +84,8 @@ BundleOpt = Annotated[Optional[Path], typer.Option("--bundle", metavar="DIR", he
                                                    "a bug ticket: report.md, report.json, the offending batch, "
                                                    "reproduce.py, plots.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing --bundle folder.")]
+NoCodeOpt = Annotated[bool, typer.Option("--no-code", help="Leave your source files out of the --bundle folder "
+                                         "(code/ and reproduce.py's imports of it).")]
 
 
 def _console() -> Console:
@@ -144,11 +146,12 @@ def scan(
     markdown_path: MarkdownOpt = None,
     bundle: BundleOpt = None,
     force: ForceOpt = False,
+    no_code: NoCodeOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Check the data (NaN/Inf, ranges, outliers, labels, sequence lengths) and the parameters before training."""
-    _run("scan", config, json_path=json_path, markdown_path=markdown_path, bundle=bundle, force=force, quiet=quiet,
-         batches=batches)
+    _run("scan", config, json_path=json_path, markdown_path=markdown_path, bundle=bundle, force=force,
+         no_code=no_code, quiet=quiet, batches=batches)
 
 
 @app.command(cls=_Command)
@@ -164,11 +167,12 @@ def probe(
     markdown_path: MarkdownOpt = None,
     bundle: BundleOpt = None,
     force: ForceOpt = False,
+    no_code: NoCodeOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Run a short instrumented training run and name the first op, layer, parameter and sample to go NaN/Inf."""
-    _run("probe", config, json_path=json_path, markdown_path=markdown_path, bundle=bundle, force=force, quiet=quiet,
-         steps=steps, seed=seed, device=device)
+    _run("probe", config, json_path=json_path, markdown_path=markdown_path, bundle=bundle, force=force,
+         no_code=no_code, quiet=quiet, steps=steps, seed=seed, device=device)
 
 
 @app.command(cls=_Command)

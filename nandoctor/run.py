@@ -75,7 +75,7 @@ def _run_command(command: str, config: Path, console: Console, *, json_path: Pat
     if bundle is not None:
         from nandoctor.report.bundle import write_bundle
 
-        written = write_bundle(report, spec, bundle, force=force)
+        written = write_bundle(report, spec, bundle, force=force, include_code=not options.get("no_code", False))
         console.print(f"Bundle written to [bold]{written}[/] (attach it to the bug ticket).")
     if report.partial:
         return interrupt.exit_status()

@@ -216,3 +216,16 @@ def test_a_module_linked_inside_the_folder_keeps_its_import_name(project: Path, 
     out = write_bundle(Report(command="probe"), load_spec(project), tmp_path / "b")
     assert (out / "code" / "helpers.py").read_text() == "R = 1\n"
     assert not (out / "code" / "helpers.py").is_symlink()
+
+
+def test_no_code_flag_on_the_command_line(tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from nandoctor.cli import app
+
+    out = tmp_path / "bundle"
+    result = CliRunner().invoke(app, ["scan", str(SAMPLES / "nan_in_data" / "config.yaml"), "--quiet",
+                                      "--bundle", str(out), "--no-code"])
+    assert result.exit_code == 1, result.output
+    assert not (out / "code").exists()
+    assert "code/: left out (--no-code)" in (out / "README.txt").read_text()
