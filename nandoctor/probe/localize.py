@@ -74,8 +74,10 @@ class Replayer:
         self.source: str | None = None  # set by the checked replays: the user's line that made the op
         self.sublayers = list(self.model.named_sublayers())
         self.params = [(n, p) for n, p in self.model.named_parameters() if not p.stop_gradient]
+        # Everything the forward itself may change: buffers, and batch norm's running statistics, which
+        # Paddle keeps as parameters that take no gradient (so "not a parameter" missed them).
         self._buffers = {k: v.clone() for k, v in self.model.state_dict().items()
-                         if k not in {n for n, _ in self.model.named_parameters()}}
+                         if k not in {n for n, _ in self.params}}
         self._rng_before = (paddle.get_rng_state(), np.random.get_state(), random.getstate())
         self._device = paddle.get_device()
         self._flags = _get_flags(_FLAGS)

@@ -1,0 +1,143 @@
+"""Attribution details the sample configs do not pin down alone: a fault in the model's own forward,
+the replayer leaving RNG/flags/buffers as it found them, and the op choice among the checker's log lines."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import paddle
+import pytest
+import yaml
+
+from nandoctor.probe import ProbeOptions, run_probe
+from nandoctor.probe.localize import Replayer, localize
+from nandoctor.probe.origin import INF, NAN, OpLine, pick
+from nandoctor.spec import load_spec
+from nandoctor.workload import build_workload
+
+# The root's own forward divides each row by its sum: an all-zero row (sample 5 of batch 3) is 0/0.
+# Ground truth (plain loop + CHECK_NAN_INF log, no nandoctor): step 3, first NaN op `divide`, in
+# Net.forward itself (no sublayer's output is the first non-finite one), only sample 5 faults alone.
+MODEL = '''
+import numpy as np
+import paddle
+from paddle import nn
+
+
+class Net(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+        self.norm = nn.BatchNorm1D(3)
+
+    def forward(self, x):
+        share = x / x.sum(axis=-1, keepdim=True)
+        return self.norm(self.proj(share))
+
+
+def build_model():
+    paddle.seed(0)
+    return Net()
+
+
+def build_loader(bad_batch=3, bad_sample=5):
+    rng = np.random.default_rng(0)
+    out = []
+    for b in range(6):
+        x = np.abs(rng.normal(size=(8, 4))).astype("float32") + 0.1
+        if b == bad_batch:
+            x[bad_sample] = 0.0
+        out.append((x, rng.integers(0, 3, size=8).astype("int64")))
+    return out
+'''
+
+
+def _spec(tmp_path: Path):
+    (tmp_path / "net.py").write_text(MODEL, encoding="utf-8")
+    raw = {"version": 1, "model": {"entry": "net.py:build_model"},
+           "data": {"entry": "net.py:build_loader", "fields": ["x", "label"], "label": "label"},
+           "loss": {"builtin": "cross_entropy"}, "optimizer": {"name": "Adam", "args": {"learning_rate": 0.01}}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw), encoding="utf-8")
+    return load_spec(tmp_path / "config.yaml")
+
+
+def test_fault_in_the_models_own_forward_is_named_so(tmp_path: Path) -> None:
+    report = run_probe(_spec(tmp_path), ProbeOptions(steps=6, seed=0, device="cpu"))
+    ff = report.first_fault
+    assert ff is not None
+    assert (ff.step, ff.phase.value, ff.layer, ff.op, ff.sample_indices) == (3, "forward", None, "divide", [5])
+    line = MODEL.splitlines().index("        share = x / x.sum(axis=-1, keepdim=True)") + 1
+    assert report.details["source"] == f"net.py:{line} in forward"
+    from rich.console import Console
+
+    from nandoctor.report import console as console_report
+
+    screen = Console(width=120, record=True, force_terminal=False)
+    console_report.render(report, screen)
+    panel = screen.export_text().split("first fault", 1)[1].split("╰", 1)[0]
+    assert "the model's forward" in panel and "None" not in panel
+
+
+def test_replayer_puts_rng_flags_and_buffers_back(tmp_path: Path) -> None:
+    workload = build_workload(_spec(tmp_path))
+    x, y = _batch(tmp_path)
+    fields = {"x": paddle.to_tensor(x), "label": paddle.to_tensor(y)}
+    model = workload.model
+    model.train()
+    np.random.seed(7)
+    random.seed(7)
+    paddle.seed(7)
+    before_np, before_py, before_pd = np.random.get_state()[1].copy(), random.getstate(), paddle.get_rng_state()
+    flags = paddle.get_flags(["FLAGS_check_nan_inf", "FLAGS_call_stack_level"])
+    stats = {k: v.numpy().copy() for k, v in model.state_dict().items() if "_mean" in k or "_variance" in k}
+    assert stats
+    with Replayer(workload, before_pd) as rp:
+        rp.forward_origin(fields, rp.trace(fields))
+        rp.checked_backward(fields)
+        rp.traced_backward(fields)
+    assert (np.random.get_state()[1] == before_np).all() and random.getstate() == before_py
+    assert paddle.get_flags(list(flags)) == flags
+    for k, v in model.state_dict().items():
+        if k in stats:
+            np.testing.assert_array_equal(v.numpy(), stats[k])
+    drawn = paddle.rand([4]).numpy()
+    paddle.set_rng_state(before_pd)
+    np.testing.assert_array_equal(drawn, paddle.rand([4]).numpy())
+    # localize() hands back a replayer whose restore() the caller still uses
+    loc, rp = localize(workload, fields, before_pd, loss_finite=False)
+    rp.restore()
+    assert (loc.phase.value, loc.layer, loc.op) == ("forward", None, "divide")
+    assert paddle.get_flags(list(flags)) == flags
+
+
+def _batch(tmp_path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("net_for_test", tmp_path / "net.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build_loader()[3]
+
+
+def _line(op: str, numel: int, nan: int, inf: int, zero: int, mx: str) -> OpLine:
+    return OpLine(op, numel, nan, inf, zero, mx, 0)
+
+
+@pytest.mark.parametrize(("lines", "level", "expected"), [
+    # attention: the mask (full, where: only 0 and -inf), its add and the row max carry intended -inf;
+    # the NaN is born at scores - rowmax
+    ([_line("full", 9, 0, 9, 0, "-inf"), _line("where", 9, 0, 3, 6, "0.000000e+00"),
+      _line("add", 9, 0, 3, 0, "1.2"), _line("max", 3, 0, 1, 0, "1.2"), _line("subtract", 9, 3, 2, 1, "0.0"),
+      _line("exp", 9, 3, 0, 0, "1.0")], NAN, "subtract"),
+    # an overflow feeding a NaN: exp's +inf is the origin, not the inf/inf divide after it
+    ([_line("exp", 4, 0, 2, 0, "inf"), _line("divide", 4, 2, 0, 0, "1.0")], NAN, "exp"),
+    # no NaN: the first Inf that is not a mask (log of 0), not the +inf the negation makes of it later
+    ([_line("where", 4, 0, 1, 3, "0.000000e+00"), _line("log", 4, 0, 1, 0, "-0.3"),
+      _line("scale", 1, 0, 1, 0, "inf")], INF, "log"),
+    ([_line("full", 4, 0, 4, 0, "-inf")], INF, None),
+])
+def test_op_choice_skips_mask_infs(lines, level, expected) -> None:
+    chosen = pick(lines, level)
+    assert (chosen.op if chosen else None) == expected
