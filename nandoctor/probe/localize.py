@@ -72,6 +72,7 @@ class Replayer:
         self.model = workload.model
         self.rng = rng
         self.source: str | None = None  # set by the checked replays: the user's line that made the op
+        self.bad_input_grads: dict[str, Any] = {}
         self.sublayers = list(self.model.named_sublayers())
         self.params = [(n, p) for n, p in self.model.named_parameters() if not p.stop_gradient]
         # Everything the forward itself may change: buffers, and batch norm's running statistics, which
@@ -262,6 +263,7 @@ class Replayer:
             own = {f"{name}.{n}" for n, _ in layer.named_parameters()}
             if not in_ok.get(name, True) or own & bad_params:
                 candidates.append((name.count("."), depth_i, name))
+        self.bad_input_grads = bad_in_grad  # for a layer named another way (frames.py)
         if not candidates:
             return None, order, None
         layer_name = max(candidates)[2]
@@ -345,6 +347,8 @@ def localize(workload: Any, fields: dict[str, Any], rng: Any, loss_finite: bool)
     layer, params, grad_stats = rp.traced_backward(fields)
     named = _pick_branch(on_stack, layer)
     if named is not None and named != layer:
+        g = rp.bad_input_grads.get(named)
+        grad_stats = tensor_stats(g, f"gradient of the input of {named}") if g is not None else grad_stats
         if layer is not None:
             loc_note = (f"the gradient hooks alone would have named {layer}; the op was created inside "
                         f"{named}'s forward")

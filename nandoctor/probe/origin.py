@@ -6,8 +6,8 @@ added to scores, reduced by `max`), so "the first op that outputs an Inf" blames
 1. One plain forward with pre/post hooks on every layer (and the model itself) classifies each call's
    inputs and output: NaN, a harmful Inf (one that is not mask-like: a tensor of only 0 and -inf), or
    clean. The layer that made the fault is the first call, in completion order (so the innermost), whose
-   output has NaN while none of its inputs had; with no NaN anywhere, the same for harmful Infs. None of
-   them: the fault is in the loss.
+   output has NaN while none of its inputs had; with no NaN anywhere (or a NaN made from a harmful Inf
+   input), the first call that made a harmful Inf from clean inputs. None of them: the fault is in the loss.
 2. A second forward runs Paddle's tensor checker in log mode only while that one call runs (or after the
    model's forward, for the loss), with a line tracer on the user's files, and keeps what it prints: the
    op is the first NaN op (or an op before it that made +inf, the overflow that the NaN came from; masks
@@ -47,14 +47,15 @@ class Trace:
     calls: list[LayerCall] = field(default_factory=list)
 
     def creator(self) -> LayerCall | None:
-        """The innermost call that turned clean inputs into a NaN output (or, with no NaN, a harmful Inf)."""
-        for level in (NAN, INF):
-            if any(c.output == level for c in self.calls):
-                for c in self.calls:
-                    if c.output == level and c.inputs != level and not (level == INF and c.inputs == NAN):
-                        return c
-                return None
-        return None
+        """The innermost call that turned clean inputs into a NaN output (or, with no NaN, a harmful Inf).
+
+        A NaN made from a harmful Inf input (a Linear over a row of log(0) = -inf) began with that Inf:
+        then the call that made the Inf is named."""
+        nan = next((c for c in self.calls if c.output == NAN and c.inputs != NAN), None)
+        inf = next((c for c in self.calls if c.output == INF and c.inputs is None), None)
+        if nan is not None and not (nan.inputs == INF and inf is not None):
+            return nan
+        return inf
 
 
 @dataclass

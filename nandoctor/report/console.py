@@ -132,7 +132,7 @@ def _first_fault_panel(report: Report) -> Panel:
     grid.add_column(overflow="fold")
     samples = ", ".join(str(i) for i in ff.sample_indices) if ff.sample_indices else None
     layer = ff.layer
-    if layer is None and ff.phase.value == "forward":  # outside every sublayer: the root's own forward code
+    if layer is None and ff.phase.value == "forward" and not report.crashed:  # the root's own forward code
         layer = "the model's forward (outside every sublayer)"
     for label, value in (("step", ff.step), ("phase", ff.phase.value), ("layer", layer), ("op", ff.op),
                          ("parameter", ff.parameter), ("batch", ff.batch_index), ("samples", samples),
