@@ -27,6 +27,7 @@ def _line_of(path: Path, needle: str) -> int:
         ("masked_where_grad", "paddle.log(", "backward"),
         ("div_by_zero_layer", "/", "forward"),  # forward op: from the line running when the checker logged it
         ("causal_padding_decoder", "scores - rowmax", "forward"),  # not the mask's -inf lines
+        ("masked_attention", "self.encoder(", "forward"),  # softmax inside Paddle: the line calling into it
         ("gated_mlp_backward", "paddle.sqrt(", "backward"),
     ],
 )

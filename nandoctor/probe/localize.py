@@ -2,15 +2,17 @@
 
 Called with the parameters and optimizer state exactly as they were before the failing step (the loop
 never stepped the optimizer on it) and the RNG state captured before it. Replays run forward+loss
-(+backward) only; gradients are cleared after each and buffers (batch-norm running statistics) are
-restored at the end, so nothing the user trains on is changed.
+(+backward) only; gradients are cleared after each, and the Replayer puts buffers (batch-norm running
+statistics), RNG states, device and flags back when it is restored, so nothing the user trains on changes.
 
-- forward/loss faults: one replay under Paddle's tensor checker with a stack of running layers; the op
-  is parsed from the checker's exception and the innermost running layer is the culprit (none: loss).
+- forward/loss faults (origin.py): a traced forward names the innermost layer call that turned clean
+  inputs into NaN (or a harmful Inf; a mask's intended -inf does not count), then the tensor checker in
+  log mode, on during that call only, names the op and a line tracer the user's line.
 - backward faults: forward without the checker, then the checker on for backward only (a forward value
-  that `where()` discards must not be blamed), for the op; and one replay without the checker that
-  hooks every layer's output and input gradients, for the layer whose output gradient is finite while
-  its input or parameter gradients are not.
+  that `where()` discards must not be blamed), for the op; the layer is the innermost sublayer whose
+  forward is on the stack Paddle printed for it (frames.py). One replay without the checker hooks every
+  layer's output and input gradients: the parameters with bad gradients, and the layer when the stack
+  names none (the layer whose output gradient is finite while its input or parameter gradients are not).
 - samples: bisection of the batch (samples.py).
 """
 

@@ -135,27 +135,30 @@ class _LineTracer:
         self.base_dir = base_dir
         self.size = size
         self.events: list[tuple[int, str]] = []
+        self.fallback: str | None = None
         self._user: dict[str, bool] = {}
 
-    def _is_user(self, file: str) -> bool:
+    def is_user(self, file: str) -> bool:
         if file not in self._user:
             self._user[file] = not file.startswith("<") and is_user_file(Path(file), self.base)
         return self._user[file]
 
+    def where(self, frame: Any) -> str:
+        code = frame.f_code
+        return f"{short_path(Path(code.co_filename), self.base_dir)}:{frame.f_lineno} in {code.co_name}"
+
     def __call__(self, frame: Any, event: str, _arg: Any) -> Any:
-        if not self._is_user(frame.f_code.co_filename):
+        if not self.is_user(frame.f_code.co_filename):
             return None
         if event == "line":
-            code = frame.f_code
-            where = f"{short_path(Path(code.co_filename), self.base_dir)}:{frame.f_lineno} in {code.co_name}"
-            self.events.append((self.size(), where))
+            self.events.append((self.size(), self.where(frame)))
         return self
 
     def start(self) -> None:
         sys.settrace(self)
         frame = sys._getframe(1)
         while frame is not None:  # the frames already running (the user's loss code) trace from here on
-            if self._is_user(frame.f_code.co_filename):
+            if self.is_user(frame.f_code.co_filename):
                 frame.f_trace = self
             frame = frame.f_back
 
@@ -163,7 +166,9 @@ class _LineTracer:
         sys.settrace(None)
 
     def line_at(self, offset: int) -> str | None:
-        found = None
+        """The user's line running when Paddle printed at `offset`; else the user's line that called into
+        the library code that did (an nn.MultiHeadAttention's softmax: the line calling the encoder)."""
+        found = self.fallback
         for size, where in self.events:
             if size > offset:
                 break
@@ -184,6 +189,12 @@ def scoped_ops(model: Any, layers: dict[str, Any], target: LayerCall | None, run
     state: dict[str, Any] = {}
 
     def on() -> None:
+        # the user's line that called into this span: the fallback when the op is in library code
+        frame = sys._getframe(1)
+        while frame is not None and not state["tracer"].is_user(frame.f_code.co_filename):
+            frame = frame.f_back
+        if frame is not None and state["tracer"].fallback is None:
+            state["tracer"].fallback = state["tracer"].where(frame)
         rng = paddle.get_rng_state()
         enable_checker(log_only=True)
         paddle.set_rng_state(rng)  # the checker reseeds: the rest of the step must see the step's RNG
