@@ -141,3 +141,24 @@ def _line(op: str, numel: int, nan: int, inf: int, zero: int, mx: str) -> OpLine
 def test_op_choice_skips_mask_infs(lines, level, expected) -> None:
     chosen = pick(lines, level)
     assert (chosen.op if chosen else None) == expected
+
+
+def test_line_tracer_gives_back_a_running_tracer(tmp_path: Path) -> None:
+    """A debugger's or coverage's tracer is still installed after the replay's line tracing."""
+    import sys
+
+    def outer(frame, event, arg):  # noqa: ARG001 - the signature sys.settrace wants
+        return None
+
+    workload = build_workload(_spec(tmp_path))
+    x, y = _batch(tmp_path)
+    fields = {"x": paddle.to_tensor(x), "label": paddle.to_tensor(y)}
+    previous = sys.gettrace()
+    sys.settrace(outer)
+    try:
+        with Replayer(workload, paddle.get_rng_state()) as rp:
+            loc = rp.forward_origin(fields, rp.trace(fields))
+        assert sys.gettrace() is outer
+    finally:
+        sys.settrace(previous)
+    assert loc.op == "divide"

@@ -127,6 +127,9 @@ def trace(layers: list[tuple[str, Any]], run: Callable[[], Any], tensors: Callab
     return out
 
 
+_UNSET = object()
+
+
 class _LineTracer:
     """Records (bytes printed so far, user's file:line) at each line the user's code runs."""
 
@@ -137,6 +140,9 @@ class _LineTracer:
         self.events: list[tuple[int, str]] = []
         self.fallback: str | None = None
         self._user: dict[str, bool] = {}
+        self._previous: Any = _UNSET
+        self._frames: list[Any] = []
+        self.active = False
 
     def is_user(self, file: str) -> bool:
         if file not in self._user:
@@ -148,22 +154,32 @@ class _LineTracer:
         return f"{short_path(Path(code.co_filename), self.base_dir)}:{frame.f_lineno} in {code.co_name}"
 
     def __call__(self, frame: Any, event: str, _arg: Any) -> Any:
-        if not self.is_user(frame.f_code.co_filename):
+        if not self.active or not self.is_user(frame.f_code.co_filename):
             return None
         if event == "line":
             self.events.append((self.size(), self.where(frame)))
         return self
 
     def start(self) -> None:
+        if self._previous is _UNSET:
+            self._previous = sys.gettrace()  # a debugger's or coverage's tracer comes back on stop()
         sys.settrace(self)
+        self.active = True
         frame = sys._getframe(1)
         while frame is not None:  # the frames already running (the user's loss code) trace from here on
-            if self.is_user(frame.f_code.co_filename):
+            if self.is_user(frame.f_code.co_filename) and frame.f_trace is None:
                 frame.f_trace = self
+                self._frames.append(frame)
             frame = frame.f_back
 
     def stop(self) -> None:
-        sys.settrace(None)
+        self.active = False
+        for frame in self._frames:
+            frame.f_trace = None
+        self._frames.clear()
+        if self._previous is not _UNSET:
+            sys.settrace(self._previous)
+            self._previous = _UNSET
 
     def line_at(self, offset: int) -> str | None:
         """The user's line running when Paddle printed at `offset`; else the user's line that called into
