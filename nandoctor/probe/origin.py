@@ -92,6 +92,12 @@ def kind(t: Any) -> str | None:
 
 
 def worst(tensors: list[Any]) -> str | None:
+    if not tensors:
+        return None
+    import paddle
+
+    if bool(paddle.stack([paddle.isfinite(t).all() for t in tensors]).all()):
+        return None
     kinds = {kind(t) for t in tensors}
     return NAN if NAN in kinds else INF if INF in kinds else None
 
@@ -102,18 +108,20 @@ def trace(layers: list[tuple[str, Any]], run: Callable[[], Any], tensors: Callab
 
     out = Trace(loss=None)
     counts: dict[str, int] = {}
-    pending: dict[str, list[str | None]] = {}
+    pending: dict[str, list[list[Any]]] = {}
     hooks = []
     for name, layer in layers:
         def pre(_layer: Any, inputs: Any, _n: str = name) -> None:
-            pending.setdefault(_n, []).append(worst(tensors(inputs)))
+            pending.setdefault(_n, []).append(tensors(inputs))
 
         def post(_layer: Any, _inputs: Any, outputs: Any, _n: str = name) -> None:
-            ins = pending[_n].pop() if pending.get(_n) else None
+            ins = pending[_n].pop() if pending.get(_n) else []
             ts = tensors(outputs)
             nth = counts.get(_n, 0)
             counts[_n] = nth + 1
-            out.calls.append(LayerCall(_n, nth, ins, worst(ts), ts[0] if ts else None))
+            made = worst(ts)
+            # inputs matter only for a non-finite output: one host sync per call on a clean forward
+            out.calls.append(LayerCall(_n, nth, worst(ins) if made else None, made, ts[0] if ts else None))
             return None
 
         hooks.append(layer.register_forward_pre_hook(pre))
