@@ -162,3 +162,83 @@ def test_line_tracer_gives_back_a_running_tracer(tmp_path: Path) -> None:
     finally:
         sys.settrace(previous)
     assert loc.op == "divide"
+
+
+# Two instances of one activation class, called from different lines; only `right` sees exact zeros
+# (all-zero rows of batch 2), where x * sqrt(clip(x, min=0)) has a 0/0 gradient. Ground truth (plain
+# loop, checker in log mode on backward only): the first backward op with a NaN is right's sqrt_grad.
+BRANCHES = '''
+import numpy as np
+import paddle
+from paddle import nn
+
+
+class Act(nn.Layer):
+    def forward(self, x):
+        return x * paddle.sqrt(x.clip(min=0))
+
+
+class Net(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 4, bias_attr=False)
+        self.left = Act()
+        self.right = Act()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        a = self.left(h + 1.0)
+        b = self.right(h)
+        return self.head(a + b).squeeze(-1)
+
+
+def build_model():
+    paddle.seed(0)
+    return Net()
+
+
+def build_loader():
+    rng = np.random.default_rng(1)
+    out = []
+    for b in range(4):
+        x = rng.normal(size=(8, 4)).astype("float32")
+        if b == 2:
+            x[[1, 6]] = 0.0
+        out.append((x, rng.normal(size=8).astype("float32")))
+    return out
+'''
+
+
+def _probe_branches(tmp_path: Path, source: str):
+    (tmp_path / "net.py").write_text(source, encoding="utf-8")
+    raw = {"version": 1, "model": {"entry": "net.py:build_model"},
+           "data": {"entry": "net.py:build_loader", "fields": ["x", "y"], "label": "y"},
+           "loss": {"builtin": "mse"}, "optimizer": {"name": "SGD", "args": {"learning_rate": 0.01}}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw), encoding="utf-8")
+    return run_probe(load_spec(tmp_path / "config.yaml"), ProbeOptions(steps=4, seed=0, device="cpu"))
+
+
+def test_backward_inf_a_layer_discards_is_not_blamed(tmp_path: Path) -> None:
+    """`left` sees negative values: its sqrt_grad makes an Inf that clip's gradient discards, and the
+    checker (abort mode) stops there first; the fault is right's NaN."""
+    ff = _probe_branches(tmp_path, BRANCHES).first_fault
+    assert ff is not None
+    assert (ff.step, ff.phase.value, ff.layer, ff.op, ff.sample_indices) == (2, "backward", "right", "sqrt_grad",
+                                                                              [1, 6])
+
+
+def test_backward_layer_told_apart_by_calling_line(tmp_path: Path) -> None:
+    """left's input is positive (no Inf there); right's output is gated by `gain`, a Linear over the same
+    input, so the gradient hooks alone would name gain (its input gradient is NaN, its output's is not).
+    The creation stack runs through Act.forward, called for left and right from different lines."""
+    source = BRANCHES.replace("a = self.left(h + 1.0)", "a = self.left(h * h + 1.0)").replace(
+        "b = self.right(h)", "b = self.right(h) * self.gain(h)").replace(
+        "self.head = nn.Linear(4, 1)", "self.gain = nn.Linear(4, 4)\n        self.head = nn.Linear(4, 1)")
+    report = _probe_branches(tmp_path, source)
+    ff = report.first_fault
+    assert ff is not None
+    assert (ff.step, ff.phase.value, ff.layer, ff.op, ff.sample_indices) == (2, "backward", "right", "sqrt_grad",
+                                                                              [1, 6])
+    notes = report.findings[0].evidence["notes"]
+    assert any("would have named gain" in n for n in notes), notes

@@ -204,6 +204,21 @@ class Replayer:
             self.clear()
         return op, layers
 
+    def first_nan_backward_op(self, fields: dict[str, Any]) -> str | None:
+        """The first backward op whose output holds a NaN, from the checker in log mode."""
+        from paddle.amp import debugging
+
+        self.reset_rng()
+        loss = self.loss(fields)
+        try:
+            enable_checker(log_only=True)
+            with capture_native_output() as native:
+                loss.backward()
+        finally:
+            debugging.disable_tensor_checker()
+            self.clear()
+        return next((line.op for line in origin.logged_ops(native.text) if line.nan), None)
+
     def traced_backward(self, fields: dict[str, Any]) -> tuple[str | None, list[str], dict[str, Any] | None]:
         """(layer that turned finite gradients non-finite, parameters with non-finite grads in backward
         order, stats of that layer's offending input gradient)."""
@@ -347,7 +362,17 @@ def localize(workload: Any, fields: dict[str, Any], rng: Any, loss_finite: bool)
         return loc, rp
     op, on_stack = rp.checked_backward(fields)
     layer, params, grad_stats = rp.traced_backward(fields)
-    named = _pick_branch(on_stack, layer)
+    # A layer on the stack is the culprit only if a non-finite gradient leaves it (its input's or its
+    # parameters'): an Inf its own backward discards (clip's, where's gradient) stops the checker too.
+    confirmed = [n for n in on_stack if n in rp.bad_input_grads or any(p.startswith(n + ".") for p in params)]
+    notes = []
+    if on_stack and not confirmed:
+        first_nan = rp.first_nan_backward_op(fields)
+        notes.append(f"the checker first stopped at {op} inside {on_stack[-1]}, an Inf that layer's own backward "
+                     "discards; the first NaN that reaches the gradients is named instead")
+        if first_nan is not None and first_nan != op:
+            op, rp.source = first_nan, None
+    named = _pick_branch(confirmed, layer)
     if named is not None and named != layer:
         g = rp.bad_input_grads.get(named)
         grad_stats = tensor_stats(g, f"gradient of the input of {named}") if g is not None else grad_stats
@@ -361,6 +386,7 @@ def localize(workload: Any, fields: dict[str, Any], rng: Any, loss_finite: bool)
         loc_note = None
     loc = Localization(Phase.BACKWARD, layer=layer, op=op, parameter=params[0] if params else None,
                        bad_parameters=params, offending=grad_stats, source=rp.source)
+    loc.notes += notes
     if loc_note:
         loc.notes.append(loc_note)
     if op is None:

@@ -261,9 +261,13 @@ def scoped_ops(model: Any, layers: dict[str, Any], target: LayerCall | None, run
     finally:
         for h in hooks:
             h.remove()
-    lines = [OpLine(m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5)), m.group(6),
-                    m.start()) for m in _LOG_RE.finditer(native.text)]
-    return lines, state["tracer"]
+    return logged_ops(native.text), state["tracer"]
+
+
+def logged_ops(text: str) -> list[OpLine]:
+    """The checker's `[PRECISION]` lines in the order Paddle printed them."""
+    return [OpLine(m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5)), m.group(6),
+                   m.start()) for m in _LOG_RE.finditer(text)]
 
 
 def pick(lines: list[OpLine], level: str | None) -> OpLine | None:
