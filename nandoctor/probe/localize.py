@@ -26,10 +26,13 @@ import numpy as np
 
 from nandoctor.findings import Phase
 from nandoctor.probe import frames, origin
+from nandoctor.probe.checker import FLAGS as _FLAGS
+from nandoctor.probe.checker import enable_checker, get_flags
 from nandoctor.probe.monitors import float_dtypes
 from nandoctor.probe.native import capture_native_output, user_frame
 
 _OP_RE = re.compile(r"op=([A-Za-z0-9_]+)")
+_enable_checker = enable_checker  # the name it had here before checker.py
 
 
 @dataclass
@@ -83,7 +86,7 @@ class Replayer:
                          if k not in {n for n, _ in self.params}}
         self._rng_before = (paddle.get_rng_state(), np.random.get_state(), random.getstate())
         self._device = paddle.get_device()
-        self._flags = _get_flags(_FLAGS)
+        self._flags = get_flags(_FLAGS)
 
     def __enter__(self) -> Replayer:
         return self
@@ -286,41 +289,6 @@ class Replayer:
         layer_name = max(candidates)[2]
         g = bad_in_grad.get(layer_name)
         return layer_name, order, tensor_stats(g, f"gradient of the input of {layer_name}") if g is not None else None
-
-
-_FLAGS = ("FLAGS_check_nan_inf", "FLAGS_check_nan_inf_level", "FLAGS_call_stack_level", "FLAGS_cudnn_deterministic")
-
-
-def _get_flags(names: tuple[str, ...]) -> dict[str, Any]:
-    import paddle
-
-    out = {}
-    for name in names:
-        try:
-            out.update(paddle.get_flags([name]))
-        except Exception:  # noqa: BLE001 - a flag this build does not have
-            continue
-    return out
-
-
-def enable_checker(log_only: bool = False) -> None:
-    """Paddle's tensor checker in abort mode (or log mode); its config prints a seed line to stdout, which
-    we swallow (the core never prints), and reseeds NumPy and `random`, which we undo."""
-    import contextlib
-    import io
-    import random
-
-    from paddle.amp import debugging
-
-    states = np.random.get_state(), random.getstate()
-    mode = debugging.DebugMode.CHECK_NAN_INF if log_only else debugging.DebugMode.CHECK_NAN_INF_AND_ABORT
-    with contextlib.redirect_stdout(io.StringIO()):
-        debugging.enable_tensor_checker(debugging.TensorCheckerConfig(enable=True, debug_mode=mode))
-    np.random.set_state(states[0])
-    random.setstate(states[1])
-
-
-_enable_checker = enable_checker  # the name earlier callers used
 
 
 def _first_tensor(outputs: Any) -> Any:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from nandoctor.entrypoints import is_user_file, short_path
+from nandoctor.probe.checker import enable_checker
 from nandoctor.probe.native import capture_native_output
 
 NAN, INF = "nan", "inf"
@@ -205,8 +206,6 @@ def scoped_ops(model: Any, layers: dict[str, Any], target: LayerCall | None, run
     """The checker's log lines for the ops of one call (`target`), or of what runs after the model's
     forward (target None: the loss), with a line tracer over the same span."""
     import paddle
-
-    from nandoctor.probe.localize import enable_checker
 
     seen: dict[str, int] = {}
     hooks = []
