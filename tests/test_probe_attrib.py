@@ -242,3 +242,57 @@ def test_backward_layer_told_apart_by_calling_line(tmp_path: Path) -> None:
                                                                               [1, 6])
     notes = report.findings[0].evidence["notes"]
     assert any("would have named gain" in n for n in notes), notes
+
+
+# A layer outputs log(x), -inf at a zero feature; the next layer replaces Infs by 0, so the loss is
+# finite, and where's gradient sends 0 into log_grad: 0 / 0 = NaN. Ground truth (plain loop): step 1,
+# loss finite, the checker on backward only stops at log_grad; only sample 3 (the zero) faults alone.
+REMOVED_INF = '''
+import numpy as np
+import paddle
+from paddle import nn
+
+
+class LogFeature(nn.Layer):
+    def forward(self, x):
+        return paddle.log(x)
+
+
+class DropInf(nn.Layer):
+    def forward(self, h):
+        return paddle.where(paddle.isinf(h), paddle.zeros_like(h), h)
+
+
+class Net(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Linear(4, 4)
+        self.logf = LogFeature()
+        self.clean = DropInf()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.clean(self.logf(x * self.scale.weight.abs().sum(0)))).squeeze(-1)
+
+
+def build_model():
+    paddle.seed(0)
+    return Net()
+
+
+def build_loader():
+    rng = np.random.default_rng(2)
+    out = []
+    for b in range(3):
+        x = rng.lognormal(size=(8, 4)).astype("float32")
+        if b == 1:
+            x[3, 2] = 0.0
+        out.append((x, rng.normal(size=8).astype("float32")))
+    return out
+'''
+
+
+def test_inf_removed_before_the_loss_is_not_a_forward_fault(tmp_path: Path) -> None:
+    ff = _probe_branches(tmp_path, REMOVED_INF).first_fault
+    assert ff is not None
+    assert (ff.step, ff.phase.value, ff.layer, ff.op, ff.sample_indices) == (1, "backward", "logf", "log_grad", [3])

@@ -323,8 +323,12 @@ def localize(workload: Any, fields: dict[str, Any], rng: Any, loss_finite: bool)
     # A layer output can be non-finite while the loss is not (Paddle's CPU softmax clamps NaN logits,
     # cross-entropy skips ignored rows), so the traced forward decides between a forward fault and a
     # pure backward one; masks' intended -inf do not count (origin.py).
+    # An Inf that a later where/clip removes before the loss, with no NaN anywhere in the forward, is not
+    # the fault: the NaN it leaves in the gradients is (the backward branch names it). An Inf that turned
+    # into a NaN on its way (a Linear over -inf) is, even when a ReLU then hides that NaN from the loss.
     tr = rp.trace(fields)
-    if not loss_finite or tr.creator() is not None:
+    forward_nan = any(c.output == origin.NAN for c in tr.calls)
+    if not loss_finite or (tr.creator() is not None and forward_nan):
         loc = rp.forward_origin(fields, tr)
         loc.source = rp.source
         return loc, rp
