@@ -115,9 +115,33 @@ EXPECTED: dict[str, Expect] = {
     # the CPU crash in cross_entropy, translated; the raw user_code.error may come along
     "label_crash": Expect("crashed", 1, fault(3, frozenset({"data", "loss"}), ANY, ANY, None, 3, [5]),
                           {"data.label_range"}, allowed={"user_code.error"}),
+    # Masked attention. The plain loop's checker log (CHECK_NAN_INF) shows the masks' intended -inf first
+    # (full/full_like, triu, where, add, max: Inf only); the first op with a NaN is the fault, in the first
+    # layer whose output holds NaN while its inputs do not; each faulty sample alone faults too.
+    # nn.TransformerEncoder, two empty sequences (all keys masked), rows of width 6: F.softmax gives NaN
+    "masked_attention": Expect(NAN, 1, fault(9, "forward", "encoder.layers.0.self_attn", "softmax", None, 9, [2, 7]),
+                               {"activation.nonfinite"}),
+    # hand-written causal decoder, left padding: a padded query's row is all -inf, scores - rowmax = NaN;
+    # the loss stays finite (ignored labels), the gradients do not
+    "causal_padding_decoder": Expect(NAN, 1, fault(5, "forward", "blocks.0.attn", "subtract", None, 5, [1, 6]),
+                                     {"activation.nonfinite"}),
+    # Llama-style decoder, mask filled with -inf, left padding: the same NaN in the eager softmax
+    "llama_masked_row": Expect(NAN, 1, fault(3, "forward", "layers.0.self_attn", "subtract", None, 3, [0, 4]),
+                               {"activation.nonfinite"}),
+    # Backward faults in branched layers: the checker on backward only aborts at sqrt_grad; the stack Paddle
+    # prints for it runs through the act sublayer's forward (x * sqrt(clip(x, min=0)) at an all-zero row).
+    # The gradient hooks alone name up_proj (its input, shared with gate_proj, gets the NaN gradient too).
+    "gated_mlp_backward": Expect(NAN, 1, fault(6, "backward", "mlp.act_fn", "sqrt_grad", ANY, 6, [3]),
+                                 {"grad.nonfinite"}),
+    # two residual blocks, both fed the zero rows; backward meets blocks.1's act first
+    "residual_backward": Expect(NAN, 1, fault(4, "backward", "blocks.1.mlp.act_fn", "sqrt_grad", ANY, 4, [2, 5]),
+                                {"grad.nonfinite"}),
 }
 # healthy_mlp and healthy_cnn are the scan helper's; they have no probe defaults, hence the step count
-HEALTHY_STEPS = {"healthy_rnn": None, "healthy_transformer": None, "healthy_mlp": 30, "healthy_cnn": 30}
+HEALTHY_STEPS = {"healthy_rnn": None, "healthy_transformer": None, "healthy_mlp": 30, "healthy_cnn": 30,
+                 # masks full of intended -inf (and, for healthy_llama, fully masked rows filled with
+                 # finfo.min): the plain loop saw finite losses and gradients on every step
+                 "healthy_masked_attention": None, "healthy_causal_decoder": None, "healthy_llama": None}
 HEALTHY = sorted(n for n in HEALTHY_STEPS if (SAMPLES / n / "config.yaml").is_file())
 
 

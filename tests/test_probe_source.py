@@ -25,7 +25,10 @@ def _line_of(path: Path, needle: str) -> int:
     [
         ("sqrt_at_zero", "paddle.sqrt(", "backward"),  # backward op: from the stack Paddle recorded in forward
         ("masked_where_grad", "paddle.log(", "backward"),
-        ("div_by_zero_layer", "/", "forward"),  # forward op: from the checker's exception traceback
+        ("div_by_zero_layer", "/", "forward"),  # forward op: from the line running when the checker logged it
+        ("causal_padding_decoder", "scores - rowmax", "forward"),  # not the mask's -inf lines
+        ("masked_attention", "self.encoder(", "forward"),  # softmax inside Paddle: the line calling into it
+        ("gated_mlp_backward", "paddle.sqrt(", "backward"),
     ],
 )
 def test_source_line_of_the_offending_op(sample: str, needle: str, phase: str, capfd: pytest.CaptureFixture[str]

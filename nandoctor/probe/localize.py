@@ -2,15 +2,17 @@
 
 Called with the parameters and optimizer state exactly as they were before the failing step (the loop
 never stepped the optimizer on it) and the RNG state captured before it. Replays run forward+loss
-(+backward) only; gradients are cleared after each and buffers (batch-norm running statistics) are
-restored at the end, so nothing the user trains on is changed.
+(+backward) only; gradients are cleared after each, and the Replayer puts buffers (batch-norm running
+statistics), RNG states, device and flags back when it is restored, so nothing the user trains on changes.
 
-- forward/loss faults: one replay under Paddle's tensor checker with a stack of running layers; the op
-  is parsed from the checker's exception and the innermost running layer is the culprit (none: loss).
+- forward/loss faults (origin.py): a traced forward names the innermost layer call that turned clean
+  inputs into NaN (or a harmful Inf; a mask's intended -inf does not count), then the tensor checker in
+  log mode, on during that call only, names the op and a line tracer the user's line.
 - backward faults: forward without the checker, then the checker on for backward only (a forward value
-  that `where()` discards must not be blamed), for the op; and one replay without the checker that
-  hooks every layer's output and input gradients, for the layer whose output gradient is finite while
-  its input or parameter gradients are not.
+  that `where()` discards must not be blamed), for the op; the layer is the innermost sublayer whose
+  forward is on the stack Paddle printed for it (frames.py). One replay without the checker hooks every
+  layer's output and input gradients: the parameters with bad gradients, and the layer when the stack
+  names none (the layer whose output gradient is finite while its input or parameter gradients are not).
 - samples: bisection of the batch (samples.py).
 """
 
@@ -22,12 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from nandoctor.entrypoints import user_origin
 from nandoctor.findings import Phase
+from nandoctor.probe import frames, origin
+from nandoctor.probe.checker import FLAGS as _FLAGS
+from nandoctor.probe.checker import enable_checker, get_flags
 from nandoctor.probe.monitors import float_dtypes
 from nandoctor.probe.native import capture_native_output, user_frame
 
 _OP_RE = re.compile(r"op=([A-Za-z0-9_]+)")
+_enable_checker = enable_checker  # the name it had here before checker.py
 
 
 @dataclass
@@ -57,28 +62,59 @@ def tensor_stats(t: Any, what: str) -> dict[str, Any] | None:
 
 
 class Replayer:
-    """Re-runs the failing step on a batch (or part of it) with the RNG restored; never steps the optimizer."""
+    """Re-runs the failing step on a batch (or part of it) with the RNG restored; never steps the optimizer.
+
+    Use it as a context manager (or call `restore()`): on exit, buffers, gradients, the RNG states
+    (Paddle's, NumPy's, Python's: the checker reseeds all three), the device and the flags the replays
+    touch (the tensor checker's, FLAGS_call_stack_level) are as they were before the first replay."""
 
     def __init__(self, workload: Any, rng: Any) -> None:
+        import random
+
+        import paddle
+
         self.w = workload
         self.model = workload.model
         self.rng = rng
         self.source: str | None = None  # set by the checked replays: the user's line that made the op
+        self.bad_input_grads: dict[str, Any] = {}
         self.sublayers = list(self.model.named_sublayers())
         self.params = [(n, p) for n, p in self.model.named_parameters() if not p.stop_gradient]
+        # Everything the forward itself may change: buffers, and batch norm's running statistics, which
+        # Paddle keeps as parameters that take no gradient (so "not a parameter" missed them).
         self._buffers = {k: v.clone() for k, v in self.model.state_dict().items()
-                         if k not in {n for n, _ in self.model.named_parameters()}}
+                         if k not in {n for n, _ in self.params}}
+        self._rng_before = (paddle.get_rng_state(), np.random.get_state(), random.getstate())
+        self._device = paddle.get_device()
+        self._flags = get_flags(_FLAGS)
+
+    def __enter__(self) -> Replayer:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.restore()
 
     def restore(self) -> None:
-        """Put buffers (batch-norm running statistics) back as they were before the first replay."""
-        import paddle
+        """Put buffers (batch-norm running statistics), RNG states, device and flags back as they were."""
+        import random
 
+        import paddle
+        from paddle.amp import debugging
+
+        debugging.disable_tensor_checker()
         with paddle.no_grad():
             state = self.model.state_dict()
             for k, v in self._buffers.items():
                 if k in state:
                     paddle.assign(v, state[k])
         self.clear()
+        paddle.set_rng_state(self._rng_before[0])
+        np.random.set_state(self._rng_before[1])
+        random.setstate(self._rng_before[2])
+        if paddle.get_device() != self._device:
+            paddle.set_device(self._device)
+        if self._flags:
+            paddle.set_flags(self._flags)
 
     def clear(self) -> None:
         for _, p in self.params:
@@ -94,85 +130,47 @@ class Replayer:
         return self.w.compute_loss(self.model, fields)
 
     # ---- forward / loss ------------------------------------------------------------------------
-    def checked_forward(self, fields: dict[str, Any]) -> tuple[str | None, str | None, str | None]:
-        """(op, innermost running layer, error text) from a forward+loss under the tensor checker."""
-        from paddle.amp import debugging
+    def trace(self, fields: dict[str, Any]) -> origin.Trace:
+        """A plain forward+loss with every layer call's inputs and output classified (origin.py)."""
+        self.reset_rng()
+        return origin.trace([*self.sublayers, ("", self.model)], lambda: self.loss(fields), _tensors)
 
-        stack: list[str] = []
-        hooks = self._stack_hooks(stack)
-        op = layer = text = None
-        try:
-            _enable_checker()
-            self.reset_rng()  # the checker reseeds: restore the step's RNG after enabling it
-            try:
-                with capture_native_output():  # the checker's [PRECISION] line: the core never prints
-                    self.loss(fields)
-            except Exception as exc:  # noqa: BLE001 - the checker's abort is what we are after
-                text = str(exc)
-                m = _OP_RE.search(text)
-                if m:
-                    op = m.group(1)
-                    layer = stack[-1] if stack else None  # "" is the model's own forward
-                    self.source = user_origin(exc, self.w.spec.base_dir)
-                else:
-                    raise
-        finally:
-            debugging.disable_tensor_checker()
-            for h in hooks:
-                h.remove()
-            self.clear()
-        return op, layer, text
-
-    def _stack_hooks(self, stack: list[str]) -> list[Any]:
-        hooks = []
-        for name, layer in [("", self.model), *self.sublayers]:
-            def pre(_layer: Any, _inputs: Any, _name: str = name) -> None:
-                stack.append(_name)
-
-            def post(_layer: Any, _inputs: Any, _outputs: Any, _name: str = name) -> None:
-                # pop back to this layer: an exception inside a sublayer left its name on the stack
-                while stack and stack[-1] != _name:
-                    stack.pop()
-                if stack:
-                    stack.pop()
-
-            hooks.append(layer.register_forward_pre_hook(pre))
-            hooks.append(layer.register_forward_post_hook(post))
-        return hooks
+    def forward_origin(self, fields: dict[str, Any], tr: origin.Trace) -> Localization:
+        """Phase, layer, op and source line of a forward/loss fault, from the call that made it."""
+        call = tr.creator()
+        self.reset_rng()
+        lines, tracer = origin.scoped_ops(self.model, dict(self.sublayers), call, lambda: self.loss(fields),
+                                          self.w.spec.base_dir)
+        chosen = origin.pick(lines, call.output if call is not None else None)
+        loc = Localization(Phase.FORWARD if call is not None else Phase.LOSS,
+                           layer=call.name or None if call is not None else None,
+                           op=chosen.op if chosen is not None else None)
+        if chosen is not None:
+            self.source = tracer.line_at(chosen.offset)
+        else:
+            loc.notes.append("the tensor checker logged no non-finite op in the replay of that span")
+        if call is not None and call.tensor is not None:
+            what = f"output of layer {call.name}" if call.name else "output of the model's forward"
+            loc.offending = tensor_stats(call.tensor, what)
+        elif tr.loss is not None:
+            loc.offending = tensor_stats(tr.loss, "the loss")
+        return loc
 
     def forward_outputs(self, fields: dict[str, Any], want: str | None) -> tuple[Any, str | None, Any]:
-        """A plain forward+loss: (loss, first layer whose output was non-finite, that output or `want`'s)."""
-        import paddle
+        """A plain forward+loss: (loss, the layer that made a non-finite output, its output).
 
-        first: list[tuple[str, Any]] = []
-        chosen: list[Any] = []
-        hooks = []
-        for name, layer in [*self.sublayers, ("", self.model)]:  # "": the model's own output
-            def post(_layer: Any, _inputs: Any, outputs: Any, _name: str = name) -> None:
-                t = _first_tensor(outputs)
-                if t is None:
-                    return None
-                if _name == want:
-                    chosen.append(t)
-                if not first and not bool(paddle.isfinite(t).all()):
-                    first.append((_name, t))
-                return None
-
-            hooks.append(layer.register_forward_post_hook(post))
-        try:
-            self.reset_rng()
-            with paddle.no_grad():
-                loss = self.loss(fields)
-        finally:
-            for h in hooks:
-                h.remove()
-        bad_layer = first[0][0] if first else None
-        tensor = chosen[-1] if chosen else (first[0][1] if first else None)
-        return loss, bad_layer, tensor
+        Intended non-finite values (mask-like -inf) do not count; "" names the model's own forward."""
+        tr = self.trace(fields)
+        call = tr.creator()
+        if want is not None:
+            tensor = next((c.tensor for c in reversed(tr.calls) if c.name == want), None)
+            return tr.loss, call.name if call else None, tensor
+        return tr.loss, call.name if call else None, call.tensor if call else None
 
     # ---- backward ------------------------------------------------------------------------------
-    def checked_backward(self, fields: dict[str, Any]) -> str | None:
-        """The op the checker names when only backward is checked."""
+    def checked_backward(self, fields: dict[str, Any]) -> tuple[str | None, list[str]]:
+        """The op the checker names when only backward is checked, and the sublayer(s) whose forward
+        created it (frames.py; several when the stack cannot tell instances apart)."""
         import paddle
         from paddle.amp import debugging
 
@@ -181,14 +179,18 @@ class Replayer:
         # it, and the checker prints that stack when the op's gradient turns non-finite: the user's line.
         flag = "FLAGS_call_stack_level"
         old = paddle.get_flags([flag])[flag]
+        sites = frames.CallSites()
+        hooks = sites.hooks(self.sublayers)
         paddle.set_flags({flag: 3})
         try:
             loss = self.loss(fields)
         finally:
             paddle.set_flags({flag: old})
-        op = None
+            for h in hooks:
+                h.remove()
+        op, layers = None, []
         try:
-            _enable_checker()
+            enable_checker()
             try:
                 # Keep what Paddle prints (the [PRECISION] line, that stack) instead of printing it.
                 with capture_native_output() as native:
@@ -199,10 +201,26 @@ class Replayer:
                     raise
                 op = m.group(1)
                 self.source = user_frame(native.text, self.w.spec.base_dir)
+                layers = frames.layers_on_stack(frames.printed_frames(native.text), self.sublayers, sites)
         finally:
             debugging.disable_tensor_checker()
             self.clear()
-        return op
+        return op, layers
+
+    def first_nan_backward_op(self, fields: dict[str, Any]) -> str | None:
+        """The first backward op whose output holds a NaN, from the checker in log mode."""
+        from paddle.amp import debugging
+
+        self.reset_rng()
+        loss = self.loss(fields)
+        try:
+            enable_checker(log_only=True)
+            with capture_native_output() as native:
+                loss.backward()
+        finally:
+            debugging.disable_tensor_checker()
+            self.clear()
+        return next((line.op for line in origin.logged_ops(native.text) if line.nan), None)
 
     def traced_backward(self, fields: dict[str, Any]) -> tuple[str | None, list[str], dict[str, Any] | None]:
         """(layer that turned finite gradients non-finite, parameters with non-finite grads in backward
@@ -265,24 +283,12 @@ class Replayer:
             own = {f"{name}.{n}" for n, _ in layer.named_parameters()}
             if not in_ok.get(name, True) or own & bad_params:
                 candidates.append((name.count("."), depth_i, name))
+        self.bad_input_grads = bad_in_grad  # for a layer named another way (frames.py)
         if not candidates:
             return None, order, None
         layer_name = max(candidates)[2]
         g = bad_in_grad.get(layer_name)
         return layer_name, order, tensor_stats(g, f"gradient of the input of {layer_name}") if g is not None else None
-
-
-def _enable_checker() -> None:
-    """Paddle's tensor checker in abort mode; its config prints a seed line to stdout, which we swallow
-    (the core never prints)."""
-    import contextlib
-    import io
-
-    from paddle.amp import debugging
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        debugging.enable_tensor_checker(debugging.TensorCheckerConfig(
-            enable=True, debug_mode=debugging.DebugMode.CHECK_NAN_INF_AND_ABORT))
 
 
 def _first_tensor(outputs: Any) -> Any:
@@ -309,32 +315,65 @@ def _tensors(value: Any) -> list[Any]:
 
 
 def localize(workload: Any, fields: dict[str, Any], rng: Any, loss_finite: bool) -> tuple[Localization, Replayer]:
-    """Phase, layer, op and parameter of a non-finite loss (forward/loss) or gradient (backward)."""
+    """Phase, layer, op and parameter of a non-finite loss (forward/loss) or gradient (backward).
+
+    The caller restores the replayer (`with` or `restore()`) once it has also bisected the samples."""
     rp = Replayer(workload, rng)
     rp.clear()
-    # A layer output can be non-finite while the loss is not (Paddle's CPU softmax clamps NaN logits),
-    # so a plain forward with output hooks decides between a forward fault and a pure backward one.
-    _, first_bad, _ = rp.forward_outputs(fields, None)
-    if not loss_finite or first_bad is not None:
-        op, layer, _ = rp.checked_forward(fields)
-        loss, bad_layer, tensor = rp.forward_outputs(fields, layer or None)
-        loc = Localization(Phase.FORWARD if layer is not None else Phase.LOSS, layer=layer or None, op=op)
-        if op is None:  # the checker did not fire (a non-deterministic op?): fall back to the hooks' view
-            loc.layer = bad_layer or None
-            loc.phase = Phase.FORWARD if bad_layer is not None else Phase.LOSS
-            loc.notes.append("the tensor checker did not fire on the replay; the layer comes from output hooks")
-        elif bad_layer is not None and layer and bad_layer != layer and not layer.startswith(bad_layer):
-            loc.notes.append(f"the first layer whose output was non-finite was {bad_layer}")
+    # A layer output can be non-finite while the loss is not (Paddle's CPU softmax clamps NaN logits,
+    # cross-entropy skips ignored rows), so the traced forward decides between a forward fault and a
+    # pure backward one; masks' intended -inf do not count (origin.py).
+    # An Inf that a later where/clip removes before the loss, with no NaN anywhere in the forward, is not
+    # the fault: the NaN it leaves in the gradients is (the backward branch names it). An Inf that turned
+    # into a NaN on its way (a Linear over -inf) is, even when a ReLU then hides that NaN from the loss.
+    tr = rp.trace(fields)
+    forward_nan = any(c.output == origin.NAN for c in tr.calls)
+    if not loss_finite or (tr.creator() is not None and forward_nan):
+        loc = rp.forward_origin(fields, tr)
         loc.source = rp.source
-        if loc.layer is not None and tensor is not None:
-            loc.offending = tensor_stats(tensor, f"output of layer {loc.layer}")
-        elif loss is not None:
-            loc.offending = tensor_stats(loss, "the loss")
         return loc, rp
-    op = rp.checked_backward(fields)
+    op, on_stack = rp.checked_backward(fields)
     layer, params, grad_stats = rp.traced_backward(fields)
+    # A layer on the stack is the culprit only if a non-finite gradient leaves it (its input's or its
+    # parameters'): an Inf its own backward discards (clip's, where's gradient) stops the checker too.
+    confirmed = [n for n in on_stack if n in rp.bad_input_grads or any(p.startswith(n + ".") for p in params)]
+    notes = []
+    if on_stack and not confirmed:
+        first_nan = rp.first_nan_backward_op(fields)
+        notes.append(f"the checker first stopped at {op} inside {on_stack[-1]}, an Inf that layer's own backward "
+                     "discards; the first NaN that reaches the gradients is named instead")
+        if first_nan is not None and first_nan != op:
+            op, rp.source = first_nan, None
+    named = _pick_branch(confirmed, layer)
+    if named is not None and named != layer:
+        g = rp.bad_input_grads.get(named)
+        grad_stats = tensor_stats(g, f"gradient of the input of {named}") if g is not None else grad_stats
+        if layer is not None:
+            loc_note = (f"the gradient hooks alone would have named {layer}; the op was created inside "
+                        f"{named}'s forward")
+        else:
+            loc_note = f"the op was created inside {named}'s forward"
+        layer = named
+    else:
+        loc_note = None
     loc = Localization(Phase.BACKWARD, layer=layer, op=op, parameter=params[0] if params else None,
                        bad_parameters=params, offending=grad_stats, source=rp.source)
+    loc.notes += notes
+    if loc_note:
+        loc.notes.append(loc_note)
     if op is None:
         loc.notes.append("the tensor checker did not fire on the replayed backward pass")
     return loc, rp
+
+
+def _pick_branch(on_stack: list[str], hooked: str | None) -> str | None:
+    """The sublayer from the op's creation stack; among instances the stack cannot tell apart, the one the
+    gradient hooks point into (else the last one run: backward reaches it first)."""
+    if not on_stack:
+        return None
+    if len(on_stack) == 1 or hooked is None:
+        return on_stack[-1]
+    for name in on_stack:
+        if hooked == name or hooked.startswith(name + ".") or name.startswith(hooked + "."):
+            return name
+    return on_stack[-1]

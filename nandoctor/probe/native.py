@@ -25,6 +25,10 @@ class NativeOutput:
 
     text: str = ""
 
+    def size(self) -> int:
+        """Bytes captured so far (Paddle writes unbuffered, so this orders its lines against Python's)."""
+        return 0
+
 
 @contextlib.contextmanager
 def capture_native_output() -> Iterator[NativeOutput]:
@@ -42,6 +46,7 @@ def capture_native_output() -> Iterator[NativeOutput]:
                     os.dup2(sink.fileno(), fd)
                 except OSError:  # no such fd (embedded interpreters): nothing to capture there
                     continue
+            out.size = lambda: os.fstat(sink.fileno()).st_size  # type: ignore[method-assign]
             yield out
         finally:
             for fd, copy in saved:

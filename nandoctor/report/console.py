@@ -133,7 +133,10 @@ def _first_fault_panel(report: Report) -> Panel:
     grid.add_column(style="bold", no_wrap=True)
     grid.add_column(overflow="fold")
     samples = ", ".join(str(i) for i in ff.sample_indices) if ff.sample_indices else None
-    for label, value in (("step", ff.step), ("phase", ff.phase.value), ("layer", ff.layer), ("op", ff.op),
+    layer = ff.layer
+    if layer is None and ff.phase.value == "forward" and not report.crashed:  # the root's own forward code
+        layer = "the model's forward (outside every sublayer)"
+    for label, value in (("step", ff.step), ("phase", ff.phase.value), ("layer", layer), ("op", ff.op),
                          ("parameter", ff.parameter), ("batch", ff.batch_index), ("samples", samples),
                          ("source", report.details.get("source"))):
         if value is not None:  # a data fault has no step, layer or op: rows of dashes would only be noise

@@ -1,0 +1,43 @@
+"""Paddle's tensor checker switched on and off without side effects the user would notice.
+
+Enabling it prints a seed line and reseeds Paddle, NumPy and `random`; the replays need it on for one
+span at a time (one layer call, the loss, a backward pass) and the flags it sets restored afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+FLAGS = ("FLAGS_check_nan_inf", "FLAGS_check_nan_inf_level", "FLAGS_call_stack_level", "FLAGS_cudnn_deterministic")
+
+
+def get_flags(names: tuple[str, ...]) -> dict[str, Any]:
+    import paddle
+
+    out = {}
+    for name in names:
+        try:
+            out.update(paddle.get_flags([name]))
+        except Exception:  # noqa: BLE001 - a flag this build does not have
+            continue
+    return out
+
+
+def enable_checker(log_only: bool = False) -> None:
+    """Paddle's tensor checker in abort mode (or log mode); its config prints a seed line to stdout, which
+    we swallow (the core never prints), and reseeds NumPy and `random`, which we undo."""
+    import contextlib
+    import io
+    import random
+
+    from paddle.amp import debugging
+
+    states = np.random.get_state(), random.getstate()
+    mode = debugging.DebugMode.CHECK_NAN_INF if log_only else debugging.DebugMode.CHECK_NAN_INF_AND_ABORT
+    with contextlib.redirect_stdout(io.StringIO()):
+        debugging.enable_tensor_checker(debugging.TensorCheckerConfig(enable=True, debug_mode=mode))
+    np.random.set_state(states[0])
+    random.setstate(states[1])
+
