@@ -114,16 +114,16 @@ def test_report_never_overwrites_the_spec_or_its_code(tmp_path, which):
 
 
 def test_report_never_overwrites_a_module_the_user_code_imports(tmp_path):
-    (tmp_path / "helpers.py").write_text("SCALE = 1.0\n", encoding="utf-8")
+    (tmp_path / "trust_only_helpers.py").write_text("SCALE = 1.0\n", encoding="utf-8")
     models = tmp_path / "models.py"
-    models.write_text("import helpers  # noqa\nfrom watcher_models import *  # noqa\n", encoding="utf-8")
+    models.write_text("import trust_only_helpers  # noqa\nfrom watcher_models import *  # noqa\n", encoding="utf-8")
     spec = write_spec(tmp_path)
     text = spec.read_text(encoding="utf-8").replace(str(Path(__file__).with_name("watcher_models.py")), "models.py")
     spec.write_text(text, encoding="utf-8")
-    result = _cli("probe", spec, "--steps", "2", "--markdown", tmp_path / "helpers.py", "-q")
+    result = _cli("probe", spec, "--steps", "2", "--markdown", tmp_path / "trust_only_helpers.py", "-q")
     assert result.exit_code == 2, result.output
     assert "a file the run imports" in result.output
-    assert (tmp_path / "helpers.py").read_text(encoding="utf-8") == "SCALE = 1.0\n"
+    assert (tmp_path / "trust_only_helpers.py").read_text(encoding="utf-8") == "SCALE = 1.0\n"
 
 
 # --- scan on an endless loader --------------------------------------------------------------------------
