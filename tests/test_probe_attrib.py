@@ -296,3 +296,13 @@ def test_inf_removed_before_the_loss_is_not_a_forward_fault(tmp_path: Path) -> N
     ff = _probe_branches(tmp_path, REMOVED_INF).first_fault
     assert ff is not None
     assert (ff.step, ff.phase.value, ff.layer, ff.op, ff.sample_indices) == (1, "backward", "logf", "log_grad", [3])
+
+
+def test_fault_in_the_models_own_forward_reads_so_in_message_and_markdown(tmp_path: Path) -> None:
+    from nandoctor.report import markdown as markdown_report
+
+    report = run_probe(_spec(tmp_path), ProbeOptions(steps=6, seed=0, device="cpu"))
+    message = next(f.message for f in report.findings if f.code.value == "activation.nonfinite")
+    assert message.startswith("A value computed in the model's own forward") and "None" not in message
+    first_fault = markdown_report.render(report).split("## First fault", 1)[1].split("##", 1)[0]
+    assert "the model's forward" in first_fault and "None" not in first_fault

@@ -93,7 +93,9 @@ def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: l
         what = (f"A gradient became NaN/Inf in the backward pass at step {fault.step}, {where}{op}{par}, while the "
                 f"loss was finite ({st.loss:.4g}). Caused by {who}.")
     elif phase == Phase.FORWARD:
-        what = f"Layer {loc_.layer}'s forward output became NaN/Inf at step {fault.step}{op}. Caused by {who}."
+        owner = f"Layer {loc_.layer}'s forward output" if loc_.layer else \
+            "A value computed in the model's own forward (outside every sublayer)"
+        what = f"{owner} became NaN/Inf at step {fault.step}{op}. Caused by {who}."
     else:
         what = (f"The loss became NaN/Inf at step {fault.step} {where}{op} while the model's outputs were finite. "
                 f"Caused by {who}.")

@@ -127,7 +127,7 @@ def _first_fault(report: Report) -> list[str]:
     samples = ", ".join(str(i) for i in ff.sample_indices) if ff.sample_indices else None
     out = ["## First fault", ""]
     out += table(("step", "phase", "layer", "op", "parameter", "batch", "samples"),
-                 [(cell(ff.step), cell(ff.phase.value), cell(ff.layer, code_span=True),
+                 [(cell(ff.step), cell(ff.phase.value), _layer_cell(ff),
                    cell(ff.op, code_span=True), cell(ff.parameter, code_span=True), cell(ff.batch_index),
                    cell(samples))])
     source = report.details.get("source")
@@ -138,6 +138,13 @@ def _first_fault(report: Report) -> list[str]:
         out += ["Offending tensor:", ""]
         out += table(("statistic", "value"), [(cell(k), cell(fmt_value(v))) for k, v in ordered_stats(stats)])
     return out
+
+
+def _layer_cell(ff: Any) -> str:
+    """The layer, or words for a fault in the root model's own forward (no sublayer: layer null)."""
+    if ff.layer is None and ff.phase.value == "forward":
+        return "the model's forward"
+    return cell(ff.layer, code_span=True)
 
 
 def _findings(report: Report) -> list[str]:
