@@ -161,6 +161,17 @@ def test_growth_names_the_learning_rate_recorded_at_its_start():
     assert "0.3 at step 2" in " ".join(found.advice)
 
 
+def test_modest_growth_beside_a_fault_that_a_few_samples_make_alone_is_only_a_note():
+    """Early training's norm can triple over three steps while the fault is one sample's log(0): the
+    growth is then an info note, not the cause named in the fault's message."""
+    norms = [0.245, 0.5, 0.747]
+    assert growth_before_fault(_records(norms), 3, fallback_lr=0.5).severity.value == "warning"
+    found = growth_before_fault(_records(norms), 3, fallback_lr=0.5, samples_alone=[2, 5])
+    assert found.severity.value == "info" and "sample(s) 2, 5 of its batch alone" in found.message
+    huge = growth_before_fault(_records([1.0, 1.1, 1e6]), 3, fallback_lr=0.5, samples_alone=[2])
+    assert huge.severity.value == "warning"  # a 1e6x jump is the cause whatever the samples
+
+
 def _import_sample(folder: Path) -> tuple[Any, Any]:
     sys.path.insert(0, str(folder))
     try:

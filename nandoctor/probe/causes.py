@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nandoctor.findings import Code, Report
+from nandoctor.findings import Code, Report, Severity
 from nandoctor.probe import nan_params
 from nandoctor.probe.monitors import param_nonfinite
 from nandoctor.probe.warnings import growth_before_fault
@@ -44,11 +44,21 @@ def after_run(report: Report, causes: Causes, res: Any, workload: Any, lr: float
         nan_params.after_run(report, causes.bad, fault, workload, res.steps_run, res.records)
     if fault is None or fault.kind not in ("nonfinite", "update"):
         return
-    found = growth_before_fault(res.records, fault.step, lr)
+    found = growth_before_fault(res.records, fault.step, lr, _samples_alone(report, fault))
     if found is not None:  # it sees the whole rise up to the fault: it replaces the tracker's warning
         report.findings = [f for f in report.findings if f.code != Code.GRAD_EXPLOSION]
         report.findings.append(found)
     _name_causes(report, fault.step)
+
+
+def _samples_alone(report: Report, fault: Any) -> list[int] | None:
+    """The first fault's samples when they are a strict subset of the batch (the bisection found them alone)."""
+    from nandoctor.batches import batch_size
+
+    ff = report.first_fault
+    samples = ff.sample_indices if ff is not None else None
+    size = batch_size(fault.fields) if fault.fields is not None else None
+    return samples if samples and size is not None and len(samples) < size else None
 
 
 _SYMPTOMS = (Code.ACTIVATION_NONFINITE, Code.LOSS_NONFINITE, Code.GRAD_NONFINITE, Code.UPDATE_NONFINITE)
@@ -62,7 +72,7 @@ def _name_causes(report: Report, fault_step: int) -> None:
         return
     causes: list[tuple[str, str]] = []  # (code, text)
     for f in report.findings:
-        if f.code == Code.GRAD_EXPLOSION and (f.location.step or 0) <= fault_step:
+        if f.code == Code.GRAD_EXPLOSION and f.severity != Severity.INFO and (f.location.step or 0) <= fault_step:
             ev = f.evidence
             grew = f"{ev['growth']:.3g}x" if "growth" in ev else "sharply"
             causes.append((f.code.value, f"the {ev.get('signal', 'gradient norm')} grew {grew} from step "

@@ -141,7 +141,7 @@ class Replayer:
         self.reset_rng()
         lines, tracer = origin.scoped_ops(self.model, dict(self.sublayers), call, lambda: self.loss(fields),
                                           self.w.spec.base_dir)
-        chosen = origin.pick(lines, call.output if call is not None else None)
+        chosen = origin.pick(lines, (call.seek or call.output) if call is not None else None)
         loc = Localization(Phase.FORWARD if call is not None else Phase.LOSS,
                            layer=call.name or None if call is not None else None,
                            op=chosen.op if chosen is not None else None)

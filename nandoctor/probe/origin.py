@@ -40,6 +40,8 @@ class LayerCall:
     inputs: str | None  # NAN, INF or None (clean)
     output: str | None
     tensor: Any = None  # the output tensor (for its statistics)
+    seek: str | None = None  # the kind of op to look for inside this call, when not its output's kind
+    parent: str | None = None  # the enclosing call's name (None for the outermost)
 
 
 @dataclass
@@ -54,6 +56,20 @@ class Trace:
         then the call that made the Inf is named."""
         nan = next((c for c in self.calls if c.output == NAN and c.inputs != NAN), None)
         inf = next((c for c in self.calls if c.output == INF and c.inputs is None), None)
+        if nan is not None and nan.inputs == INF and inf is None:
+            # No layer call made that Inf: the code of an enclosing call did, between its sublayer calls
+            # (`log(x)` in the model's own forward, then a Linear). Walk out to the first enclosing call
+            # whose inputs were clean; the op to find in it is the Inf.
+            later = self.calls[self.calls.index(nan) + 1:]
+            outer, name = None, nan.parent
+            while name is not None:
+                outer = next((c for c in later if c.name == name), None)
+                if outer is None or outer.inputs is None:
+                    break
+                name = outer.parent
+            if outer is not None and outer.inputs is None:
+                outer.seek = INF
+                return outer
         if nan is not None and not (nan.inputs == INF and inf is not None):
             return nan
         return inf
@@ -110,19 +126,31 @@ def trace(layers: list[tuple[str, Any]], run: Callable[[], Any], tensors: Callab
     out = Trace(loss=None)
     counts: dict[str, int] = {}
     pending: dict[str, list[list[Any]]] = {}
+    running: list[str] = []  # the calls in progress, outermost first
+    suspects: set[str] = set()  # calls inside which a NaN was made from an Inf no sublayer produced
     hooks = []
     for name, layer in layers:
         def pre(_layer: Any, inputs: Any, _n: str = name) -> None:
             pending.setdefault(_n, []).append(tensors(inputs))
+            running.append(_n)
 
         def post(_layer: Any, _inputs: Any, outputs: Any, _n: str = name) -> None:
             ins = pending[_n].pop() if pending.get(_n) else []
+            while running and running[-1] != _n:  # a sublayer that raised left its name behind
+                running.pop()
+            if running:
+                running.pop()
             ts = tensors(outputs)
             nth = counts.get(_n, 0)
             counts[_n] = nth + 1
             made = worst(ts)
-            # inputs matter only for a non-finite output: one host sync per call on a clean forward
-            out.calls.append(LayerCall(_n, nth, worst(ins) if made else None, made, ts[0] if ts else None))
+            # inputs matter only for a non-finite output (or an enclosing call under suspicion): one host
+            # sync per call on a clean forward
+            ins_kind = worst(ins) if made or _n in suspects else None
+            parent = running[-1] if running else None
+            out.calls.append(LayerCall(_n, nth, ins_kind, made, ts[0] if ts else None, parent=parent))
+            if made == NAN and ins_kind == INF and parent is not None:
+                suspects.add(parent)
             return None
 
         hooks.append(layer.register_forward_pre_hook(pre))

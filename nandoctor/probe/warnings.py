@@ -197,9 +197,14 @@ def _rise_to(xs: list[tuple[int, float]], end: int, above: float) -> Rise | None
     return rise
 
 
-def growth_before_fault(records: list[Any], fault_step: int, fallback_lr: float | None) -> Finding | None:
+def growth_before_fault(records: list[Any], fault_step: int, fallback_lr: float | None,
+                        samples_alone: list[int] | None = None) -> Finding | None:
     """grad.explosion when the gradient norm (or else the loss) rose before the fault at `fault_step`,
-    reported at the step where the growth began, with the learning rate there and a clip threshold."""
+    reported at the step where the growth began, with the learning rate there and a clip threshold.
+
+    `samples_alone`: the fault reproduces with these samples of its batch alone (a strict subset). Then a
+    modest rise (below the single-step jump ratio) is not what made the fault, only a note beside it:
+    early training's norms often triple while the fault is a log(0) on one bad sample."""
     before = [r for r in records if r.step < fault_step]
     at_fault = [r for r in records if r.step == fault_step]
     # the faulting step's own values count when finite (an update fault: its gradient was finite)
@@ -221,12 +226,20 @@ def growth_before_fault(records: list[Any], fault_step: int, fallback_lr: float 
     typical = statistics.median(pre) if pre else None
     clip = typical * CLIP_FACTOR if typical else None
     lr_text = f" The learning rate at step {rise.start_step} was {lr:g}." if lr is not None else ""
+    grew = (f"The {what} grew {rise.growth:.3g}x from {rise.start:.3g} at step {rise.start_step} to {rise.end:.3g} "
+            f"at step {rise.end_step}, right before the fault at step {fault_step}")
+    severity = Severity.WARNING
+    if samples_alone and rise.growth < _JUMP_RATIO:
+        severity = Severity.INFO
+        shown = ", ".join(str(i) for i in samples_alone[:10])
+        message = (f"{grew}; but the fault reproduces with sample(s) {shown} of its batch alone, so those samples, "
+                   f"not the growth, made it.{lr_text} If the growth goes on once they are fixed, lower the "
+                   "learning rate or clip the gradients.")
+    else:
+        message = (f"{grew}: the fault is where that growth overflowed, and the growth began at step "
+                   f"{rise.start_step}.{lr_text} Lower the learning rate or clip the gradients.")
     return Finding(
-        Code.GRAD_EXPLOSION, Severity.WARNING,
-        f"The {what} grew {rise.growth:.3g}x from {rise.start:.3g} at step {rise.start_step} to {rise.end:.3g} at "
-        f"step {rise.end_step}, right before the fault at step {fault_step}: the fault is where that growth "
-        f"overflowed, and the growth began at step {rise.start_step}.{lr_text} Lower the learning rate or clip "
-        "the gradients.",
+        Code.GRAD_EXPLOSION, severity, message,
         Location(step=rise.start_step, phase=Phase.BACKWARD),
         {"signal": what, "step_start": rise.start_step, "value_at_start": rise.start, "step_now": rise.end_step,
          "value_now": rise.end, "growth": rise.growth, "level_before": rise.level, "fault_step": fault_step,
