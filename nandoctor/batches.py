@@ -56,12 +56,25 @@ class BatchLayout:
                 raise SpecError(f"{self.where}: `data.fields` names {names}, but batch {batch_index} is a single "
                                 f"{type(batch).__name__}, not a tuple or dict.")
             out = {names[0]: batch}
-        for key in [self.data.label, *(self.data.inputs or [])]:
+        for key in [self.data.label, *self.input_fields()]:
             if key is not None and key not in out:
                 which = "data.label" if key == self.data.label else "data.inputs"
                 raise SpecError(f"{self.where}: `{which}` names field '{key}', but batch {batch_index} has "
                                 f"fields {list(out)}.")
         return out
+
+    def input_fields(self) -> list[str]:
+        """The field names `data.inputs` gives (the values of a keyword mapping); [] when not given."""
+        inputs = self.data.inputs
+        if isinstance(inputs, dict):
+            return list(inputs.values())
+        return list(inputs or [])
+
+    def model_call(self, fields: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        """(positional, keyword) arguments for the model: keyword when `data.inputs` is a mapping."""
+        if isinstance(self.data.inputs, dict):
+            return [], {arg: fields[name] for arg, name in self.data.inputs.items()}
+        return self.inputs(fields), {}
 
     def label_name(self, fields: Mapping[str, Any]) -> str | None:
         if self.data.label is not None:
@@ -70,7 +83,7 @@ class BatchLayout:
 
     def input_names(self, fields: Mapping[str, Any]) -> list[str]:
         if self.data.inputs is not None:
-            return list(self.data.inputs)
+            return self.input_fields()
         label = self.label_name(fields)
         return [k for k in fields if k != label]
 

@@ -26,7 +26,7 @@ from nandoctor.scan.data import DataLimits, DataScanner
 from nandoctor.scan.model_facts import infer_num_classes, position_tables
 from nandoctor.scan.params import scan_params
 from nandoctor.spec import Spec
-from nandoctor.workload import build_workload, loader_factory
+from nandoctor.workload import build_workload, loader_factory, scan_outputs
 
 __all__ = ["ScanOptions", "run_scan"]
 
@@ -171,8 +171,8 @@ def _infer_classes(spec: Spec, layout: BatchLayout, model: Any, uses_step: bool,
     if label is None:
         return
 
-    def call(m: Any, *xs: Any) -> Any:
-        return call_user("the model's forward pass", m, *xs, base_dir=spec.base_dir)
+    def call(m: Any, *xs: Any) -> Any:  # the model as the spec calls it (keyword inputs, `model.output`)
+        return call_user("the model's forward pass", scan_outputs, spec, layout, m, fields, base_dir=spec.base_dir)
 
     try:
         n, why = infer_num_classes(model, layout.inputs(fields), label, call)
