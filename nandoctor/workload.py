@@ -19,6 +19,7 @@ from nandoctor import outputs as model_outputs
 from nandoctor.batches import BatchLayout, to_tensor
 from nandoctor.entrypoints import call_user, load_entry, user_import_path
 from nandoctor.errors import SpecError
+from nandoctor.loader import guard_loader
 from nandoctor.schedulers import build_scheduler
 from nandoctor.schedulers import lr_scheduler as lr_scheduler
 from nandoctor.spec import OUTPUT_LOSS, Spec
@@ -63,7 +64,7 @@ def loader_factory(spec: Spec) -> Callable[[], Iterable[Any]]:
         if isinstance(loader, (str, bytes)) or not hasattr(loader, "__iter__"):
             raise SpecError(f"{spec.path}: `data.entry` ({spec.data.entry}) returned a {type(loader).__name__}; it "
                             "must return an iterable of batches (a paddle.io.DataLoader, a list, a generator).")
-        return loader
+        return guard_loader(loader, spec.base_dir)  # a worker's crash surfaces as the user's exception
 
     return make
 
