@@ -59,6 +59,7 @@ class Code(str, Enum):
     AMP_INACTIVE = "amp.inactive"
     AMP_SCALE_COLLAPSE = "amp.scale_collapse"
     RUN_INTERRUPTED = "run.interrupted"
+    DATA_NOT_TENSOR = "data.not_tensor"
 
 
 # Codes that mean "a non-finite value was found": they make the verdict `nan_found`.

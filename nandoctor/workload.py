@@ -89,6 +89,7 @@ def check_args(factory: Callable[..., Any], args: dict[str, Any], key: str, entr
 
 def model_forward(spec: Spec, layout: BatchLayout, model: Any, fields: dict[str, Any]) -> Any:
     """Call the model on a batch: `data.inputs` positionally or by keyword, numpy turned into tensors."""
+    layout.check_model_inputs(fields)
     args, kwargs = layout.model_call(fields)
     return model(*[to_tensor(x) for x in args], **{k: to_tensor(v) for k, v in kwargs.items()})
 
@@ -227,6 +228,10 @@ def scan_outputs(spec: Spec, layout: BatchLayout, model: Any, fields: dict[str, 
     A model that returns its own loss, or an output `model.output` does not fit, gives None (no guess
     about the number of classes); the probe reports a selector that does not fit.
     """
+    try:  # text or ragged inputs: no guess; the data scan reports them (data.not_tensor) when the model gets them
+        layout.check_model_inputs(fields)
+    except SpecError:
+        return None
     outputs = model_forward(spec, layout, model, fields)
     selector = spec.model.output
     if selector is None:

@@ -88,6 +88,7 @@ def run_scan(spec: Spec, options: ScanOptions | None = None, progress: ProgressF
 def _limits(spec: Spec, model: Any) -> DataLimits:
     checks = spec.checks
     limits = DataLimits(value_range=checks.value_range, max_seq_len=checks.max_seq_len)
+    limits.inputs_to_model = spec.step is None  # a step may tokenize text fields itself
     bounds = checks.label_bounds()
     if bounds is not None:
         limits.label_bounds = bounds
@@ -175,7 +176,7 @@ def _infer_classes(spec: Spec, layout: BatchLayout, model: Any, uses_step: bool,
         return call_user("the model's forward pass", scan_outputs, spec, layout, m, fields, base_dir=spec.base_dir)
 
     try:
-        n, why = infer_num_classes(model, layout.inputs(fields), label, call)
+        n, why = infer_num_classes(model, [], label, call)  # `call` passes the fields as the spec says
     except UserCodeError as err:
         if uses_step:  # with `step`, the model may not take the fields as they are: no guess, no blame
             scanner.limits.label_source = None
