@@ -69,11 +69,12 @@ def _register(thread: threading.Thread, watch: _Watch) -> None:
         _watched[thread] = watch
 
 
-def _unregister(thread: threading.Thread | None) -> None:
+def _unregister(thread: threading.Thread | None, watch: _Watch) -> None:
     global _previous_hook
     with _lock:
-        if thread is None or _watched.pop(thread, None) is None:
+        if thread is None or _watched.get(thread) is not watch:  # a persistent loader's next epoch took it over
             return
+        del _watched[thread]
         if not _watched and threading.excepthook is _excepthook:
             threading.excepthook = _previous_hook or threading.__excepthook__
             _previous_hook = None
@@ -210,7 +211,7 @@ class _GuardedIterator:
         return self._watch.exc
 
     def close(self) -> None:
-        _unregister(self._thread)
+        _unregister(self._thread, self._watch)
         self._thread = None
 
     def __del__(self) -> None:

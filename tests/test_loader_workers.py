@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import traceback
 from pathlib import Path
 
@@ -111,6 +112,7 @@ def test_single_process_loader_reader_thread_does_not_hang(tmp_path: Path):
         import ds
 
         loader = guard_loader(paddle.io.DataLoader(ds.Items(), batch_size=4, num_workers=0), tmp_path)
+        hook_before = threading.excepthook
         got = []
         with pytest.raises(IndexError, match="item 13 is missing") as info:
             for batch in loader:
@@ -119,6 +121,7 @@ def test_single_process_loader_reader_thread_does_not_hang(tmp_path: Path):
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("ds", None)
+    assert threading.excepthook is hook_before  # the guard's hook is gone once the iterator ended
     assert got == [0.0, 4.0, 8.0]  # batches 0-2 delivered (rebuilt where the queue lost them), batch 3 raises
     assert user_origin(info.value, tmp_path) == "ds.py:11 in __getitem__"
 
