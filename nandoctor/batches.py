@@ -56,12 +56,42 @@ class BatchLayout:
                 raise SpecError(f"{self.where}: `data.fields` names {names}, but batch {batch_index} is a single "
                                 f"{type(batch).__name__}, not a tuple or dict.")
             out = {names[0]: batch}
-        for key in [self.data.label, *(self.data.inputs or [])]:
+        for key in [self.data.label, *self.input_fields()]:
             if key is not None and key not in out:
                 which = "data.label" if key == self.data.label else "data.inputs"
                 raise SpecError(f"{self.where}: `{which}` names field '{key}', but batch {batch_index} has "
                                 f"fields {list(out)}.")
         return out
+
+    def input_fields(self) -> list[str]:
+        """The field names `data.inputs` gives (the values of a keyword mapping); [] when not given."""
+        inputs = self.data.inputs
+        if isinstance(inputs, dict):
+            return list(inputs.values())
+        return list(inputs or [])
+
+    def model_call(self, fields: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        """(positional, keyword) arguments for the model: keyword when `data.inputs` is a mapping."""
+        if isinstance(self.data.inputs, dict):
+            return [], {arg: fields[name] for arg, name in self.data.inputs.items()}
+        return self.inputs(fields), {}
+
+    def check_model_inputs(self, fields: Mapping[str, Any]) -> None:
+        """A text or ragged field among the model's inputs is a SpecError naming it and `data.inputs`."""
+        names = self.input_fields() if self.data.inputs is not None else self.input_names(fields)
+        for name in names:
+            why = not_a_tensor(fields.get(name))
+            if why is None:
+                continue
+            if self.data.inputs is None:
+                now = (f"`data.inputs` is not set, so every field but the label goes to the model: "
+                       f"{self.input_names(fields)}; list the ones it takes, e.g. `inputs: "
+                       f"[{', '.join(n for n in self.input_names(fields) if n != name) or 'input_ids'}]`")
+            else:
+                now = f"`data.inputs` passes it to the model ({self.data.inputs})"
+            raise SpecError(f"{self.where}: field '{name}' holds {why}, which cannot be turned into a tensor for "
+                            f"the model; {now}. Tokenize it in your collate_fn (ids as a padded array), or leave "
+                            "it out of `data.inputs`.")
 
     def label_name(self, fields: Mapping[str, Any]) -> str | None:
         if self.data.label is not None:
@@ -70,7 +100,7 @@ class BatchLayout:
 
     def input_names(self, fields: Mapping[str, Any]) -> list[str]:
         if self.data.inputs is not None:
-            return list(self.data.inputs)
+            return self.input_fields()
         label = self.label_name(fields)
         return [k for k in fields if k != label]
 
@@ -80,6 +110,27 @@ class BatchLayout:
     def label(self, fields: Mapping[str, Any]) -> Any:
         name = self.label_name(fields)
         return None if name is None else fields[name]
+
+
+def not_a_tensor(value: Any) -> str | None:
+    """Why a field cannot become a tensor (text, ragged lists), or None when it can."""
+    if isinstance(value, (str, bytes)):
+        return "text (a str)"
+    if isinstance(value, np.ndarray):
+        return f"text (a numpy array of dtype {value.dtype})" if value.dtype.kind in "OSU" else None
+    if not isinstance(value, (list, tuple)):
+        return None
+    if any(isinstance(v, (str, bytes)) for v in value):
+        return "text (a list of str)"
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError):
+        return "a ragged list (rows of different lengths)"
+    if arr.dtype.kind in "SU":
+        return "text (a nested list of str)"
+    if arr.dtype.kind == "O":
+        return "a ragged list (rows of different lengths)"
+    return None
 
 
 def to_numpy(value: Any) -> np.ndarray | None:

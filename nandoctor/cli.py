@@ -15,6 +15,7 @@ from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from nandoctor import __version__, interrupt
 from nandoctor.errors import INTERNAL_EXIT, NandoctorError, save_internal_error
@@ -93,7 +94,9 @@ def _console() -> Console:
 
 
 def _fail(err: NandoctorError) -> typer.Exit:
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]nandoctor:[/] {err}", markup=True)
+    # The message quotes the user's text and YAML (`such as [x, y]`): escaped, or rich would eat the brackets.
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]nandoctor:[/] {escape(str(err))}",
+                                                                markup=True)
     return typer.Exit(err.exit_code)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
-from nandoctor.errors import SpecError, UserCodeError
+from nandoctor.errors import NandoctorError, SpecError, UserCodeError
 
 _OUR_DIR = Path(__file__).resolve().parent
 
@@ -158,7 +158,7 @@ def call_user(what: str, fn: Callable[..., Any], *args: Any, base_dir: Path | No
     """Call the user's code; anything it raises comes back as a UserCodeError saying what and where."""
     try:
         return fn(*args, **kwargs)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, NandoctorError):  # nandoctor's own spec message from inside `fn`: not the user's
         raise
     except Exception as exc:  # noqa: BLE001 - the user's exception is the finding
         raise UserCodeError(what, exc, user_origin(exc, base_dir)) from exc

@@ -68,6 +68,7 @@ class Code(str, Enum):
     LOSS_NO_GRAD = "loss.no_grad"
     MODEL_NO_TRAINABLE = "model.no_trainable"
     DATA_UNBOUNDED = "data.unbounded"
+    DATA_NOT_TENSOR = "data.not_tensor"
 
 
 # Codes that mean "a non-finite value was found": they make the verdict `nan_found`.

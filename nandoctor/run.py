@@ -50,7 +50,11 @@ def _run_command(command: str, config: Path, console: Console, *, json_path: Pat
     import paddle  # noqa: F401 - Paddle's import installs C++ signal handlers that dump a native stack
 
     interrupt.install()  # ... so Python's go back: SIGTERM ends the run with a partial report instead
-    with progress_bar(console, quiet) as on_progress:
+    from nandoctor.userlogs import capture_library_logs
+
+    # The user's libraries log INFO/WARNING lines while their models build and train: kept off the
+    # terminal and out of the report's text, counted in the report's details (and so in the bundle).
+    with progress_bar(console, quiet) as on_progress, capture_library_logs() as library_logs:
         if command == "scan":
             from nandoctor.scan import ScanOptions, run_scan
 
@@ -67,6 +71,8 @@ def _run_command(command: str, config: Path, console: Console, *, json_path: Pat
             )
             report = run_probe(spec, opts, on_progress)
             flags = {"--steps": opts.steps, "--seed": opts.seed, "--device": opts.device}
+    if library_logs.count:
+        report.details["library_logs"] = library_logs.as_details()
     report.run.setdefault("config", str(config))
     report.run["command_line"] = reproduce_command(command, config, flags)
     # The run imported the user's modules: none of them may be overwritten by a report either.

@@ -3,42 +3,27 @@
 Validation happens here, before any of the user's code is imported, so a typo costs a second, not a
 model build. Every error names the file and the key path (`optimizer.grad_clip.global_norm`) and, for
 an unknown key, the nearest valid one. Entry strings are checked for shape here; they are imported by
-`entrypoints.py`.
+`entrypoints.py`. Reading the YAML is in spec_yaml.py, the per-key getters in spec_checks.py.
 """
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from nandoctor.errors import SpecError
+from nandoctor.spec_checks import Validator, did_you_mean, short
+from nandoctor.spec_yaml import not_yaml_hint, read_yaml
 
 BUILTIN_LOSSES = ("cross_entropy", "mse", "l1", "bce_with_logits")
 AMP_DTYPES = ("float16", "bfloat16")
 AMP_LEVELS = ("O1", "O2")
-GRAD_CLIP_KINDS = ("global_norm", "norm", "value")
+SCHEDULER_BY = ("step", "epoch")
+# `model.output: loss`: the model computes its own loss (from the labels it is given as an input).
+OUTPUT_LOSS = "loss"
 _DEVICE_RE = re.compile(r"^(auto|cpu|gpu(:\d+)?)$")
-# "path/to/file.py:callable" or "pkg.module:callable" (callable may be dotted: "Cls.build")
-_ENTRY_RE = re.compile(r"^(?P<target>[^:]+):(?P<attr>[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*)$")
-
-# The allowed keys at each level; the single source for "unknown key" checks and suggestions.
-_SCHEMA: dict[str, tuple[str, ...]] = {
-    "": ("version", "model", "data", "loss", "step", "optimizer", "amp", "checks", "probe"),
-    "model": ("entry", "args"),
-    "data": ("entry", "args", "fields", "inputs", "label"),
-    "loss": ("builtin", "entry"),
-    "step": ("entry",),
-    "optimizer": ("name", "args", "grad_clip"),
-    "optimizer.grad_clip": GRAD_CLIP_KINDS,
-    "amp": ("enabled", "dtype", "level", "init_loss_scaling"),
-    "checks": ("num_classes", "label_range", "max_seq_len", "value_range"),
-    "probe": ("steps", "seed", "device"),
-}
 
 
 @dataclass
@@ -157,70 +142,18 @@ class Spec:
 def load_spec(path: str | Path) -> Spec:
     """Read and validate a spec file; raise `SpecError` naming the file and key on any problem."""
     path = Path(path)
-    if not path.exists():
-        raise SpecError(f"{path}: no such file. Pass the path of your nandoctor YAML spec (see README, 'The spec').")
-    if path.is_dir():
-        raise SpecError(f"{path} is a folder; pass the YAML spec file inside it (for example {path}/config.yaml).")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: cannot be read ({exc}).") from None
-    try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: nothing in the YAML runs as code
-    except yaml.YAMLError as exc:
-        where = ""
-        mark = getattr(exc, "problem_mark", None)
-        if mark is not None:
-            where = f" at line {mark.line + 1}, column {mark.column + 1}"
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        # The problem mark is where the parser gave up; the context mark is where the broken part began.
-        context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-        if context and context_mark is not None and (mark is None or context_mark.line != mark.line):
-            problem += f"; {context} at line {context_mark.line + 1}"
-        raise SpecError(f"{path}{where}: not valid YAML ({problem}). Check the indentation and quoting there."
-                        + _not_yaml_hint(path)) from None
+    raw = read_yaml(path)
     try:
         return parse_spec(raw, path)
     except SpecError as err:
         if not isinstance(raw, dict) or "version" not in raw:
-            raise SpecError(f"{err}{_not_yaml_hint(path)}") from None
+            raise SpecError(f"{err}{not_yaml_hint(path)}") from None
         raise
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping; PyYAML would silently keep the last.
-
-    Two `loss:` or `optimizer:` blocks are an easy paste mistake, and the silent winner is rarely the
-    one the user is looking at.
-    """
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                duplicate = key in seen
-                seen.add(key)
-            except TypeError:  # an unhashable key; SafeLoader reports it itself
-                continue
-            if duplicate:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {key!r} is given twice in the same block; the second would "
-                    "silently replace the first, so keep one", key_node.start_mark)
-        return super().construct_mapping(node, deep)
-
-
-def _not_yaml_hint(path: Path) -> str:
-    """A hint for the common slip of passing models.py (or another file) instead of the spec."""
-    if path.suffix.lower() in (".yaml", ".yml"):
-        return ""
-    return (f" ({path.name} does not look like a nandoctor spec: pass the YAML file that names your model, "
-            "data and loss, e.g. config.yaml, not your Python code.)")
 
 
 def parse_spec(raw: Any, path: Path) -> Spec:
     """Validate an already-parsed YAML document; `path` is used for messages and relative entries."""
-    v = _Validator(path)
+    v = Validator(path)
     if raw is None:
         raise SpecError(f"{path}: the file is empty. A spec needs at least `version: 1`, `model`, `data` and `loss`.")
     if not isinstance(raw, dict):
@@ -230,29 +163,37 @@ def parse_spec(raw: Any, path: Path) -> Spec:
     version = raw.get("version")
     if version is None:
         v.fail("version", "is missing; add `version: 1` at the top of the file")
-    if version != 1:
-        v.fail("version", f"is {version!r}, but this nandoctor reads spec version 1; set `version: 1`")
+    # `True == 1` and "1" would pass a plain comparison; the version is a whole number, written bare.
+    if type(version) is not int or version != 1:
+        shown = f"the text {version!r}" if isinstance(version, str) else repr(version)
+        v.fail("version", f"is {shown}, but this nandoctor reads spec version 1; set `version: 1` "
+               "(a bare number, no quotes)")
 
-    model_entry = v.entry_block(raw, "model", required=True)
-    model = ModelSpec(entry=model_entry.entry, args=model_entry.args, key=model_entry.key)
+    model_raw = v.mapping(raw, "model", required=True)
+    model_entry = _entry_block(v, raw, "model", required=True)
+    model = ModelSpec(entry=model_entry.entry, args=model_entry.args, key=model_entry.key,
+                      output=_model_output(model_raw, v))
     data_raw = v.mapping(raw, "data", required=True)
-    data_entry = v.entry_block(raw, "data", required=True)
+    data_entry = _entry_block(v, raw, "data", required=True)
     data = DataSpec(entry=data_entry.entry, args=data_entry.args, key="data.entry",
                     fields=v.str_list(data_raw, "data.fields"),
-                    inputs=v.str_list(data_raw, "data.inputs"),
+                    inputs=_data_inputs(data_raw, v),
                     label=v.opt_str(data_raw, "data.label"))
+    input_fields = list(data.inputs.values()) if isinstance(data.inputs, dict) else (data.inputs or [])
     if data.fields is not None:
         if len(set(data.fields)) != len(data.fields):
             v.fail("data.fields", f"names a field twice ({data.fields}); each field needs its own name")
-        for key, names in (("data.inputs", data.inputs or []), ("data.label", [data.label] if data.label else [])):
+        for key, names in (("data.inputs", input_fields), ("data.label", [data.label] if data.label else [])):
             for name in names:
                 if name not in data.fields:
                     v.fail(key, f"names field '{name}', which is not in data.fields {data.fields}"
-                           + _did_you_mean(name, data.fields))
-    if data.label and data.inputs and data.label in data.inputs:
-        v.fail("data.inputs", f"includes the label field '{data.label}'; the label goes to the loss, not the model")
+                           + did_you_mean(name, data.fields))
+    # A model that computes its own loss takes the labels as an input; any other gets them via the loss.
+    if data.label and data.label in input_fields and model.output != OUTPUT_LOSS:
+        v.fail("data.inputs", f"includes the label field '{data.label}'; the label goes to the loss, not the model "
+               "(if your model computes its own loss from it, set `model.output: loss`)")
 
-    loss, step = _loss_or_step(raw, v)
+    loss, step = _loss_or_step(raw, v, model.output)
     optimizer = _optimizer(raw, v)
     amp = _amp(raw, v)
     checks = _checks(raw, v)
@@ -261,14 +202,63 @@ def parse_spec(raw: Any, path: Path) -> Spec:
                 amp=amp, checks=checks, probe=probe, raw=raw)
 
 
-def _loss_or_step(raw: dict[str, Any], v: _Validator) -> tuple[LossSpec | None, EntrySpec | None]:
+def _entry_block(v: Validator, raw: dict[str, Any], key: str, required: bool) -> EntrySpec:
+    """`model` / `data`: an `entry` string and its `args`."""
+    block = v.mapping(raw, key, required)
+    assert block is not None
+    v.keys(block, key)
+    return EntrySpec(entry=v.entry_string(block, f"{key}.entry"), args=v.args(block, f"{key}.args"),
+                     key=f"{key}.entry")
+
+
+def _model_output(model_raw: dict[str, Any] | None, v: Validator) -> str | int | None:
+    """`model.output`: a key/attribute name, an index into a tuple/list, or `loss`."""
+    value = (model_raw or {}).get("output")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or (isinstance(value, str) and not value.strip()):
+        v.fail("model.output", f"is {short(value)}; write the key or attribute of your model's output the loss "
+               "needs (`logits`), its position in a returned tuple (`0`), or `loss` when the model returns "
+               "its own loss")
+    return value.strip() if isinstance(value, str) else value
+
+
+def _data_inputs(data_raw: dict[str, Any] | None, v: Validator) -> list[str] | dict[str, str] | None:
+    """`data.inputs`: fields passed positionally (a list) or by keyword ({argument: field})."""
+    value = (data_raw or {}).get("inputs")
+    if not isinstance(value, dict):
+        return v.str_list(data_raw or {}, "data.inputs")
+    if not value:
+        v.fail("data.inputs", "is an empty mapping; map each keyword argument of your model's forward to a "
+               "field, e.g. {input_ids: input_ids, attention_mask: mask}")
+    for arg, name in value.items():
+        if not isinstance(arg, str) or not arg.isidentifier():
+            v.fail(f"data.inputs.{arg}", "is not a valid keyword argument name; the keys of the mapping are the "
+                   "names of your model's forward arguments, e.g. {input_ids: ids}")
+        if not isinstance(name, str) or not name:
+            v.fail(f"data.inputs.{arg}", f"is {short(name)}; give the name of the batch field to pass as "
+                   f"`{arg}=`, e.g. `{arg}: {arg}`")
+    return dict(value)
+
+
+def _loss_or_step(raw: dict[str, Any], v: Validator,
+                  output: str | int | None = None) -> tuple[LossSpec | None, EntrySpec | None]:
     has_loss, has_step = raw.get("loss") is not None, raw.get("step") is not None
+    if output is not None and has_step:
+        v.fail("model.output", "applies to the `loss` path (nandoctor calls your model, then the loss); with "
+               "`step`, your function picks what it needs from the model's output: remove `model.output`")
+    if output == OUTPUT_LOSS:
+        if has_loss:
+            v.fail("loss", "is given, but `model.output: loss` says the model returns its own loss; remove the "
+                   "`loss` block (or set `model.output` to the logits' key and keep `loss`)")
+        return None, None
     if has_loss and has_step:
         v.fail("loss", "and `step` are both given; keep exactly one: `loss` (nandoctor calls your model, then "
                "the loss) or `step` (your function computes the loss from the model and the batch)")
     if not has_loss and not has_step:
         v.fail("loss", "is missing; add `loss: {builtin: cross_entropy}` (or mse, l1, bce_with_logits), "
-               "`loss: {entry: \"losses.py:my_loss\"}`, or a `step: {entry: ...}` block")
+               "`loss: {entry: \"losses.py:my_loss\"}`, a `step: {entry: ...}` block, or `model.output: loss` "
+               "when your model returns its own loss")
     if has_step:
         step_raw = v.mapping(raw, "step", required=True)
         v.keys(step_raw, "step")
@@ -281,12 +271,12 @@ def _loss_or_step(raw: dict[str, Any], v: _Validator) -> tuple[LossSpec | None, 
     if builtin is not None:
         if builtin not in BUILTIN_LOSSES:
             v.fail("loss.builtin", f"is {builtin!r}; choose one of {', '.join(BUILTIN_LOSSES)}"
-                   + _did_you_mean(str(builtin), BUILTIN_LOSSES))
+                   + did_you_mean(str(builtin), BUILTIN_LOSSES))
         return LossSpec(builtin=builtin), None
     return LossSpec(entry=v.entry_string(loss_raw, "loss.entry")), None
 
 
-def _optimizer(raw: dict[str, Any], v: _Validator) -> OptimizerSpec:
+def _optimizer(raw: dict[str, Any], v: Validator) -> OptimizerSpec:
     opt_raw = v.mapping(raw, "optimizer", required=False)
     if opt_raw is None:
         return OptimizerSpec()
@@ -312,10 +302,57 @@ def _optimizer(raw: dict[str, Any], v: _Validator) -> OptimizerSpec:
             v.fail("optimizer.grad_clip", "needs exactly one of global_norm, norm or value, e.g. {global_norm: 1.0}")
         kind, value = next(iter(clip_raw.items()))
         clip = GradClipSpec(kind=kind, value=v.positive_number(value, f"optimizer.grad_clip.{kind}"))
-    return OptimizerSpec(name=name, args=args, grad_clip=clip, given=True)
+    accumulate = 1
+    if opt_raw.get("accumulate_steps") is not None:
+        accumulate = v.positive_int(opt_raw["accumulate_steps"], "optimizer.accumulate_steps")
+    return OptimizerSpec(name=name, args=args, grad_clip=clip, given=True, lr_scheduler=_scheduler(opt_raw, v),
+                         accumulate_steps=accumulate)
 
 
-def _amp(raw: dict[str, Any], v: _Validator) -> AmpSpec:
+def _scheduler(opt_raw: dict[str, Any], v: Validator) -> SchedulerSpec | None:
+    """`optimizer.lr_scheduler`; the class name is checked against paddle.optimizer.lr when it is built."""
+    key = "optimizer.lr_scheduler"
+    s_raw = v.mapping(opt_raw, key, required=False)
+    if s_raw is None:
+        return None
+    v.keys(s_raw, key)
+    name, entry = s_raw.get("name"), s_raw.get("entry")
+    if name is not None and entry is not None:
+        v.fail(key, "has both `name` and `entry`; keep one: `name` (a class in paddle.optimizer.lr) or `entry` "
+               "(your function returning an LRScheduler)")
+    if name is None and entry is None and s_raw.get("warmup") is None:
+        v.fail(key, "needs `name` (a class in paddle.optimizer.lr such as CosineAnnealingDecay), `entry` "
+               "(\"sched.py:build\", returning an LRScheduler) or just `warmup: {steps: 100}`")
+    if name is not None and (not isinstance(name, str) or not name.isidentifier()):
+        v.fail(f"{key}.name", f"is {short(name)}; give a class name from paddle.optimizer.lr such as "
+               "CosineAnnealingDecay, StepDecay or LinearWarmup")
+    sched = SchedulerSpec(name=name, args=v.args(s_raw, f"{key}.args"))
+    if entry is not None:
+        sched.entry = v.entry_string(s_raw, f"{key}.entry")
+    if name is None and entry is None and sched.args:
+        v.fail(f"{key}.args", "is given without `name` or `entry`; say which scheduler the arguments are for")
+    if "learning_rate" in sched.args and name is not None:
+        v.fail(f"{key}.args.learning_rate", "is taken from `optimizer.args.learning_rate` (the scheduler's base "
+               "rate); set it there and remove it here")
+    if s_raw.get("by") is not None:
+        if s_raw["by"] not in SCHEDULER_BY:
+            v.fail(f"{key}.by", f"is {short(s_raw['by'])}; write `step` (scheduler.step() after every optimizer "
+                   "step) or `epoch` (after every pass over the data)")
+        sched.by = s_raw["by"]
+    w_raw = v.mapping(s_raw, f"{key}.warmup", required=False)
+    if w_raw is not None:
+        v.keys(w_raw, f"{key}.warmup")
+        if w_raw.get("steps") is None:
+            v.fail(f"{key}.warmup.steps", "is missing; write e.g. `warmup: {steps: 100, start_lr: 0.0}`")
+        steps = v.positive_int(w_raw["steps"], f"{key}.warmup.steps")
+        start = w_raw.get("start_lr", 0.0)
+        if not isinstance(start, (int, float)) or isinstance(start, bool) or start < 0:
+            v.fail(f"{key}.warmup.start_lr", f"is {short(start)}; give a number >= 0 such as 0.0 or 1.0e-6")
+        sched.warmup = WarmupSpec(steps=steps, start_lr=float(start))
+    return sched
+
+
+def _amp(raw: dict[str, Any], v: Validator) -> AmpSpec:
     amp_raw = v.mapping(raw, "amp", required=False)
     if amp_raw is None:
         return AmpSpec()
@@ -335,7 +372,7 @@ def _amp(raw: dict[str, Any], v: _Validator) -> AmpSpec:
     return amp
 
 
-def _checks(raw: dict[str, Any], v: _Validator) -> ChecksSpec:
+def _checks(raw: dict[str, Any], v: Validator) -> ChecksSpec:
     c_raw = v.mapping(raw, "checks", required=False)
     if c_raw is None:
         return ChecksSpec()
@@ -354,7 +391,7 @@ def _checks(raw: dict[str, Any], v: _Validator) -> ChecksSpec:
     return checks
 
 
-def _probe(raw: dict[str, Any], v: _Validator) -> ProbeDefaults:
+def _probe(raw: dict[str, Any], v: Validator) -> ProbeDefaults:
     p_raw = v.mapping(raw, "probe", required=False)
     if p_raw is None:
         return ProbeDefaults()
@@ -377,108 +414,3 @@ def check_device(device: str, where: str) -> str:
     if not _DEVICE_RE.match(device):
         raise SpecError(f"{where} is {device!r}; use auto, cpu, gpu or gpu:N (for example gpu:0).")
     return device
-
-
-def _did_you_mean(word: str, choices: Any) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-class _Validator:
-    """Small typed getters that raise SpecError with the file and key path in every message."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def fail(self, key: str, problem: str) -> None:
-        raise SpecError(f"{self.path}: `{key}` {problem}.")
-
-    def keys(self, mapping: dict[str, Any], where: str) -> None:
-        allowed = _SCHEMA[where]
-        for key in mapping:
-            if key not in allowed:
-                full = f"{where}.{key}" if where else str(key)
-                hint = _did_you_mean(str(key), allowed)
-                level = f"under `{where}`" if where else "at the top level"
-                self.fail(full, f"is not a key nandoctor knows{hint}; allowed {level}: {', '.join(allowed)}")
-
-    def mapping(self, parent: dict[str, Any], key: str, required: bool) -> dict[str, Any] | None:
-        name = key.rsplit(".", 1)[-1]
-        value = parent.get(name)
-        if value is None:
-            if required:
-                self.fail(key, "is missing" + _EXAMPLES.get(key, ""))
-            return None
-        if not isinstance(value, dict):
-            self.fail(key, f"must be a mapping of keys, not {type(value).__name__} {value!r}" + _EXAMPLES.get(key, ""))
-        return value
-
-    def entry_block(self, raw: dict[str, Any], key: str, required: bool) -> EntrySpec:
-        block = self.mapping(raw, key, required)
-        assert block is not None
-        self.keys(block, key)
-        return EntrySpec(entry=self.entry_string(block, f"{key}.entry"), args=self.args(block, f"{key}.args"),
-                         key=f"{key}.entry")
-
-    def entry_string(self, block: dict[str, Any], key: str) -> str:
-        value = block.get(key.rsplit(".", 1)[-1])
-        if value is None:
-            self.fail(key, 'is missing; give "file.py:function" (relative to this YAML) or "package.module:function"')
-        if not isinstance(value, str) or not _ENTRY_RE.match(value.strip()):
-            self.fail(key, f'is {value!r}; write it as "file.py:function" (relative to this YAML) or '
-                      '"package.module:function", with one colon before the name to call')
-        return value.strip()
-
-    def args(self, block: dict[str, Any], key: str) -> dict[str, Any]:
-        value = block.get(key.rsplit(".", 1)[-1])
-        if value is None:
-            return {}
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            self.fail(key, f"must be a mapping of keyword arguments such as {{hidden: 128}}, not {value!r}")
-        return dict(value)
-
-    def str_list(self, block: dict[str, Any], key: str) -> list[str] | None:
-        value = block.get(key.rsplit(".", 1)[-1])
-        if value is None:
-            return None
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list) or not value or not all(isinstance(x, str) and x for x in value):
-            self.fail(key, f"must be a list of field names such as [x, y], not {value!r}")
-        return list(value)
-
-    def opt_str(self, block: dict[str, Any], key: str) -> str | None:
-        value = block.get(key.rsplit(".", 1)[-1])
-        if value is not None and not isinstance(value, str):
-            self.fail(key, f"must be a field name, not {value!r}")
-        return value
-
-    def positive_int(self, value: Any, key: str) -> int:
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            self.fail(key, f"is {value!r}; give a whole number above 0")
-        return value
-
-    def positive_number(self, value: Any, key: str) -> float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            self.fail(key, f"is {value!r}; give a number above 0 (write 1.0e-4, with a dot, for small numbers)")
-        return float(value)
-
-    def interval(self, value: Any, key: str) -> tuple[float, float]:
-        ok = (isinstance(value, list) and len(value) == 2
-              and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value))
-        if not ok or value[0] > value[1]:
-            self.fail(key, f"is {value!r}; give [low, high] with low <= high, e.g. [-1.0e4, 1.0e4]")
-        return (value[0], value[1])
-
-
-_EXAMPLES = {
-    "model": '; add e.g. `model: {entry: "models.py:build_model", args: {hidden: 128}}`',
-    "data": '; add e.g. `data: {entry: "data.py:build_loader", fields: [x, y], label: y}`',
-    "step": '; add e.g. `step: {entry: "train.py:compute_loss"}`',
-    "loss": "; write e.g. `loss: {builtin: cross_entropy}` or `loss: {entry: \"losses.py:my_loss\"}`",
-    "optimizer": "; write e.g. `optimizer: {name: AdamW, args: {learning_rate: 1.0e-4}}`",
-    "optimizer.grad_clip": "; write e.g. `grad_clip: {global_norm: 1.0}`",
-    "amp": "; write e.g. `amp: {enabled: true, dtype: float16}`",
-    "checks": "; write e.g. `checks: {num_classes: 10}`",
-    "probe": "; write e.g. `probe: {steps: 200, seed: 0, device: auto}`",
-}

@@ -7,14 +7,22 @@ and probe turn into a finding. Nothing here trains or checks anything.
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
+from nandoctor import outputs as model_outputs
 from nandoctor.batches import BatchLayout, to_tensor
 from nandoctor.entrypoints import call_user, load_entry, user_import_path
 from nandoctor.errors import SpecError
-from nandoctor.spec import Spec
+from nandoctor.loader import guard_loader
+from nandoctor.schedulers import build_scheduler
+from nandoctor.schedulers import lr_scheduler as lr_scheduler
+from nandoctor.spec import OUTPUT_LOSS, Spec
 
 
 @dataclass
@@ -36,6 +44,7 @@ def build_model(spec: Spec) -> Any:
     import paddle
 
     factory = load_entry(spec.model.entry, spec.base_dir, "model.entry", spec.path)
+    check_args(factory, spec.model.args, "model.args", spec.model.entry, spec.path)
     with user_import_path(spec.base_dir):
         model = call_user(f"model.entry {spec.model.entry}", factory, base_dir=spec.base_dir, **spec.model.args)
     if not isinstance(model, paddle.nn.Layer):
@@ -47,6 +56,7 @@ def build_model(spec: Spec) -> Any:
 def loader_factory(spec: Spec) -> Callable[[], Iterable[Any]]:
     """A function that makes a fresh iterable of batches each call (a new epoch)."""
     factory = load_entry(spec.data.entry, spec.base_dir, "data.entry", spec.path)
+    check_args(factory, spec.data.args, "data.args", spec.data.entry, spec.path)
 
     def make() -> Iterable[Any]:
         with user_import_path(spec.base_dir):
@@ -54,29 +64,91 @@ def loader_factory(spec: Spec) -> Callable[[], Iterable[Any]]:
         if isinstance(loader, (str, bytes)) or not hasattr(loader, "__iter__"):
             raise SpecError(f"{spec.path}: `data.entry` ({spec.data.entry}) returned a {type(loader).__name__}; it "
                             "must return an iterable of batches (a paddle.io.DataLoader, a list, a generator).")
-        return loader
+        return guard_loader(loader, spec.base_dir)  # a worker's crash surfaces as the user's exception
 
     return make
 
 
+def check_args(factory: Callable[..., Any], args: dict[str, Any], key: str, entry: str, spec_path: Path) -> None:
+    """A key in `model.args`/`data.args` the factory does not take is a spec mistake, caught before any run."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # some builtins and C extensions have no signature: let the call decide
+        return
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for name in args:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            takes = f"it takes: {', '.join(names)}" if names else "it takes no arguments"
+            raise SpecError(f"{spec_path}: `{key}.{name}` is not an argument of {entry} ({takes}).{hint} Fix "
+                            f"the name in `{key}` or add the parameter to the function.")
+
+
+def model_forward(spec: Spec, layout: BatchLayout, model: Any, fields: dict[str, Any]) -> Any:
+    """Call the model on a batch: `data.inputs` positionally or by keyword, numpy turned into tensors."""
+    layout.check_model_inputs(fields)
+    args, kwargs = layout.model_call(fields)
+    return model(*[to_tensor(x) for x in args], **{k: to_tensor(v) for k, v in kwargs.items()})
+
+
 def loss_function(spec: Spec, layout: BatchLayout) -> tuple[Callable[[Any, dict[str, Any]], Any], bool]:
-    """(model, fields) -> loss, from `loss.builtin`, `loss.entry` or `step.entry`; and whether it is a step."""
+    """(model, fields) -> loss, from `loss.builtin`, `loss.entry`, `step.entry` or the model's own loss."""
     if spec.step is not None:
         step_fn = load_entry(spec.step.entry, spec.base_dir, "step.entry", spec.path)
-        return (lambda model, fields: step_fn(model, fields)), True
+        return _step_compute(spec, step_fn), True
+    selector = spec.model.output
+    if selector == OUTPUT_LOSS:
+        def own(model: Any, fields: dict[str, Any]) -> Any:
+            return model_outputs.own_loss(model_forward(spec, layout, model, fields), spec.path)
+
+        return own, False
     assert spec.loss is not None
-    if spec.loss.builtin is not None:
-        loss_fn = builtin_loss(spec.loss.builtin)
+    builtin = spec.loss.builtin
+    if builtin is not None:
+        loss_fn = builtin_loss(builtin)
     else:
         assert spec.loss.entry is not None
         loss_fn = load_entry(spec.loss.entry, spec.base_dir, "loss.entry", spec.path)
 
     def compute(model: Any, fields: dict[str, Any]) -> Any:
-        outputs = model(*[to_tensor(x) for x in layout.inputs(fields)])
+        outputs = model_outputs.select(model_forward(spec, layout, model, fields), selector, spec.path)
+        if builtin is not None:  # before Paddle or nandoctor trips over a dict/tuple/output object
+            outputs = model_outputs.for_builtin(outputs, builtin, spec.path)
         label = layout.label(fields)
         return loss_fn(outputs) if label is None else loss_fn(outputs, to_tensor(label))
 
     return compute, False
+
+
+def step_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """The batch as a `step` function gets it: numeric numpy arrays as tensors, as the `loss` path passes them.
+
+    Text, object arrays and Python lists are left as they are: a step may tokenize or index with them.
+    """
+    return {k: to_tensor(v) if isinstance(v, np.ndarray) and v.dtype.kind in "biuf" else v
+            for k, v in fields.items()}
+
+
+def _step_compute(spec: Spec, step_fn: Callable[..., Any]) -> Callable[[Any, dict[str, Any]], Any]:
+    """`step.entry` with tensor fields; on the first call, a step that ran backward() itself is refused."""
+    first = [True]
+
+    def compute(model: Any, fields: dict[str, Any]) -> Any:
+        check, first[0] = first[0], False
+        params = [p for p in model.parameters() if not p.stop_gradient] if check else []
+        had_grads = any(p.grad is not None for p in params)
+        loss = step_fn(model, step_fields(fields))
+        if check and not had_grads and any(p.grad is not None for p in params):
+            raise SpecError(f"{spec.path}: `step.entry` ({spec.step.entry if spec.step else ''}) computed gradients "
+                            "itself: the model's parameters had gradients when it returned. step.entry must return "
+                            "the loss; nandoctor calls backward() (and the optimizer). Remove the backward() call "
+                            "(and any optimizer.step()) from that function.")
+        return loss
+
+    return compute
 
 
 def builtin_loss(name: str) -> Callable[..., Any]:
@@ -108,7 +180,11 @@ def _paddle() -> Any:
 
 
 def build_optimizer(spec: Spec, model: Any) -> Any:
-    """`paddle.optimizer.<name>(parameters=..., grad_clip=..., **args)`; a bad name or arg is a SpecError."""
+    """`paddle.optimizer.<name>(parameters=..., grad_clip=..., **args)`; a bad name or arg is a SpecError.
+
+    With `optimizer.lr_scheduler`, the scheduler is the optimizer's `learning_rate` (get it back with
+    `lr_scheduler(optimizer)`; the probe loop steps it).
+    """
     import paddle
 
     opt = spec.optimizer
@@ -125,10 +201,14 @@ def build_optimizer(spec: Spec, model: Any) -> Any:
                     "value": paddle.nn.ClipGradByValue}[opt.grad_clip.kind]
         clip = clip_cls(opt.grad_clip.value)
     kwargs = dict(opt.args)
+    scheduler = build_scheduler(spec)
+    if scheduler is not None:  # the scheduler took `learning_rate` as its base rate
+        kwargs["learning_rate"] = scheduler
     try:
         return cls(parameters=model.parameters(), grad_clip=clip, **kwargs)
     except TypeError as exc:
-        raise SpecError(f"{spec.path}: `optimizer.args` {kwargs} do not fit paddle.optimizer.{opt.name}: {exc}."
+        shown = {k: v for k, v in kwargs.items() if k != "learning_rate" or scheduler is None}
+        raise SpecError(f"{spec.path}: `optimizer.args` {shown} do not fit paddle.optimizer.{opt.name}: {exc}."
                         ) from None
 
 
@@ -140,3 +220,25 @@ def build_workload(spec: Spec) -> Workload:
     model = build_model(spec)
     return Workload(spec=spec, model=model, layout=layout, make_loader=make_loader, compute_loss=compute_loss,
                     uses_step=uses_step)
+
+
+def scan_outputs(spec: Spec, layout: BatchLayout, model: Any, fields: dict[str, Any]) -> Any:
+    """The model's output as scan reads it for the class count: `model.output` applied, None when unknown.
+
+    A model that returns its own loss, or an output `model.output` does not fit, gives None (no guess
+    about the number of classes); the probe reports a selector that does not fit.
+    """
+    try:  # text or ragged inputs: no guess; the data scan reports them (data.not_tensor) when the model gets them
+        layout.check_model_inputs(fields)
+    except SpecError:
+        return None
+    outputs = model_forward(spec, layout, model, fields)
+    selector = spec.model.output
+    if selector is None:
+        return outputs
+    if selector == OUTPUT_LOSS:
+        return None
+    try:
+        return model_outputs.pick(outputs, selector, spec.path)
+    except SpecError:
+        return None

@@ -27,7 +27,7 @@ from nandoctor.scan.data import DataLimits, DataScanner
 from nandoctor.scan.model_facts import infer_num_classes, position_tables
 from nandoctor.scan.params import scan_params
 from nandoctor.spec import Spec
-from nandoctor.workload import build_workload, loader_factory
+from nandoctor.workload import build_workload, loader_factory, scan_outputs
 
 __all__ = ["ScanOptions", "run_scan"]
 
@@ -103,6 +103,7 @@ def _scan(spec: Spec, options: ScanOptions, progress: ProgressFn, report: Report
 def _limits(spec: Spec, model: Any) -> DataLimits:
     checks = spec.checks
     limits = DataLimits(value_range=checks.value_range, max_seq_len=checks.max_seq_len)
+    limits.inputs_to_model = spec.step is None  # a step may tokenize text fields itself
     bounds = checks.label_bounds()
     if bounds is not None:
         limits.label_bounds = bounds
@@ -207,11 +208,11 @@ def _infer_classes(spec: Spec, layout: BatchLayout, model: Any, uses_step: bool,
     if label is None:
         return
 
-    def call(m: Any, *xs: Any) -> Any:
-        return call_user("the model's forward pass", m, *xs, base_dir=spec.base_dir)
+    def call(m: Any, *xs: Any) -> Any:  # the model as the spec calls it (keyword inputs, `model.output`)
+        return call_user("the model's forward pass", scan_outputs, spec, layout, m, fields, base_dir=spec.base_dir)
 
     try:
-        n, why = infer_num_classes(model, layout.inputs(fields), label, call)
+        n, why = infer_num_classes(model, [], label, call)  # `call` passes the fields as the spec says
     except UserCodeError as err:
         if uses_step:  # with `step`, the model may not take the fields as they are: no guess, no blame
             scanner.limits.label_source = None

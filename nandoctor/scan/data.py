@@ -25,7 +25,7 @@ import numpy as np
 
 from nandoctor.advice import advice_for
 from nandoctor.batches import batch_size as common_batch_size
-from nandoctor.batches import to_numpy
+from nandoctor.batches import not_a_tensor, to_numpy
 from nandoctor.findings import Code, Finding, Location, Phase, Severity
 from nandoctor.scan.chunks import MAX_BYTES, MAX_ROWS, Chunk, ChunkBuffer, lone_chunk
 from nandoctor.scan.stats import MAX_SAMPLES, FieldStats, LogHistogram, Occurrences, TopK
@@ -47,6 +47,7 @@ class DataLimits:
     value_range: tuple[float, float] | None = None
     max_seq_len: int | None = None
     position_table: tuple[str, int] | None = None  # (layer name, num_embeddings), the smallest
+    inputs_to_model: bool = True  # the input fields go to the model as they are (False with a `step`)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class _FieldState:
     scales: LogHistogram = field(default_factory=LogHistogram)
     candidates: TopK = field(default_factory=TopK)
     ignored_labels: int = 0
+    not_tensor: tuple[int, str] | None = None  # (first batch, why) for a text or ragged model input
 
     def state_size(self) -> int:
         parts = [self.stats, self.nonfinite, self.out_of_range, self.bad_labels, self.scales, self.candidates,
@@ -102,6 +104,7 @@ class DataScanner:
             stats = state.stats
             if arr is None or arr.dtype.kind not in "fiub":
                 stats.kind = "other"
+                self._note_not_tensor(state, batch_index, fields[name])
             else:
                 stats.kind = {"f": "float", "b": "bool"}.get(arr.dtype.kind, "int")
             if arr is not None:
@@ -120,6 +123,19 @@ class DataScanner:
                 return
         self.flush()  # what is pending came first
         self._check_chunk(lone_chunk(batch_index, arrays))
+
+    def _note_not_tensor(self, state: _FieldState, batch_index: int, value: Any) -> None:
+        """Text and ragged lists: shown as such in the field table; as model inputs, a finding."""
+        why = not_a_tensor(value)
+        if why is None:
+            return
+        stats = state.stats
+        if why.startswith("a ragged") and "ragged list" not in stats.dtypes:
+            stats.n_batches += 1
+            stats.dtypes.append("ragged list")
+            stats.shapes.append([len(value)])
+        if state.not_tensor is None and stats.role == "input" and self.limits.inputs_to_model:
+            state.not_tensor = (batch_index, why)
 
     def flush(self) -> None:
         """Check the pending batches. The buffer is emptied first, so a second call never counts twice."""
@@ -255,6 +271,8 @@ class DataScanner:
             out.append(_empty_finding(self.empty))
         for st in self.fields.values():
             out += self._field_findings(st)
+            if st.not_tensor is not None:
+                out.append(_not_tensor_finding(st.stats.name, *st.not_tensor))
         return out
 
     def _field_findings(self, st: _FieldState) -> list[Finding]:
@@ -399,6 +417,16 @@ def _finding(code: Code, severity: Severity, o: Occurrences, name: str, message:
                    Location(phase=Phase.DATA, batch_index=o.first_batch,
                             sample_indices=o.first_samples or None, field=name),
                    {**extra, **o.evidence()}, advice_for(code.value))
+
+
+def _not_tensor_finding(name: str, batch_index: int, why: str) -> Finding:
+    return Finding(Code.DATA_NOT_TENSOR, Severity.ERROR,
+                   f"Field '{name}' holds {why} (first in batch {batch_index}) and is one of the model's inputs "
+                   "(`data.inputs`, or every field but the label when it is not set); it cannot be turned into a "
+                   "tensor, so training would stop at the first step.",
+                   Location(phase=Phase.DATA, batch_index=batch_index, field=name), {"holds": why},
+                   [f"Tokenize '{name}' in your collate_fn (ids as a padded array, plus a mask), or leave it out "
+                    "of `data.inputs` (list the fields the model takes, e.g. `inputs: [input_ids, mask]`)."])
 
 
 def _empty_finding(o: Occurrences) -> Finding:
