@@ -381,6 +381,18 @@ def test_probe_bundle_end_to_end_reproduces_the_reported_fault(tmp_path: Path):
     assert fault["op"] == "sqrt_grad" and fault["layer"] == "head.distance"
 
 
+@needs_probe
+def test_reproduce_calls_a_keyword_model_and_takes_its_own_loss(tmp_path: Path, capfd: pytest.CaptureFixture[str]):
+    """data.inputs as a mapping and model.output: loss (no loss block) replay as the probe ran them."""
+    out = tmp_path / "b"
+    config = SAMPLES / "kwargs_structured_outputs" / "empty_text.yaml"
+    result = _cli("probe", str(config), "--steps", "12", "--bundle", str(out), "--quiet")
+    assert result.exit_code == 1, result.output
+    code, stdout = _reproduce_here(out, capfd)
+    assert code == 1, stdout
+    assert _first_fault_line(stdout) == "first fault: op=divide phase=forward layer=pool"
+
+
 def test_code_copy_follows_entries_and_skips_big_files(tmp_path: Path):
     """A package named by a module entry, a sub-folder file entry and what they import; not a 2 MB file,
     not files nothing imports (behaviour change: the spec folder's other .py files no longer come along)."""

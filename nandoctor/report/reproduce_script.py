@@ -301,6 +301,13 @@ def _nonfinite(tensor: Any) -> bool:
     return not bool(paddle.isfinite(tensor).all())
 
 
+def pick_output(outputs: Any, selector: Any) -> Any:
+    """`model.output`: a position in a tuple, a key of a dict, or an attribute of an output object."""
+    if isinstance(selector, int) or isinstance(outputs, dict):
+        return outputs[selector]
+    return getattr(outputs, selector)
+
+
 def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expected: dict[str, Any]
                 ) -> dict[str, Any] | None:
     import paddle
@@ -320,9 +327,10 @@ def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expec
     fields = {name: paddle.to_tensor(array) for name, array in batch.items()}
     label_name = data.get("label") or ("label" if "label" in fields else None)
     inputs = data.get("inputs") or [k for k in fields if k != label_name]
+    selector = model_spec.get("output")  # model.output: a key, attribute or position; "loss": its own loss
     if spec.get("step"):
         step_fn = load_entry(spec["step"]["entry"])
-    else:
+    elif selector != "loss":
         loss_spec = spec.get("loss") or {}
         builtin = loss_spec.get("builtin")
         loss_fn = builtin_loss(builtin) if builtin else load_entry(loss_spec["entry"])
@@ -334,10 +342,18 @@ def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expec
             loss = step_fn(model, fields)
         else:
             tracker.phase = "forward"
-            outputs = model(*[fields[k] for k in inputs])
+            if isinstance(inputs, dict):  # data.inputs as {keyword argument: field}
+                outputs = model(**{arg: fields[name] for arg, name in inputs.items()})
+            else:
+                outputs = model(*[fields[k] for k in inputs])
             tracker.phase = "loss"
-            label = fields.get(label_name) if label_name else None
-            loss = loss_fn(outputs) if label is None else loss_fn(outputs, label)
+            if selector is not None:
+                outputs = pick_output(outputs, selector)
+            if selector == "loss":
+                loss = outputs
+            else:
+                label = fields.get(label_name) if label_name else None
+                loss = loss_fn(outputs) if label is None else loss_fn(outputs, label)
         tracker.phase = "loss"
         return loss
 
