@@ -290,7 +290,7 @@ class Report:
             "environment": self.environment,
             "run": self.run,
             "details": self.details,
-            "remedies": self.remedies,
+            **({"remedies": self.remedies} if self.command == "probe" else {}),
         })
 
     @classmethod

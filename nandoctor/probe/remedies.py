@@ -153,12 +153,22 @@ def _candidates(report: Report, fault: Any, workload: Any, ring: SnapshotRing, h
         out.append(Candidate("grad_clip", "optimizer.grad_clip: {global_norm: ...}", Change(), None,
                              why_not="no finite gradient norm before the fault to set a threshold from"))
     lr = _lr(report, fault.step)
-    lr_text = f"optimizer.args.learning_rate: {lr * 0.1:.3g} (YAML; was {lr:g})" if lr else \
-        "the learning rate x0.1 (YAML: optimizer.args.learning_rate)"
+    has_sched = getattr(workload.spec.optimizer, "lr_scheduler", None) is not None
+    if has_sched:
+        lr_text = "optimizer.lr_scheduler.args.learning_rate x0.1 (YAML)"
+    elif lr:
+        lr_text = f"optimizer.args.learning_rate: {lr * 0.1:.3g} (YAML; was {lr:g})"
+    else:
+        lr_text = "the learning rate x0.1 (YAML: optimizer.args.learning_rate)"
     out.append(Candidate("lr_x0.1", lr_text, Change(lr_scale=0.1), diverge_start))
     warm = max(1, growth_step or fault.step)
-    out.append(Candidate("warmup", f"a linear LR warmup over the first {warm} steps (YAML: optimizer.lr_scheduler: "
-                         f"{{name: LinearWarmup, warmup_steps: {warm}}})", Change(warmup_steps=warm), first,
+    if has_sched:
+        warm_text = f"optimizer.lr_scheduler.warmup: {{steps: {warm}, start_lr: 0.0}} (YAML)"
+    else:
+        warm_text = (f"optimizer.lr_scheduler: {{name: LinearWarmup, args: {{learning_rate: {lr or 0:g}, "
+                     f"warmup_steps: {warm}, start_lr: 0.0, end_lr: {lr or 0:g}}}}} (YAML: a linear warmup over the "
+                     f"first {warm} steps)")
+    out.append(Candidate("warmup", warm_text, Change(warmup_steps=warm), first,
                          why_not="the fault is at the first steps: no steps before it to warm up over"
                          if fault.step < 2 else (None if first is not None else "no snapshot of the first step")))
     if amp:

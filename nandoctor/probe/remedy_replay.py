@@ -29,7 +29,7 @@ class Change:
     """What a remedy changes for its replay (all optional; the default is the unchanged run)."""
 
     lr_scale: float = 1.0
-    warmup_steps: int = 0  # the learning rate ramps linearly over steps 0..warmup_steps-1
+    warmup_steps: int = 0  # the learning rate ramps linearly from 0 over steps 0..warmup_steps-1
     clip_norm: float | None = None
     drop: tuple[int, int, list[int]] | None = None  # (epoch, batch_index, rows) left out of that batch
     guard: Guard | None = None
@@ -159,8 +159,8 @@ def _optimizer_changed(opt: Any, change: Change) -> Iterator[Any]:
 
     def factor(step: int) -> float:
         f = change.lr_scale
-        if change.warmup_steps and step < change.warmup_steps:
-            f *= (step + 1) / change.warmup_steps
+        if change.warmup_steps and step < change.warmup_steps:  # as paddle.optimizer.lr.LinearWarmup from 0
+            f *= step / change.warmup_steps
         return f
 
     def set_factor(step: int) -> None:
