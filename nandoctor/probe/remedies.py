@@ -39,6 +39,7 @@ class Candidate:
     start: Snapshot | None
     why_not: str | None = None  # not applicable: why
     extra: dict[str, Any] = field(default_factory=dict)
+    accumulate: int = 1
 
 
 def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: SnapshotRing, *,
@@ -106,7 +107,7 @@ def _fault_snapshot(fault: Any, ring: SnapshotRing, entry: Snapshot) -> Snapshot
         from nandoctor.probe.snapshots import RngState
 
         entry.rng = RngState(fault.rng, entry.rng.numpy, entry.rng.python)
-    return entry if entry.params_finite else ring.latest(fault.step)
+    return entry if ring.sound(entry) else ring.latest(fault.step)
 
 
 def _candidates(report: Report, fault: Any, workload: Any, ring: SnapshotRing, here: Snapshot | None,
@@ -129,7 +130,11 @@ def _candidates(report: Report, fault: Any, workload: Any, ring: SnapshotRing, h
         out.append(Candidate("op_guard", "an epsilon or clamp for the faulting op", Change(), None,
                              why_not=f"no guard for op {op}" if op else "no single op was named"))
     rows = _offending_rows(fault, symptom)
-    if rows:
+    if fault.kind == "data":
+        text = ("filter samples holding NaN/Inf out in the loader (e.g. keep rows where np.isfinite(x).all(axis=1)), "
+                f"first found: sample(s) {rows} of batch {fault.batch_index}")
+        out.append(Candidate("drop_samples", text, Change(drop_nonfinite=True), here))
+    elif rows:
         drop = (fault.epoch, fault.batch_index or 0, rows)
         out.append(Candidate("drop_samples", _skip_text(fault, rows, workload), Change(drop=drop), here,
                              extra={"skip_list": _skip_list(fault, rows, workload)}))
@@ -177,6 +182,8 @@ def _candidates(report: Report, fault: Any, workload: Any, ring: SnapshotRing, h
         out.append(Candidate("fp32_layer", "run the faulting layer in float32 (paddle.amp.auto_cast(enable=False) "
                              "around it)", Change(), None, why_not=why))
         out.append(Candidate("loss_scale", "amp.init_loss_scaling: a lower start (YAML)", Change(), None, why_not=why))
+    for c in out:
+        c.accumulate = _accumulate(workload)
     return _ordered(out, report, fault, symptom, growth, workload.model)
 
 
@@ -251,6 +258,8 @@ def _row(c: Candidate, outcome: str, r: Replay | None, note: str | None,
         row["failed_at"] = r.failed_at
     if outcome == FIXED:
         row.update(c.extra)
+        if r is not None and r.dropped:
+            row["skip_list"] = _skip_list_of(r.dropped, c.accumulate)
     elif "threshold" in c.extra:
         row["threshold"] = c.extra["threshold"]
     return row
@@ -269,11 +278,17 @@ def _offending_rows(fault: Any, symptom: Any) -> list[int]:
 def _skip_list(fault: Any, rows: list[int], workload: Any) -> dict[str, Any]:
     """What to resume with: the batch and sample ids, and PaddleFormers' `skip_data_intervals` (1-based
     optimizer steps, inclusive) for skipping that whole step."""
-    acc = max(1, int(getattr(workload.spec.optimizer, "accumulate_steps", 1) or 1))
-    global_step = fault.step // acc + 1
-    return {"batches": [{"epoch": fault.epoch, "batch_index": fault.batch_index, "step": fault.step,
-                         "samples": rows}],
-            "skip_data_intervals": [[global_step, global_step]]}
+    return _skip_list_of([(fault.epoch, fault.batch_index, fault.step, rows)], _accumulate(workload))
+
+
+def _skip_list_of(dropped: list[tuple[int, int | None, int, list[int]]], accumulate: int) -> dict[str, Any]:
+    steps = sorted({step // accumulate + 1 for _, _, step, _ in dropped})
+    return {"batches": [{"epoch": e, "batch_index": b, "step": s, "samples": rows} for e, b, s, rows in dropped],
+            "skip_data_intervals": [[g, g] for g in steps]}
+
+
+def _accumulate(workload: Any) -> int:
+    return max(1, int(getattr(workload.spec.optimizer, "accumulate_steps", 1) or 1))
 
 
 def _skip_text(fault: Any, rows: list[int], workload: Any) -> str:

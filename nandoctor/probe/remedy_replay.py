@@ -32,6 +32,7 @@ class Change:
     warmup_steps: int = 0  # the learning rate ramps linearly from 0 over steps 0..warmup_steps-1
     clip_norm: float | None = None
     drop: tuple[int, int, list[int]] | None = None  # (epoch, batch_index, rows) left out of that batch
+    drop_nonfinite: bool = False  # leave out every sample holding NaN/Inf, in every batch (a loader filter)
     guard: Guard | None = None
     source: str | None = None  # where the guarded op was created ("model.py:13 in forward")
     reinit: dict[str, float] = field(default_factory=dict)  # parameter name -> std to draw it from
@@ -49,6 +50,7 @@ class Replay:
     error: str | None = None  # the user's code raised during the replay
     guard_calls: int | None = None
     ended: bool = False  # the data ran out (a loader that cannot be re-made)
+    dropped: list[tuple[int, int | None, int, list[int]]] = field(default_factory=list)  # (epoch, batch, step, rows)
 
 
 def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change,
@@ -105,6 +107,12 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
         if change.drop is not None and (epoch, batch_index) == change.drop[:2]:
             keep = [i for i in range(_rows(fields)) if i not in set(change.drop[2])]
             fields = subset(fields, keep)
+            out.dropped.append((epoch, batch_index, step, sorted(change.drop[2])))
+        if change.drop_nonfinite:
+            bad = _nonfinite_rows(fields)
+            if bad:
+                fields = subset(fields, [i for i in range(_rows(fields)) if i not in bad])
+                out.dropped.append((epoch, batch_index, step, sorted(bad)))
         set_factor(step)
         loss = w.compute_loss(w.model, fields)
         value = float(loss.detach().astype("float32").reshape([]))
@@ -196,6 +204,18 @@ def _reinit(model: Any, stds: dict[str, float]) -> None:
         if name in stds:
             arr = gen.normal(0.0, stds[name], size=[int(d) for d in p.shape])
             p.set_value(arr.astype(str(p.dtype).replace("paddle.", "")))
+
+
+def _nonfinite_rows(fields: dict[str, Any]) -> set[int]:
+    from nandoctor.batches import to_numpy
+
+    n = _rows(fields)
+    bad: set[int] = set()
+    for v in fields.values():
+        arr = to_numpy(v)
+        if arr is not None and arr.dtype.kind == "f" and arr.ndim > 0 and arr.shape[0] == n:
+            bad |= {int(i) for i in np.where(~np.isfinite(arr.reshape(n, -1)).all(axis=1))[0]}
+    return bad
 
 
 def _rows(fields: dict[str, Any]) -> int:

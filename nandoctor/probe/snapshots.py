@@ -58,7 +58,7 @@ class Snapshot:
     scheduler: dict[str, Any] | None
     rng: RngState
     nbytes: int = 0
-    params_finite: bool = True
+    nonfinite: int = 0  # NaN/Inf values in the weights (a NaN row the run trains around counts from step 0)
 
 
 @dataclass
@@ -124,13 +124,17 @@ class SnapshotRing:
                 for name, per in getattr(self.optimizer, "_accumulators", {}).items()}
         sched = _scheduler(self.optimizer)
         nbytes = sum(a.nbytes for a in model.values()) + sum(a.nbytes for per in accs.values() for a in per.values())
-        finite = all(np.isfinite(a).all() for a in model.values() if a.dtype.kind == "f")
+        bad = sum(int((~np.isfinite(a)).sum()) for a in model.values() if a.dtype.kind == "f")
         return Snapshot(step, epoch, batch_index, model, accs, sched.state_dict() if sched is not None else None,
-                        RngState.now(), nbytes, finite)
+                        RngState.now(), nbytes, bad)
+
+    def sound(self, snap: Snapshot) -> bool:
+        """No more NaN/Inf in the weights than before the first step (the training itself added none)."""
+        return snap.nonfinite <= (self.first.nonfinite if self.first is not None else 0)
 
     def latest(self, at_most: int) -> Snapshot | None:
         """The newest finite snapshot taken at or before step `at_most`."""
-        cands = [s for s in [self.first, *self.ring] if s is not None and s.step <= at_most and s.params_finite]
+        cands = [s for s in [self.first, *self.ring] if s is not None and s.step <= at_most and self.sound(s)]
         return max(cands, key=lambda s: s.step) if cands else None
 
     def summary(self) -> dict[str, Any]:
