@@ -52,8 +52,8 @@ def probe_nan_report() -> Report:
                                       "shape": [8, 8], "dtype": "float32"},
                  "plots": {"Loss and gradient norm": "plots/loss_and_grad_norm.png"},
                  "remedies": {"seconds": 0.4, "budget_seconds": 20.0, "probe_seconds": 1.2, "fix_steps": 20,
-                              "end_step": 56, "control": {"start_step": 36, "reproduced": True, "failed_at": 36},
-                              "snapshots": {"enabled": True, "every": 8, "kept_steps": [0, 32], "bytes": 2 * 2**20}}},
+                              "end_step": 56, "control": {"start_step": 36, "reproduced": True, "failed_at": 36}},
+                 "snapshots": {"enabled": True, "every": 8, "kept_steps": [0, 32], "bytes": 2 * 2**20}},
         remedies=[
             {"remedy": "op_guard", "change": "paddle.sqrt(x + 1e-12) instead of paddle.sqrt(x) at model.py:13 in "
              "forward", "outcome": "fixed", "steps_run": 20, "loss_before": 0.19, "loss_after": 0.17,

@@ -158,7 +158,7 @@ def test_time_budget_and_model_size_limit(monkeypatch):
     spec = load_spec(SAMPLES / "sqrt_at_zero" / "config.yaml")
     monkeypatch.setattr(snapshots, "MAX_MODEL_BYTES", 1000)  # this model is above it: no ring
     report = run_probe(spec, ProbeOptions(steps=20, device="cpu"))
-    ring = report.details["remedies"]["snapshots"]
+    ring = report.details["snapshots"]
     assert ring["enabled"] is False and "snapshot limit" in ring["note"]
     by = {r["remedy"]: r for r in report.remedies}
     assert by["op_guard"]["outcome"] == "fixed" and by["op_guard"]["start_step"] == 6  # from the failing step

@@ -127,6 +127,8 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
 
             loop.snapshots = SnapshotRing.for_model(model, optimizer)
         res = loop.run()
+        if loop.snapshots is not None:
+            report.details["snapshots"] = loop.snapshots.summary()
         _timeline(report, res)
         _details(report, res, loop)
         _handle_fault(report, res, workload, optimizer, loop)

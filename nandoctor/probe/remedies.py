@@ -91,8 +91,8 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
         "seconds": round(seconds, 3), "budget_seconds": round(budget, 1), "probe_seconds": round(probe_seconds, 3),
         "fix_steps": fix_steps, "end_step": end_step,
         "control": None if control is None else {"start_step": control.start_step, "reproduced": reproduced,
-                                                 "failed_at": control.failed_at},
-        "snapshots": ring.summary()}
+                                                 "failed_at": control.failed_at}}
+    report.details["snapshots"] = ring.summary()  # now with the fault-time snapshot's epoch kept
     _mark_advice(report, rows, fault.step)
 
 

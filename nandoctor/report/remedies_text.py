@@ -39,7 +39,7 @@ def summary_line(report: Any) -> str | None:
     repro = ("the fault reproduced in a replay without any change" if control.get("reproduced") else
              "the fault did NOT reproduce in a replay without any change, so outcomes are not evidence"
              if control else "no replay without a change was possible")
-    ring = info.get("snapshots") or {}
+    ring = report.details.get("snapshots") or {}
     snap = (f"snapshots kept at steps {ring.get('kept_steps')} ({fmt_value(ring.get('bytes', 0) / 2**20)} MB, "
             f"every {ring.get('every')} steps)" if ring.get("enabled") else str(ring.get("note") or "no snapshots"))
     return (f"Replayed each remedy to step {info.get('end_step')} in {fmt_value(info.get('seconds'))} s (budget "
