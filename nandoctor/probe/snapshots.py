@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 MAX_MODEL_BYTES = 256 * 2**20  # one snapshot (weights + optimizer state) above this: no ring
-MAX_RING_BYTES = 1024 * 2**20  # all snapshots together
-MAX_SNAPSHOTS = 6  # besides the pinned first one
+MAX_RING_BYTES = 512 * 2**20  # all snapshots together
+MAX_SNAPSHOTS = 2  # besides the pinned first one: enough to reach 2 intervals (>= 8 steps) before a fault
 MIN_EVERY = 4
 COST_SHARE = 0.01  # the ring may cost this share of the step time on average
 
