@@ -277,3 +277,29 @@ def test_ground_truth_lr_divergence():
                 data_args={"batches": 40, "batch_size": 32})
     assert _plain_loop("lr_divergence", 0.03, 36, **args) == 16
     assert _plain_loop("lr_divergence", 0.003, 36, **args) is None
+
+
+def test_bundle_reproduce_with_remedy(tmp_path):
+    """reproduce.py --with-remedy NAME: the step runs clean with a verified per-step remedy (exit 0), faults
+    without it (exit 1), and a many-step remedy is explained rather than faked (exit 2)."""
+    import subprocess
+
+    bundle = tmp_path / "b"
+    result = CliRunner().invoke(app, ["probe", str(SAMPLES / "sqrt_at_zero" / "config.yaml"), "--bundle", str(bundle),
+                                      "-q"])
+    assert result.exit_code == 1, result.output
+
+    def reproduce(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(bundle / "reproduce.py"), *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+
+    plain = reproduce()
+    assert plain.returncode == 1 and "op=sqrt_grad" in plain.stdout
+    for remedy in ("op_guard", "drop_samples"):
+        fixed = reproduce("--with-remedy", remedy)
+        assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+        assert "no fault: with this remedy" in fixed.stdout
+    many = reproduce("--with-remedy", "lr_x0.1")
+    assert many.returncode == 2 and "acts over many steps" in many.stderr
+    unknown = reproduce("--with-remedy", "nope")
+    assert unknown.returncode == 2 and "op_guard" in unknown.stderr
