@@ -303,3 +303,30 @@ def test_bundle_reproduce_with_remedy(tmp_path):
     assert many.returncode == 2 and "acts over many steps" in many.stderr
     unknown = reproduce("--with-remedy", "nope")
     assert unknown.returncode == 2 and "op_guard" in unknown.stderr
+
+
+def test_a_bug_in_the_replays_keeps_the_diagnosis(monkeypatch):
+    """nandoctor's own failure while replaying is reported as ours, and the first fault is still there."""
+    from nandoctor.probe import ProbeOptions, remedies, run_probe
+    from nandoctor.report import markdown as markdown_report
+    from nandoctor.spec import load_spec
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(remedies, "replay", broken)
+    report = run_probe(load_spec(SAMPLES / "sqrt_at_zero" / "config.yaml"), ProbeOptions(steps=20, device="cpu"))
+    assert report.first_fault is not None and report.first_fault.op == "sqrt_grad"
+    assert report.remedies == []
+    error = report.details["remedies"]["error"]
+    assert "nandoctor bug, not yours" in error and "boom" in error
+    assert error in markdown_report.render(report)
+
+
+def test_cause_findings_mark_their_verified_advice(probe):
+    report = probe("lr_divergence")
+    growth = next(f for f in report["findings"] if f["code"] == "grad.explosion")
+    assert growth["advice"][0].startswith("Verified by replay (lr_x0.1)")
+    init = probe("bad_init_overflow")
+    scale = [f for f in init["findings"] if f["code"] == "param.init_scale"]
+    assert scale and all(f["advice"][0].startswith("Verified by replay (reinit)") for f in scale)

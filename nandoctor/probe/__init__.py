@@ -227,8 +227,13 @@ def _remedies(report: Report, res: LoopResult, workload: Any, optimizer: Any, lo
 
     loop.close()
     _disable_checker()
-    try_remedies(report, res, workload, optimizer, loop.snapshots, fix_steps=options.fix_steps,
-                 probe_seconds=probe_seconds, amp=workload.spec.amp.enabled, device=device)
+    try:
+        try_remedies(report, res, workload, optimizer, loop.snapshots, fix_steps=options.fix_steps,
+                     probe_seconds=probe_seconds, amp=workload.spec.amp.enabled, device=device)
+    except Exception as exc:  # noqa: BLE001 - a bug in our replays must not cost the user the diagnosis
+        report.remedies = []
+        report.details["remedies"] = {"error": f"nandoctor's own remedy replay failed (a nandoctor bug, not "
+                                               f"yours; please report it): {type(exc).__name__}: {exc}"[:400]}
 
 
 def _with_autocast(workload: Any, spec: Spec) -> Any:

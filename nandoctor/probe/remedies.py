@@ -339,12 +339,21 @@ def _lr(report: Report, step: int) -> float | None:
     return lrs[0] if lrs else None
 
 
+_CAUSE_OF = {"grad_clip": Code.GRAD_EXPLOSION, "lr_x0.1": Code.GRAD_EXPLOSION, "warmup": Code.GRAD_EXPLOSION,
+             "reinit": Code.PARAM_INIT_SCALE}
+
+
 def _mark_advice(report: Report, rows: list[dict[str, Any]], fault_step: int) -> None:
-    """The fault's advice list says which change was verified by replay, and which did not help."""
+    """The advice lists say which change was verified by replay and which did not help: the fault's own
+    finding lists every replayed remedy, a cause's finding (grad.explosion, param.init_scale) its own."""
     symptom = next((f for f in report.findings if f.location.step == fault_step and f.code in _SYMPTOMS), None)
-    if symptom is None:
-        return
-    lines = [f"Verified by replay ({r['remedy']}): {r['change']}" for r in rows if r["outcome"] == FIXED]
-    lines += [f"Tried by replay, did not help ({r['remedy']}): {r['change']}" for r in rows
-              if r["outcome"] == NOT_FIXED]
-    symptom.advice = lines + [a for a in symptom.advice if not a.startswith(("Verified by replay", "Tried by"))]
+    for finding in report.findings:
+        if finding is symptom:
+            mine = rows
+        else:
+            mine = [r for r in rows if _CAUSE_OF.get(r["remedy"]) == finding.code]
+        lines = [f"Verified by replay ({r['remedy']}): {r['change']}" for r in mine if r["outcome"] == FIXED]
+        lines += [f"Tried by replay, did not help ({r['remedy']}): {r['change']}" for r in mine
+                  if r["outcome"] == NOT_FIXED]
+        if lines:
+            finding.advice = lines + [a for a in finding.advice if not a.startswith(("Verified by", "Tried by"))]

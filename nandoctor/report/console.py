@@ -47,7 +47,7 @@ def render(report: Report, console: Console) -> None:
     console.print(_summary(report))
     if report.first_fault is not None:
         console.print(_first_fault_panel(report))
-    if report.remedies:
+    if report.remedies or (report.details.get("remedies") or {}).get("error"):
         console.print(_remedies(report))
     for i, finding in enumerate(report.sorted_findings(), 1):
         console.print(_finding(i, finding))
@@ -177,7 +177,7 @@ def _remedies(report: Report) -> Group:
         table.add_row(Text(rt.outcome_label(row), style=style.get(str(row.get("outcome")), "")),
                       Text(str(row.get("remedy"))), Text(str(row.get("change"))), Text(rt.loss_text(row)),
                       Text(rt.run_text(row), style="dim"))
-    parts: list[Any] = [Text(""), table]
+    parts: list[Any] = [Text(""), table] if report.remedies else [Text("")]
     summary = rt.summary_line(report)
     if summary:
         parts.append(Text(summary, style="dim"))

@@ -175,7 +175,7 @@ def _remedies(report: Report) -> list[str]:
     """The candidate fixes the probe replayed, verified first, each with the change to make."""
     from nandoctor.report import remedies_text as rt
 
-    if not report.remedies:
+    if not report.remedies and not (report.details.get("remedies") or {}).get("error"):
         return []
     rows = [[cell(rt.outcome_label(r)), cell(r.get("remedy"), code_span=True), cell(r.get("change")),
              cell(rt.loss_text(r)), cell(rt.run_text(r))] for r in report.remedies]
@@ -183,7 +183,8 @@ def _remedies(report: Report) -> list[str]:
     summary = rt.summary_line(report)
     if summary:
         out += [prose(summary), ""]
-    out += table(("outcome", "remedy", "change to make", "loss (before → after)", "replay"), rows)
+    if rows:
+        out += table(("outcome", "remedy", "change to make", "loss (before → after)", "replay"), rows)
     for r in report.remedies:
         skip = rt.skip_list_text(r)
         if skip:

@@ -35,6 +35,8 @@ def summary_line(report: Any) -> str | None:
     info = report.details.get("remedies")
     if not isinstance(info, dict):
         return None
+    if info.get("error"):
+        return str(info["error"])
     control = info.get("control") or {}
     repro = ("the fault reproduced in a replay without any change" if control.get("reproduced") else
              "the fault did NOT reproduce in a replay without any change, so outcomes are not evidence"
