@@ -58,21 +58,23 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
     cands = _candidates(report, fault, workload, ring, here, amp, device)
     control_start = min((c.start for c in cands if c.start is not None), key=lambda s: s.step, default=None)
     control = None
-    if control_start is not None:
-        control = replay(workload, optimizer, ring, control_start, fault.step + 2, Change(), t0 + budget)
     rows: list[dict[str, Any]] = []
-    for c in cands:
-        if c.why_not is None and time.perf_counter() - t0 > budget:
-            c.why_not = f"not tried: the remedies' time budget ({budget:.0f} s) was spent"
-        if c.why_not is not None or c.start is None:
-            rows.append(_row(c, NOT_APPLICABLE, None, note=c.why_not or "no state to restart from"))
-            continue
-        r = replay(workload, optimizer, ring, c.start, end_step, c.change, t0 + budget)
-        before = _baseline_loss(report, r.start_step)
-        outcome, note = _judge(r, fault.step, end_step, c, before)
-        rows.append(_row(c, outcome, r, note=note, before=before))
-    restore(entry, workload.model, optimizer)
-    entry.rng.restore()
+    try:
+        if control_start is not None:
+            control = replay(workload, optimizer, ring, control_start, fault.step + 2, Change(), t0 + budget)
+        for c in cands:
+            if c.why_not is None and time.perf_counter() - t0 > budget:
+                c.why_not = f"not tried: the remedies' time budget ({budget:.0f} s) was spent"
+            if c.why_not is not None or c.start is None:
+                rows.append(_row(c, NOT_APPLICABLE, None, note=c.why_not or "no state to restart from"))
+                continue
+            r = replay(workload, optimizer, ring, c.start, end_step, c.change, t0 + budget)
+            before = _baseline_loss(report, r.start_step)
+            outcome, note = _judge(r, fault.step, end_step, c, before)
+            rows.append(_row(c, outcome, r, note=note, before=before))
+    finally:  # the weights, optimizer state and RNG as the probe left them, whatever stopped the replays
+        restore(entry, workload.model, optimizer)
+        entry.rng.restore()
     # an update fault shows in the next step's loss; any other fault at its own step
     late = 1 if fault.kind == "update" else 0
     reproduced = control is not None and not control.finite and control.failed_at is not None and \

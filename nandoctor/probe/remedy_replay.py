@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from nandoctor.batches import subset
+from nandoctor.interrupt import stop_loader
 from nandoctor.probe.op_guards import Guard, guarded
 from nandoctor.probe.snapshots import Snapshot, SnapshotRing, restore
 
@@ -90,51 +91,62 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
     epoch, batch_index, step = snap.epoch, snap.batch_index, snap.step
     it = _loader_at(w, ring, snap)
     opt.clear_grad()
-    while step < end_step:
-        if time.perf_counter() > deadline:
-            out.cut = True
-            break
-        batch = next(it, _END)
-        if batch is _END:
-            if batch_index == 0:
-                out.ended = True
+    try:
+        while step < end_step:
+            if time.perf_counter() > deadline:
+                out.cut = True
                 break
-            if sched is not None and by == "epoch":
-                sched.step()
-            epoch, batch_index, it = epoch + 1, 0, iter(w.make_loader())
-            continue
-        fields = w.layout.fields(batch, batch_index)
-        if change.drop is not None and (epoch, batch_index) == change.drop[:2]:
-            keep = [i for i in range(_rows(fields)) if i not in set(change.drop[2])]
-            fields = subset(fields, keep)
-            out.dropped.append((epoch, batch_index, step, sorted(change.drop[2])))
-        if change.drop_nonfinite:
-            bad = _nonfinite_rows(fields)
-            if bad:
-                fields = subset(fields, [i for i in range(_rows(fields)) if i not in bad])
-                out.dropped.append((epoch, batch_index, step, sorted(bad)))
-        set_factor(step)
-        loss = w.compute_loss(w.model, fields)
-        value = float(loss.detach().astype("float32").reshape([]))
-        if not math.isfinite(value):
-            out.finite, out.failed_at = False, step
-            return
-        (loss / accumulate if accumulate > 1 else loss).backward()
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads and not bool(paddle.stack([paddle.isfinite(g).all() for g in grads]).all()):
-            out.finite, out.failed_at = False, step  # (not a norm: a finite 1e24 gradient squares to inf)
-            return
-        out.losses.append(value)
-        if (step + 1) % accumulate == 0:
-            opt.step()
-            opt.clear_grad()
-            if sched is not None and by == "step":
-                sched.step()
-        step += 1
-        batch_index += 1
-        out.steps_run += 1
-    if out.steps_run and not all(bool(paddle.isfinite(p).all()) for p in params):
-        out.finite, out.failed_at = False, step  # the last update wrote NaN/Inf
+            batch = next(it, _END)
+            if batch is _END:
+                if batch_index == 0:
+                    out.ended = True
+                    break
+                if sched is not None and by == "epoch":
+                    sched.step()
+                stop_loader(it)
+                epoch, batch_index, it = epoch + 1, 0, iter(w.make_loader())
+                continue
+            fields = _changed_fields(w.layout.fields(batch, batch_index), change, epoch, batch_index, step, out)
+            set_factor(step)
+            loss = w.compute_loss(w.model, fields)
+            value = float(loss.detach().astype("float32").reshape([]))
+            if not math.isfinite(value):
+                out.finite, out.failed_at = False, step
+                return
+            (loss / accumulate if accumulate > 1 else loss).backward()
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads and not bool(paddle.stack([paddle.isfinite(g).all() for g in grads]).all()):
+                out.finite, out.failed_at = False, step  # (not a norm: a finite 1e24 gradient squares to inf)
+                return
+            out.losses.append(value)
+            if (step + 1) % accumulate == 0:
+                opt.step()
+                opt.clear_grad()
+                if sched is not None and by == "step":
+                    sched.step()
+            step += 1
+            batch_index += 1
+            out.steps_run += 1
+        if out.steps_run and not all(bool(paddle.isfinite(p).all()) for p in params):
+            out.finite, out.failed_at = False, step  # the last update wrote NaN/Inf
+    finally:
+        stop_loader(it)  # a DataLoader's worker processes end with the replay
+
+
+def _changed_fields(fields: dict[str, Any], change: Change, epoch: int, batch_index: int, step: int,
+                    out: Replay) -> dict[str, Any]:
+    """The batch as the remedy sees it: the offending samples left out of their batch, or every sample
+    holding NaN/Inf left out of every batch (a loader filter); what was dropped is recorded."""
+    if change.drop is not None and (epoch, batch_index) == change.drop[:2]:
+        drop = set(change.drop[2])
+        fields = subset(fields, [i for i in range(_rows(fields)) if i not in drop])
+        out.dropped.append((epoch, batch_index, step, sorted(drop)))
+    if change.drop_nonfinite:
+        bad = _nonfinite_rows(fields)
+        if bad:
+            fields = subset(fields, [i for i in range(_rows(fields)) if i not in bad])
+            out.dropped.append((epoch, batch_index, step, sorted(bad)))
+    return fields
 
 
 def _loader_at(w: Any, ring: SnapshotRing, snap: Snapshot) -> Iterator[Any]:
