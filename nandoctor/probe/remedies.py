@@ -347,7 +347,8 @@ _CAUSE_OF = {"grad_clip": Code.GRAD_EXPLOSION, "lr_x0.1": Code.GRAD_EXPLOSION, "
 
 def _mark_advice(report: Report, rows: list[dict[str, Any]], fault_step: int) -> None:
     """The advice lists say which change was verified by replay and which did not help: the fault's own
-    finding lists every replayed remedy, a cause's finding (grad.explosion, param.init_scale) its own."""
+    finding lists every replayed remedy first, a cause's finding (grad.explosion, param.init_scale) its
+    own after its advice."""
     symptom = next((f for f in report.findings if f.location.step == fault_step and f.code in _SYMPTOMS), None)
     for finding in report.findings:
         if finding is symptom:
@@ -357,5 +358,8 @@ def _mark_advice(report: Report, rows: list[dict[str, Any]], fault_step: int) ->
         lines = [f"Verified by replay ({r['remedy']}): {r['change']}" for r in mine if r["outcome"] == FIXED]
         lines += [f"Tried by replay, did not help ({r['remedy']}): {r['change']}" for r in mine
                   if r["outcome"] == NOT_FIXED]
-        if lines:
-            finding.advice = lines + [a for a in finding.advice if not a.startswith(("Verified by", "Tried by"))]
+        if not lines:
+            continue
+        kept = [a for a in finding.advice if not a.startswith(("Verified by", "Tried by"))]
+        # the fault's own finding leads with the evidence; a cause's finding keeps its advice first
+        finding.advice = lines + kept if finding is symptom else kept + lines
