@@ -331,3 +331,15 @@ def test_cause_findings_mark_their_verified_advice(probe):
     init = probe("bad_init_overflow")
     scale = [f for f in init["findings"] if f["code"] == "param.init_scale"]
     assert scale and all(f["advice"][-1].startswith("Verified by replay (reinit)") for f in scale)
+
+
+def test_a_saved_report_rerenders_its_remedies(probe):
+    """`nandoctor report report.json` (a teammate's bundle) shows the same remedies table."""
+    from nandoctor.findings import Report
+    from nandoctor.report import markdown as markdown_report
+
+    data = probe("sqrt_at_zero")
+    again = Report.from_dict(data)
+    assert again.remedies == data["remedies"]
+    text = markdown_report.render(again)
+    assert "## Remedies" in text and "verified fix" in text and "the fault reproduced" in text
