@@ -77,9 +77,11 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
         entry.rng.restore()
     # an update fault shows in the next step's loss; any other fault at its own step
     late = 1 if fault.kind == "update" else 0
-    reproduced = control is not None and not control.finite and control.failed_at is not None and \
-        fault.step <= control.failed_at <= fault.step + late
-    if control is not None and not reproduced:
+    reproduced: bool | None = None  # unknown: no control, or it ran out of time
+    if control is not None and not control.cut:
+        reproduced = not control.finite and control.failed_at is not None and \
+            fault.step <= control.failed_at <= fault.step + late
+    if reproduced is False:
         for row in rows:
             if row["outcome"] == FIXED:
                 row["outcome"] = NOT_FIXED
@@ -105,11 +107,15 @@ def _fault_snapshot(fault: Any, ring: SnapshotRing, entry: Snapshot) -> Snapshot
     if fault.kind == "update":
         first = fault.update_range[0] if fault.update_range else fault.step
         return ring.latest(first)
-    if fault.rng is not None:
-        from nandoctor.probe.snapshots import RngState
+    if not ring.sound(entry):
+        return ring.latest(fault.step)
+    if fault.rng is None:
+        return entry
+    import dataclasses
 
-        entry.rng = RngState(fault.rng, entry.rng.numpy, entry.rng.python)
-    return entry if ring.sound(entry) else ring.latest(fault.step)
+    from nandoctor.probe.snapshots import RngState
+
+    return dataclasses.replace(entry, rng=RngState(fault.rng, entry.rng.numpy, entry.rng.python))
 
 
 def _candidates(report: Report, fault: Any, workload: Any, ring: SnapshotRing, here: Snapshot | None,

@@ -38,9 +38,14 @@ def summary_line(report: Any) -> str | None:
     if info.get("error"):
         return str(info["error"])
     control = info.get("control") or {}
-    repro = ("the fault reproduced in a replay without any change" if control.get("reproduced") else
-             "the fault did NOT reproduce in a replay without any change, so outcomes are not evidence"
-             if control else "no replay without a change was possible")
+    if not control:
+        repro = "no replay without a change was possible"
+    elif control.get("reproduced") is None:
+        repro = "the replay without any change ran out of time, so reproduction is unchecked"
+    elif control.get("reproduced"):
+        repro = "the fault reproduced in a replay without any change"
+    else:
+        repro = "the fault did NOT reproduce in a replay without any change, so outcomes are not evidence"
     ring = report.details.get("snapshots") or {}
     snap = (f"snapshots kept at steps {ring.get('kept_steps')} ({fmt_value(ring.get('bytes', 0) / 2**20)} MB, "
             f"every {ring.get('every')} steps)" if ring.get("enabled") else str(ring.get("note") or "no snapshots"))
