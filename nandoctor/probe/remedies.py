@@ -50,6 +50,10 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
     fault = res.fault
     if fault is None or fault.kind not in ("nonfinite", "update", "data"):
         return
+    if amp and device != "cpu":  # the replays do not drive a GradScaler yet: they would not be the user's run
+        report.details["remedies"] = {"note": "remedies are not replayed under AMP on a GPU yet (the replays do "
+                                      "not drive the GradScaler); run with amp.enabled: false to have them tried"}
+        return
     t0 = time.perf_counter()
     budget = max(MIN_BUDGET_SECONDS, BUDGET_FACTOR * probe_seconds)
     entry = ring.take(fault.step, fault.epoch, fault.batch_index or 0)  # to put back afterwards

@@ -47,7 +47,7 @@ def render(report: Report, console: Console) -> None:
     console.print(_summary(report))
     if report.first_fault is not None:
         console.print(_first_fault_panel(report))
-    if report.remedies or (report.details.get("remedies") or {}).get("error"):
+    if report.remedies or _remedies_notice(report):
         console.print(_remedies(report))
     for i, finding in enumerate(report.sorted_findings(), 1):
         console.print(_finding(i, finding))
@@ -160,6 +160,12 @@ def _finding(index: int, finding: Finding) -> Group:
         bullet.append(advice)
         lines.append(bullet)
     return Group(*lines)
+
+
+def _remedies_notice(report: Report) -> str | None:
+    from nandoctor.report.remedies_text import notice
+
+    return notice(report)
 
 
 def _remedies(report: Report) -> Group:

@@ -175,7 +175,7 @@ def _remedies(report: Report) -> list[str]:
     """The candidate fixes the probe replayed, verified first, each with the change to make."""
     from nandoctor.report import remedies_text as rt
 
-    if not report.remedies and not (report.details.get("remedies") or {}).get("error"):
+    if not report.remedies and not rt.notice(report):
         return []
     rows = [[cell(rt.outcome_label(r)), cell(r.get("remedy"), code_span=True), cell(r.get("change")),
              cell(rt.loss_text(r)), cell(rt.run_text(r))] for r in report.remedies]

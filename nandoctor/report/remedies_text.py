@@ -30,13 +30,22 @@ def run_text(row: dict[str, Any]) -> str:
     return out + (f"; {row['note']}" if row.get("note") else "")
 
 
+def notice(report: Any) -> str | None:
+    """Why there is no remedies table: nandoctor's own replay failed, or replays do not apply here."""
+    info = report.details.get("remedies")
+    if not isinstance(info, dict):
+        return None
+    text = info.get("error") or info.get("note")
+    return str(text) if text else None
+
+
 def summary_line(report: Any) -> str | None:
     """'Remedies replayed in 0.3 s (budget 20 s; the probe took 0.2 s); fault reproduced without a change.'"""
     info = report.details.get("remedies")
     if not isinstance(info, dict):
         return None
-    if info.get("error"):
-        return str(info["error"])
+    if notice(report):
+        return notice(report)
     control = info.get("control") or {}
     if not control:
         repro = "no replay without a change was possible"
