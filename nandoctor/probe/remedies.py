@@ -59,7 +59,7 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
     entry = ring.take(fault.step, fault.epoch, fault.batch_index or 0)  # to put back afterwards
     here = _fault_snapshot(fault, ring, entry)
     end_step = fault.step + max(1, fix_steps)
-    cands = _candidates(report, fault, workload, ring, here, amp, device)
+    cands = _candidates(report, fault, workload, ring, here, amp)
     control_start = min((c.start for c in cands if c.start is not None), key=lambda s: s.step, default=None)
     control = None
     rows: list[dict[str, Any]] = []
@@ -123,7 +123,7 @@ def _fault_snapshot(fault: Any, ring: SnapshotRing, entry: Snapshot) -> Snapshot
 
 
 def _candidates(report: Report, fault: Any, workload: Any, ring: SnapshotRing, here: Snapshot | None,
-                amp: bool, device: str) -> list[Candidate]:
+                amp: bool) -> list[Candidate]:
     first = ring.first
     growth = next((f for f in report.findings if f.code == Code.GRAD_EXPLOSION
                    and (f.location.step or 0) <= fault.step), None)
@@ -182,15 +182,15 @@ def _candidates(report: Report, fault: Any, workload: Any, ring: SnapshotRing, h
     if has_sched:
         warm_text = f"optimizer.lr_scheduler.warmup: {{steps: {warm}, start_lr: 0.0}} (YAML)"
     else:
-        warm_text = (f"optimizer.lr_scheduler: {{name: LinearWarmup, args: {{learning_rate: {lr or 0:g}, "
-                     f"warmup_steps: {warm}, start_lr: 0.0, end_lr: {lr or 0:g}}}}} (YAML: a linear warmup over the "
+        rate = f"{lr:g}" if lr else "<your learning rate>"
+        warm_text = (f"optimizer.lr_scheduler: {{name: LinearWarmup, args: {{learning_rate: {rate}, "
+                     f"warmup_steps: {warm}, start_lr: 0.0, end_lr: {rate}}}}} (YAML: a linear warmup over the "
                      f"first {warm} steps)")
     out.append(Candidate("warmup", warm_text, Change(warmup_steps=warm), first,
                          why_not="the fault is at the first steps: no steps before it to warm up over"
                          if fault.step < 2 else (None if first is not None else "no snapshot of the first step")))
-    if amp:
-        why = ("the probe ran on CPU, where AMP is inactive: float16 remedies need a GPU" if device == "cpu" else
-               "not tried: AMP remedies are not replayed yet")
+    if amp:  # (on a GPU, try_remedies has returned with a note before getting here)
+        why = "the probe ran on CPU, where AMP is inactive: float16 remedies need a GPU"
         out.append(Candidate("fp32_layer", "run the faulting layer in float32 (paddle.amp.auto_cast(enable=False) "
                              "around it)", Change(), None, why_not=why))
         out.append(Candidate("loss_scale", "amp.init_loss_scaling: a lower start (YAML)", Change(), None, why_not=why))
