@@ -166,6 +166,10 @@ def probe(
                                                 help="Random seed (default: probe.seed, else 0).")] = None,
     device: Annotated[Optional[str], typer.Option("--device", metavar="DEVICE", help="auto, cpu, gpu or gpu:N "
                                                   "(default: probe.device, else auto).")] = None,
+    no_try_fixes: Annotated[bool, typer.Option("--no-try-fixes", help="After a fault, do not replay the candidate "
+                                               "remedies (on by default).")] = False,
+    fix_steps: Annotated[int, typer.Option("--fix-steps", min=1, metavar="M", help="Replay each remedy to the "
+                                           "fault step + M steps (bounded in time).")] = 20,
     json_path: JsonOpt = None,
     markdown_path: MarkdownOpt = None,
     bundle: BundleOpt = None,
@@ -175,7 +179,8 @@ def probe(
 ) -> None:
     """Run a short instrumented training run and name the first op, layer, parameter and sample to go NaN/Inf."""
     _run("probe", config, json_path=json_path, markdown_path=markdown_path, bundle=bundle, force=force,
-         no_code=no_code, quiet=quiet, steps=steps, seed=seed, device=device)
+         no_code=no_code, quiet=quiet, steps=steps, seed=seed, device=device, try_fixes=not no_try_fixes,
+         fix_steps=fix_steps)
 
 
 @app.command(cls=_Command)

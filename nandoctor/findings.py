@@ -239,6 +239,9 @@ class Report:
     # In memory only, never in the JSON: what a bundle needs to reproduce the fault (the offending
     # batch as numpy arrays, the pre-step model state, the RNG state). See report/bundle.py.
     artifacts: dict[str, Any] = field(default_factory=dict, repr=False)
+    # Probe only: candidate fixes replayed after a fault, verified first (probe/remedies.py):
+    # {remedy, change, outcome (fixed/not_fixed/not_applicable), steps_run, loss_before, loss_after, seconds}
+    remedies: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def verdict(self) -> Verdict:
@@ -288,6 +291,7 @@ class Report:
             "environment": self.environment,
             "run": self.run,
             "details": self.details,
+            **({"remedies": self.remedies} if self.command == "probe" else {}),
         })
 
     @classmethod
@@ -304,6 +308,7 @@ class Report:
             details=dict(d.get("details") or {}),
             crashed=d.get("verdict") == Verdict.CRASHED.value,
             partial=bool(d.get("partial", False)),
+            remedies=[dict(r) for r in d.get("remedies") or [] if isinstance(r, dict)],
         )
 
 

@@ -68,6 +68,8 @@ def _run_command(command: str, config: Path, console: Console, *, json_path: Pat
                 steps=options.get("steps") or spec.probe.steps,
                 seed=options["seed"] if options.get("seed") is not None else spec.probe.seed,
                 device=options.get("device") or spec.probe.device,
+                try_fixes=options.get("try_fixes", True),
+                fix_steps=options.get("fix_steps") or 20,
             )
             report = run_probe(spec, opts, on_progress)
             flags = {"--steps": opts.steps, "--seed": opts.seed, "--device": opts.device}

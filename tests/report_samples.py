@@ -50,7 +50,26 @@ def probe_nan_report() -> Report:
         details={"steps_run": 40,
                  "offending_tensor": {"min": 0.0, "max": math.inf, "num_nan": 0, "num_inf": 2, "numel": 64,
                                       "shape": [8, 8], "dtype": "float32"},
-                 "plots": {"Loss and gradient norm": "plots/loss_and_grad_norm.png"}},
+                 "plots": {"Loss and gradient norm": "plots/loss_and_grad_norm.png"},
+                 "remedies": {"seconds": 0.4, "budget_seconds": 20.0, "probe_seconds": 1.2, "fix_steps": 20,
+                              "end_step": 56, "control": {"start_step": 36, "reproduced": True, "failed_at": 36}},
+                 "snapshots": {"enabled": True, "every": 8, "kept_steps": [0, 32], "bytes": 2 * 2**20}},
+        remedies=[
+            {"remedy": "op_guard", "change": "paddle.sqrt(x + 1e-12) instead of paddle.sqrt(x) at model.py:13 in "
+             "forward", "outcome": "fixed", "steps_run": 20, "loss_before": 0.19, "loss_after": 0.17,
+             "seconds": 0.05, "start_step": 36, "note": None},
+            {"remedy": "drop_samples", "change": "leave out sample(s) [3, 7] of batch 4 (epoch 0) | or skip it",
+             "outcome": "fixed", "steps_run": 20, "loss_before": 0.19, "loss_after": 0.18, "seconds": 0.04,
+             "start_step": 36, "note": None,
+             "skip_list": {"batches": [{"epoch": 0, "batch_index": 4, "step": 36, "samples": [3, 7]}],
+                           "skip_data_intervals": [[37, 37]]}},
+            {"remedy": "lr_x0.1", "change": "optimizer.args.learning_rate: 0.0003 (YAML; was 0.003)",
+             "outcome": "not_fixed", "steps_run": 0, "loss_before": 0.19, "loss_after": None, "seconds": 0.01,
+             "start_step": 21, "note": "still non-finite at step 36", "failed_at": 36},
+            {"remedy": "reinit", "change": "re-initialise w", "outcome": "not_applicable", "steps_run": 0,
+             "loss_before": None, "loss_after": math.nan, "seconds": 0.0, "start_step": None,
+             "note": "no param.init_scale finding"},
+        ],
     )
 
 

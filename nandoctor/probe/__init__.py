@@ -41,6 +41,8 @@ class ProbeOptions:
     steps: int = 200
     seed: int = 0
     device: str = "auto"
+    try_fixes: bool = True  # after a fault, replay candidate remedies (probe/remedies.py)
+    fix_steps: int = 20  # remedies replay to the fault step + this many steps
 
 
 def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progress) -> Report:
@@ -71,8 +73,11 @@ def _interrupted(report: Report, steps_run: int) -> None:
 
 
 def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Report, device: str) -> None:
+    import time
+
     import paddle
 
+    t_start = time.perf_counter()
     progress(0, options.steps, "building the model")
     try:
         try:
@@ -117,7 +122,13 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
     try:
         loop = ProbeLoop(workload, optimizer, options.steps, progress, scaler=scaler, fp16=fp16,
                          amp=spec.amp.enabled)
+        if options.try_fixes:
+            from nandoctor.probe.snapshots import SnapshotRing
+
+            loop.snapshots = SnapshotRing.for_model(model, optimizer)
         res = loop.run()
+        if loop.snapshots is not None:
+            report.details["snapshots"] = loop.snapshots.summary()
         _timeline(report, res)
         _details(report, res, loop)
         _handle_fault(report, res, workload, optimizer, loop)
@@ -133,6 +144,8 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
                 Location(phase=Phase.DATA, batch_index=0), {}, advice_for(Code.DATA_EMPTY.value)))
         if res.interrupted:
             _interrupted(report, res.steps_run)
+        elif loop.snapshots is not None and res.fault is not None:
+            _remedies(report, res, workload, optimizer, loop, options, device, time.perf_counter() - t_start)
     finally:  # hooks, checker and mode restored whatever stopped the run, our own failure included
         if loop is not None:
             loop.close()
@@ -205,6 +218,22 @@ def _localise(report: Report, fault: Any, workload: Any) -> None:
     report.details["bisection"] = {"evaluations": bis.evaluations, "capped": bis.capped}
     report.details["localization_seconds"] = round(time.perf_counter() - t0, 3)
     faults.nonfinite_fault(report, fault, loc, bis.samples, notes)
+
+
+def _remedies(report: Report, res: LoopResult, workload: Any, optimizer: Any, loop: ProbeLoop,
+              options: ProbeOptions, device: str, probe_seconds: float) -> None:
+    """Replay the candidate fixes (hooks detached, the checker off first: replays are plain training)."""
+    from nandoctor.probe.remedies import try_remedies
+
+    loop.close()
+    _disable_checker()
+    try:
+        try_remedies(report, res, workload, optimizer, loop.snapshots, fix_steps=options.fix_steps,
+                     probe_seconds=probe_seconds, amp=workload.spec.amp.enabled, device=device)
+    except Exception as exc:  # noqa: BLE001 - a bug in our replays must not cost the user the diagnosis
+        report.remedies = []
+        report.details["remedies"] = {"error": f"nandoctor's own remedy replay failed (a nandoctor bug, not "
+                                               f"yours; please report it): {type(exc).__name__}: {exc}"[:400]}
 
 
 def _with_autocast(workload: Any, spec: Spec) -> Any:

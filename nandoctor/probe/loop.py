@@ -69,6 +69,7 @@ class ProbeLoop:
         self.scheduler = lr_scheduler_of(optimizer)
         sched_spec = getattr(opt_spec, "lr_scheduler", None)
         self.scheduler_by = getattr(sched_spec, "by", "step") or "step"
+        self.snapshots: Any = None  # a SnapshotRing (probe/snapshots.py) when remedies will be tried
 
     @property
     def monitor(self) -> Any:
@@ -86,6 +87,8 @@ class ProbeLoop:
             while step < self.steps:
                 fields = None
                 if it is None:
+                    if self.snapshots is not None:
+                        self.snapshots.on_epoch(epoch)
                     it = _user(Phase.DATA, lambda: iter(self.w.make_loader()))
                 batch = _user(Phase.DATA, _next, it)
                 if batch is _END:
@@ -97,6 +100,8 @@ class ProbeLoop:
                     res.epochs = epoch + 1
                     continue
                 fields = self.w.layout.fields(batch, batch_index)
+                if self.snapshots is not None:
+                    self.snapshots.on_batch(step, epoch, batch_index)
                 res.fault = watch.begin_step(step, fields, batch_index=batch_index, epoch=epoch)
                 if res.fault is not None:
                     break

@@ -47,6 +47,8 @@ def render(report: Report, console: Console) -> None:
     console.print(_summary(report))
     if report.first_fault is not None:
         console.print(_first_fault_panel(report))
+    if report.remedies or _remedies_notice(report):
+        console.print(_remedies(report))
     for i, finding in enumerate(report.sorted_findings(), 1):
         console.print(_finding(i, finding))
     fields = _fields_table(report)
@@ -161,6 +163,38 @@ def _finding(index: int, finding: Finding) -> Group:
         bullet.append(advice)
         lines.append(bullet)
     return Group(*lines)
+
+
+def _remedies_notice(report: Report) -> str | None:
+    from nandoctor.report.remedies_text import notice
+
+    return notice(report)
+
+
+def _remedies(report: Report) -> Group:
+    """Each candidate fix, replayed: verified ones first, with the exact change to make."""
+    from nandoctor.report import remedies_text as rt
+
+    table = Table(title="remedies (replayed from a saved state)", title_justify="left", header_style="bold")
+    table.add_column("outcome", no_wrap=True)
+    table.add_column("remedy", no_wrap=True)
+    table.add_column("change to make", overflow="fold", ratio=3)
+    table.add_column("loss", no_wrap=True)
+    table.add_column("replay", overflow="fold", ratio=2)
+    style = {"fixed": "bold green", "not_fixed": "red", "not_applicable": "dim"}
+    for row in report.remedies:
+        table.add_row(Text(rt.outcome_label(row), style=style.get(str(row.get("outcome")), "")),
+                      Text(str(row.get("remedy"))), Text(str(row.get("change"))), Text(rt.loss_text(row)),
+                      Text(rt.run_text(row), style="dim"))
+    parts: list[Any] = [Text(""), table] if report.remedies else [Text("")]
+    summary = rt.summary_line(report)
+    if summary:
+        parts.append(Text(summary, style="dim"))
+    for row in report.remedies:
+        skip = rt.skip_list_text(row)
+        if skip:
+            parts.append(Text(f"Skip list to resume with: {skip}"))
+    return Group(*parts)
 
 
 def _fields_table(report: Report) -> Table | None:

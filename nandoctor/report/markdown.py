@@ -45,6 +45,7 @@ def render(report: Report) -> str:
             + f" · exit status {report.exit_code}", ""]
     out += _first_fault(report)
     out += _findings(report)
+    out += _remedies(report)
     out += _advice(report)
     out += _timeline(report)
     out += _fields(report)
@@ -174,6 +175,27 @@ def _advice(report: Report) -> list[str]:
             evidence = "; ".join(f"{text(k)}: {text(fmt_value(v))}" for k, v in f.evidence.items())
             out += ([""] if f.advice else []) + [f"Evidence: {evidence}"]
         out.append("")
+    return out
+
+
+def _remedies(report: Report) -> list[str]:
+    """The candidate fixes the probe replayed, verified first, each with the change to make."""
+    from nandoctor.report import remedies_text as rt
+
+    if not report.remedies and not rt.notice(report):
+        return []
+    rows = [[cell(rt.outcome_label(r)), cell(r.get("remedy"), code_span=True), cell(r.get("change")),
+             cell(rt.loss_text(r)), cell(rt.run_text(r))] for r in report.remedies]
+    out = ["## Remedies", ""]
+    summary = rt.summary_line(report)
+    if summary:
+        out += [prose(summary), ""]
+    if rows:
+        out += table(("outcome", "remedy", "change to make", "loss (before → after)", "replay"), rows)
+    for r in report.remedies:
+        skip = rt.skip_list_text(r)
+        if skip:
+            out += ["Skip list to resume with:", ""] + fenced(skip, "json") + [""]
     return out
 
 

@@ -9,7 +9,8 @@ Only this file and code/ are code; read them before running a bundle someone els
 are read without pickle (`numpy.load(..., allow_pickle=False)` and JSON), so a planted pickle is refused,
 never run.
 
-    python reproduce.py            # from any folder
+    python reproduce.py                          # from any folder
+    python reproduce.py --with-remedy op_guard   # the same step with a remedy from report.json applied
 
 For a training fault it rebuilds the model from code/ with spec.yaml's arguments, loads the state and
 the batch, restores the RNG state, and runs forward + loss + backward (and the optimizer step when the
@@ -17,6 +18,11 @@ fault was there) with Paddle's tensor checker on, which stops at the first opera
 or Inf. Forward hooks keep a stack of the layers being run, and gradient hooks on each layer's output
 track which layer the backward pass is in, so the fault is printed as op, phase and layer. For a data
 fault it re-checks the saved batch for NaN/Inf and prints the field and samples.
+
+`--with-remedy NAME` replays the step with one of the report's remedies applied: `op_guard` (the epsilon
+or clamp for the faulting op, at the source line the report names) or `drop_samples` (the offending
+samples left out). Remedies that act over many steps (learning rate, warmup, clipping, re-initialising)
+were verified by the probe from an earlier state this bundle does not hold; reproduce.py says so.
 
 Paddle's checker log goes to reproduce.log in this folder. Exit status: 1 when a fault reproduced, 0
 when the step ran clean, 2 when the bundle cannot be replayed.
@@ -49,7 +55,23 @@ class BundleError(Exception):
     """The bundle is missing a file or names code that cannot be loaded."""
 
 
-def main() -> int:
+USAGE = "usage: python reproduce.py [--with-remedy NAME]   (NAME: op_guard or drop_samples, from report.json)"
+
+
+def parse_remedy(argv: list[str]) -> str | None:
+    """`--with-remedy NAME` (or `=NAME`); anything else is a usage error (SystemExit 2)."""
+    if not argv:
+        return None
+    if len(argv) == 1 and argv[0].startswith("--with-remedy="):
+        return argv[0].split("=", 1)[1]
+    if len(argv) == 2 and argv[0] == "--with-remedy":
+        return argv[1]
+    print(USAGE, file=sys.stderr if argv[0] not in ("-h", "--help") else sys.stdout)
+    raise SystemExit(0 if argv[0] in ("-h", "--help") else 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    remedy = parse_remedy(argv or [])
     warnings.filterwarnings("ignore", message=".*ccache.*")  # Paddle's import-time build-tool notice
     sys.dont_write_bytecode = True  # leave the bundle as it came: no __pycache__ under code/
     try:
@@ -63,6 +85,8 @@ def main() -> int:
         print("nandoctor reported: " + describe(expected))
     try:
         batch = load_batch()
+        if remedy:
+            return replay_with_remedy(report, spec, batch, expected, remedy)
     except BundleError as exc:
         print(f"reproduce.py: {exc}", file=sys.stderr)
         return 2
@@ -489,5 +513,100 @@ def fault_from(exc: Exception, tracker: Tracker) -> dict[str, Any]:
     return found
 
 
+# --- a remedy from the report ------------------------------------------------------------------------
+
+GUARDED = {"sqrt": ("sqrt",), "rsqrt": ("rsqrt",), "log": ("log",), "exp": ("exp",), "pow": ("pow", "__pow__"),
+           "divide": ("divide", "__truediv__", "__div__"), "acos": ("acos",)}
+
+
+def replay_with_remedy(report: dict[str, Any], spec: dict[str, Any], batch: dict[str, np.ndarray] | None,
+                       expected: dict[str, Any], name: str) -> int:
+    """The failing step again with the remedy `name` applied: exit 0 when it now runs clean, 1 when not."""
+    rows = {r.get("remedy"): r for r in report.get("remedies") or []}
+    row = rows.get(name)
+    if row is None:
+        raise BundleError(f"report.json has no remedy {name!r}; it has: {', '.join(rows) or 'none'}.")
+    print(f"remedy {name} ({row.get('outcome')} in nandoctor's replay): {row.get('change')}")
+    if name not in ("op_guard", "drop_samples"):
+        raise BundleError(f"{name} acts over many steps, from a state before the fault that this bundle does not "
+                          f"hold; nandoctor replayed it in the probe (outcome {row.get('outcome')}, see report.md). "
+                          "reproduce.py replays op_guard and drop_samples.")
+    if batch is None:
+        raise BundleError("this bundle holds no batch.npz, so the step cannot be replayed.")
+    if name == "drop_samples":
+        samples = sorted({i for b in (row.get("skip_list") or {}).get("batches", [])[:1] for i in b["samples"]}
+                         or set(expected.get("sample_indices") or []))
+        n = len(next(iter(batch.values())))
+        batch = {k: np.delete(v, samples, axis=0) if v.ndim and len(v) == n else v for k, v in batch.items()}
+        print(f"left out sample(s) {samples} of the batch")
+        if expected.get("phase") == "data":
+            found = check_data(batch, spec, {})
+        else:
+            found = replay_step(spec, batch, expected)
+    else:
+        op = (expected.get("op") or "").removesuffix("_grad")
+        if op not in GUARDED:
+            raise BundleError(f"no guard for op {expected.get('op')!r}.")
+        source = next((f.get("evidence", {}).get("source") for f in report.get("findings", [])
+                       if f.get("evidence", {}).get("source")), None)
+        with guard(op, source):
+            found = replay_step(spec, batch, expected)
+    if found is None:
+        print("no fault: with this remedy the step runs without NaN/Inf.")
+        return 0
+    print("first fault: " + describe(found))
+    print("the remedy does not stop the fault in this step.")
+    return 1
+
+
+@contextlib.contextmanager
+def guard(op: str, source: str | None) -> Iterator[None]:
+    """Wrap paddle.<op> (and the Tensor method or operator) so that calls from the report's source line
+    get an epsilon or clamp, as nandoctor's op_guard remedy did; put back on exit."""
+    import paddle
+
+    head = (source or "").split(" in ", 1)[0]
+    file, _, line = head.rpartition(":")
+    where = (os.path.basename(file), int(line)) if line.isdigit() else None
+
+    def safe(args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if not args or not isinstance(args[0], paddle.Tensor):
+            return args
+        x, rest = args[0], args[1:]
+        if op in ("sqrt", "rsqrt"):
+            return (x + 1e-12, *rest)
+        if op in ("log", "pow"):
+            return (paddle.clip(x, min=1e-12), *rest)
+        if op == "exp":
+            return (paddle.clip(x, max=60.0), *rest)
+        if op == "acos":
+            return (paddle.clip(x, -1 + 1e-7, 1 - 1e-7), *rest)
+        if op == "divide" and rest and isinstance(rest[0], paddle.Tensor):
+            den = rest[0]
+            return (x, paddle.where(den.abs() < 1e-12, paddle.full_like(den, 1e-12), den), *rest[1:])
+        return args
+
+    def wrap(fn: Any) -> Any:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            frame = sys._getframe(1)
+            if where is None or (frame.f_lineno == where[1] and os.path.basename(frame.f_code.co_filename) == where[0]):
+                args = safe(args)
+            return fn(*args, **kwargs)
+
+        return guarded
+
+    saved = []
+    for owner, names in ((paddle, GUARDED[op]), (paddle.Tensor, GUARDED[op])):
+        for attr in names:
+            if hasattr(owner, attr) and not (owner is paddle and attr.startswith("__")):
+                saved.append((owner, attr, getattr(owner, attr)))
+                setattr(owner, attr, wrap(getattr(owner, attr)))
+    try:
+        yield
+    finally:
+        for owner, attr, original in reversed(saved):
+            setattr(owner, attr, original)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,375 @@
+"""Verified remedies: after a fault, replay the training with each candidate fix and keep the evidence.
+
+The candidates follow from what the probe found: an epsilon/clamp for the faulting op, dropping the
+offending samples, re-initialising weights named by param.init_scale, gradient clipping at a threshold
+from the norms before the fault, learning rate x0.1 and a linear warmup. Each restarts from a snapshot
+(snapshots.py): the failing step itself for op and sample remedies, the state before the growth began
+for divergence remedies, the first step for warmup and re-initialisation. A run that stays finite to
+`end_step` without its loss blowing up is `fixed`. A replay without any change (the control) checks
+that the fault reproduces at all. Time is bounded by a budget of a few times the probe's own run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nandoctor.findings import Code, Report
+from nandoctor.probe.op_guards import guard_for
+from nandoctor.probe.remedy_replay import Change, Replay, replay
+from nandoctor.probe.snapshots import Snapshot, SnapshotRing, restore
+from nandoctor.probe.warnings import CLIP_FACTOR
+
+FIX_STEPS = 20  # replays run to the fault step + this many steps
+MIN_BUDGET_SECONDS = 20.0
+BUDGET_FACTOR = 4.0  # remedies may take this many times the probe's own run (at least MIN_BUDGET_SECONDS)
+STUCK = 1e10  # a finite loss still this large is not a recovered run (an exp clamped at its limit)
+BLOW_UP = 10.0  # a finite run whose loss ends this many times above where it started is not a fix
+_RECURRENT = ("RNN", "SimpleRNN", "LSTM", "GRU", "RNNCellBase", "RNNBase")
+
+FIXED, NOT_FIXED, NOT_APPLICABLE = "fixed", "not_fixed", "not_applicable"
+
+
+@dataclass
+class Candidate:
+    remedy: str
+    change_text: str
+    change: Change
+    start: Snapshot | None
+    why_not: str | None = None  # not applicable: why
+    extra: dict[str, Any] = field(default_factory=dict)
+    accumulate: int = 1
+
+
+def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: SnapshotRing, *,
+                 fix_steps: int = FIX_STEPS, probe_seconds: float = 0.0, amp: bool = False,
+                 device: str = "cpu") -> None:
+    """Fill `report.remedies` (verified first) and `report.details['remedies']`; the model and RNG are put
+    back as they were. Only faults with a training state to restart from are tried."""
+    fault = res.fault
+    if fault is None or fault.kind not in ("nonfinite", "update", "data"):
+        return
+    if amp and device != "cpu":  # the replays do not drive a GradScaler yet: they would not be the user's run
+        report.details["remedies"] = {"note": "remedies are not replayed under AMP on a GPU yet (the replays do "
+                                      "not drive the GradScaler); run with amp.enabled: false to have them tried"}
+        return
+    t0 = time.perf_counter()
+    budget = max(MIN_BUDGET_SECONDS, BUDGET_FACTOR * probe_seconds)
+    entry = ring.take(fault.step, fault.epoch, fault.batch_index or 0)  # to put back afterwards
+    here = _fault_snapshot(fault, ring, entry)
+    end_step = fault.step + max(1, fix_steps)
+    cands = _candidates(report, fault, workload, ring, here, amp)
+    control_start = min((c.start for c in cands if c.start is not None), key=lambda s: s.step, default=None)
+    control = None
+    rows: list[dict[str, Any]] = []
+    try:
+        if control_start is not None:
+            control = replay(workload, optimizer, ring, control_start, fault.step + 2, Change(), t0 + budget)
+        for c in cands:
+            if c.why_not is None and time.perf_counter() - t0 > budget:
+                c.why_not = f"not tried: the remedies' time budget ({budget:.0f} s) was spent"
+            if c.why_not is not None or c.start is None:
+                rows.append(_row(c, NOT_APPLICABLE, None, note=c.why_not or "no state to restart from"))
+                continue
+            r = replay(workload, optimizer, ring, c.start, end_step, c.change, t0 + budget)
+            before = _baseline_loss(report, r.start_step)
+            outcome, note = _judge(r, fault.step, end_step, c, before)
+            rows.append(_row(c, outcome, r, note=note, before=before))
+    finally:  # the weights, optimizer state and RNG as the probe left them, whatever stopped the replays
+        restore(entry, workload.model, optimizer)
+        entry.rng.restore()
+    # an update fault shows in the next step's loss; any other fault at its own step
+    late = 1 if fault.kind == "update" else 0
+    reproduced: bool | None = None  # unknown: no control, or it ran out of time
+    if control is not None and not control.cut:
+        reproduced = not control.finite and control.failed_at is not None and \
+            fault.step <= control.failed_at <= fault.step + late
+    if reproduced is False:
+        for row in rows:
+            if row["outcome"] == FIXED:
+                row["outcome"] = NOT_FIXED
+                row["note"] = ("the fault did not reproduce in a replay without any change (a nondeterministic "
+                               "run), so this result is not evidence")
+    order = {FIXED: 0, NOT_FIXED: 1, NOT_APPLICABLE: 2}
+    rows.sort(key=lambda r: order[r["outcome"]])  # stable: the practitioner's order within each outcome
+    report.remedies = rows
+    seconds = time.perf_counter() - t0
+    report.details["remedies"] = {
+        "seconds": round(seconds, 3), "budget_seconds": round(budget, 1), "probe_seconds": round(probe_seconds, 3),
+        "fix_steps": fix_steps, "end_step": end_step,
+        "control": None if control is None else {"start_step": control.start_step, "reproduced": reproduced,
+                                                 "failed_at": control.failed_at}}
+    report.details["snapshots"] = ring.summary()  # now with the fault-time snapshot's epoch kept
+    _mark_advice(report, rows, fault.step)
+
+
+def _fault_snapshot(fault: Any, ring: SnapshotRing, entry: Snapshot) -> Snapshot | None:
+    """The state right before the failing step: the live weights for a loss/gradient/data fault (the
+    optimizer never stepped on it), with the step's RNG; for an update fault, the ring's last snapshot
+    before the update (the live weights already hold the NaN)."""
+    if fault.kind == "update":
+        first = fault.update_range[0] if fault.update_range else fault.step
+        return ring.latest(first)
+    if not ring.sound(entry):
+        return ring.latest(fault.step)
+    if fault.rng is None:
+        return entry
+    import dataclasses
+
+    from nandoctor.probe.snapshots import RngState
+
+    return dataclasses.replace(entry, rng=RngState(fault.rng, entry.rng.numpy, entry.rng.python))
+
+
+def _candidates(report: Report, fault: Any, workload: Any, ring: SnapshotRing, here: Snapshot | None,
+                amp: bool) -> list[Candidate]:
+    first = ring.first
+    growth = next((f for f in report.findings if f.code == Code.GRAD_EXPLOSION
+                   and (f.location.step or 0) <= fault.step), None)
+    growth_step = growth.location.step if growth is not None else None
+    before_growth = ring.latest(growth_step) if growth_step is not None else None
+    diverge_start = before_growth or here
+    out: list[Candidate] = []
+    symptom = next((f for f in report.findings if f.location.step == fault.step and f.code in _SYMPTOMS), None)
+    op = symptom.location.op if symptom is not None else None
+    source = symptom.evidence.get("source") if symptom is not None else None
+    guard = guard_for(op)
+    if guard is not None:
+        where = f" at {source}" if source else ""
+        out.append(Candidate("op_guard", f"{guard.change}{where}", Change(guard=guard, source=source), here))
+    else:
+        out.append(Candidate("op_guard", "an epsilon or clamp for the faulting op", Change(), None,
+                             why_not=f"no guard for op {op}" if op else "no single op was named"))
+    rows = _offending_rows(fault, symptom)
+    if fault.kind == "data":
+        text = ("filter samples holding NaN/Inf out in the loader (e.g. keep rows where np.isfinite(x).all(axis=1)), "
+                f"first found: sample(s) {rows} of batch {fault.batch_index}")
+        out.append(Candidate("drop_samples", text, Change(drop_nonfinite=True), here))
+    elif rows:
+        drop = (fault.epoch, fault.batch_index or 0, rows)
+        out.append(Candidate("drop_samples", _skip_text(fault, rows, workload), Change(drop=drop), here,
+                             extra={"skip_list": _skip_list(fault, rows, workload)}))
+    else:
+        out.append(Candidate("drop_samples", "leave out the offending samples", Change(), None,
+                             why_not="no subset of the batch was found to cause the fault (the batch as a whole "
+                             "or the weights are at fault)"))
+    stds = _init_stds(report, workload.model, first)
+    if stds:
+        names = ", ".join(list(stds)[:4]) + ("…" if len(stds) > 4 else "")
+        text = (f"re-initialise {names} with a fan-in aware initializer (std ~{min(stds.values()):.3g}): "
+                "weight_attr=paddle.ParamAttr(initializer=paddle.nn.initializer.XavierNormal()), or drop the "
+                "custom init (Paddle's default is fan-in scaled)")
+        out.append(Candidate("reinit", text, Change(reinit=stds), first,
+                             why_not=None if first is not None else "no snapshot of the initial state"))
+    clip = _clip_threshold(report, growth, fault.step)
+    if clip is not None:
+        out.append(Candidate("grad_clip", f"optimizer.grad_clip: {{global_norm: {clip:.3g}}} (YAML)",
+                             Change(clip_norm=clip), diverge_start, extra={"threshold": clip}))
+    else:
+        out.append(Candidate("grad_clip", "optimizer.grad_clip: {global_norm: ...}", Change(), None,
+                             why_not="no finite gradient norm before the fault to set a threshold from"))
+    lr = _lr(report, fault.step)
+    has_sched = getattr(workload.spec.optimizer, "lr_scheduler", None) is not None
+    if has_sched:
+        lr_text = "optimizer.lr_scheduler.args.learning_rate x0.1 (YAML)"
+    elif lr:
+        lr_text = f"optimizer.args.learning_rate: {lr * 0.1:.3g} (YAML; was {lr:g})"
+    else:
+        lr_text = "the learning rate x0.1 (YAML: optimizer.args.learning_rate)"
+    out.append(Candidate("lr_x0.1", lr_text, Change(lr_scale=0.1), diverge_start))
+    warm = max(1, growth_step or fault.step)
+    if has_sched:
+        warm_text = f"optimizer.lr_scheduler.warmup: {{steps: {warm}, start_lr: 0.0}} (YAML)"
+    else:
+        rate = f"{lr:g}" if lr else "<your learning rate>"
+        warm_text = (f"optimizer.lr_scheduler: {{name: LinearWarmup, args: {{learning_rate: {rate}, "
+                     f"warmup_steps: {warm}, start_lr: 0.0, end_lr: {rate}}}}} (YAML: a linear warmup over the "
+                     f"first {warm} steps)")
+    out.append(Candidate("warmup", warm_text, Change(warmup_steps=warm), first,
+                         why_not="the fault is at the first steps: no steps before it to warm up over"
+                         if fault.step < 2 else (None if first is not None else "no snapshot of the first step")))
+    if amp:  # (on a GPU, try_remedies has returned with a note before getting here)
+        why = "the probe ran on CPU, where AMP is inactive: float16 remedies need a GPU"
+        out.append(Candidate("fp32_layer", "run the faulting layer in float32 (paddle.amp.auto_cast(enable=False) "
+                             "around it)", Change(), None, why_not=why))
+        out.append(Candidate("loss_scale", "amp.init_loss_scaling: a lower start (YAML)", Change(), None, why_not=why))
+    for c in out:
+        c.accumulate = _accumulate(workload)
+    return _ordered(out, report, fault, symptom, growth, workload.model)
+
+
+def _ordered(cands: list[Candidate], report: Report, fault: Any, symptom: Any, growth: Any,
+             model: Any) -> list[Candidate]:
+    """The order a practitioner would try them in, given the cause the probe found."""
+    causes = set(symptom.evidence.get("causes", [])) if symptom is not None else set()
+    if Code.PARAM_INIT_SCALE.value in causes:
+        pref = ["reinit", "op_guard", "grad_clip", "lr_x0.1", "warmup", "drop_samples"]
+    elif growth is not None or fault.kind == "update":
+        recurrent = any(type(m).__name__ in _RECURRENT for _, m in model.named_sublayers())
+        pref = (["grad_clip", "lr_x0.1"] if recurrent else ["lr_x0.1", "grad_clip"]) + \
+            ["warmup", "reinit", "op_guard", "drop_samples"]
+    else:
+        pref = ["op_guard", "drop_samples", "reinit", "grad_clip", "lr_x0.1", "warmup"]
+    rank = {name: i for i, name in enumerate(pref)}
+    return sorted(cands, key=lambda c: rank.get(c.remedy, len(pref)))
+
+
+def _judge(r: Replay, fault_step: int, end_step: int, c: Candidate,
+           before: float | None) -> tuple[str, str | None]:
+    if r.error is not None:
+        return NOT_FIXED, f"the replay raised {r.error}"
+    if not r.finite:
+        return NOT_FIXED, f"still NaN/Inf at step {r.failed_at}"
+    if c.change.guard is not None and not r.guard_calls:
+        return NOT_FIXED, "the guarded op was never called from the reported line"
+    last = r.start_step + r.steps_run - 1
+    if last <= fault_step:
+        why = "the data ran out" if r.ended else "the time budget ran out"
+        return NOT_FIXED, f"{why} before the replay passed the fault step"
+    before = before if before is not None else _first_loss(r)
+    after = _loss_after(r)
+    if before is not None and after is not None and after > BLOW_UP * max(abs(before), 1e-3):
+        return NOT_FIXED, f"finite, but the loss grew from {before:.3g} to {after:.3g}"
+    if after is not None and abs(after) > STUCK:
+        return NOT_FIXED, f"finite, but the loss stays at {after:.3g}: training does not recover"
+    if last < end_step - 1:
+        return FIXED, f"finite through step {last} (stopped early: {'data' if r.ended else 'time'} ran out)"
+    return FIXED, None
+
+
+def _first_loss(r: Replay) -> float | None:
+    return r.losses[0] if r.losses else None
+
+
+def _baseline_loss(report: Report, step: int) -> float | None:
+    """The probe's own loss level where a replay starts: the median of its last 3 finite losses up to `step`."""
+    import math
+
+    vals = [p.loss for p in report.timeline if p.step <= step and p.loss is not None and math.isfinite(p.loss)][-3:]
+    return sorted(vals)[len(vals) // 2] if vals else None
+
+
+def _loss_after(r: Replay) -> float | None:
+    tail = r.losses[-3:]
+    return sum(tail) / len(tail) if tail else None
+
+
+def _row(c: Candidate, outcome: str, r: Replay | None, note: str | None,
+         before: float | None = None) -> dict[str, Any]:
+    """One contract row; `loss_before` is the probe's own loss where the replay started (else the replay's
+    first), `loss_after` the replay's mean over its last 3 steps."""
+    if r is not None and before is None:
+        before = _first_loss(r)
+    row: dict[str, Any] = {"remedy": c.remedy, "change": c.change_text, "outcome": outcome,
+                           "steps_run": r.steps_run if r else 0,
+                           "loss_before": before, "loss_after": _loss_after(r) if r else None,
+                           "seconds": round(r.seconds, 3) if r else 0.0,
+                           "start_step": r.start_step if r else None, "note": note}
+    if r is not None and not r.finite:
+        row["failed_at"] = r.failed_at
+    if outcome == FIXED:
+        row.update(c.extra)
+        if r is not None and r.dropped:
+            row["skip_list"] = _skip_list_of(r.dropped, c.accumulate)
+    elif "threshold" in c.extra:
+        row["threshold"] = c.extra["threshold"]
+    return row
+
+
+_SYMPTOMS = (Code.ACTIVATION_NONFINITE, Code.LOSS_NONFINITE, Code.GRAD_NONFINITE, Code.UPDATE_NONFINITE,
+             Code.DATA_NONFINITE)
+
+
+def _offending_rows(fault: Any, symptom: Any) -> list[int]:
+    if fault.kind == "data":
+        return sorted({r for rows in fault.bad_fields.values() for r in rows})
+    return list(symptom.location.sample_indices or []) if symptom is not None else []
+
+
+def _skip_list(fault: Any, rows: list[int], workload: Any) -> dict[str, Any]:
+    """What to resume with: the batch and sample ids, and PaddleFormers' `skip_data_intervals` (1-based
+    optimizer steps, inclusive) for skipping that whole step."""
+    return _skip_list_of([(fault.epoch, fault.batch_index, fault.step, rows)], _accumulate(workload))
+
+
+def _skip_list_of(dropped: list[tuple[int, int | None, int, list[int]]], accumulate: int) -> dict[str, Any]:
+    steps = sorted({step // accumulate + 1 for _, _, step, _ in dropped})
+    return {"batches": [{"epoch": e, "batch_index": b, "step": s, "samples": rows} for e, b, s, rows in dropped],
+            "skip_data_intervals": [[g, g] for g in steps]}
+
+
+def _accumulate(workload: Any) -> int:
+    return max(1, int(getattr(workload.spec.optimizer, "accumulate_steps", 1) or 1))
+
+
+def _skip_text(fault: Any, rows: list[int], workload: Any) -> str:
+    sl = _skip_list(fault, rows, workload)
+    return (f"leave out sample(s) {rows} of batch {fault.batch_index} (epoch {fault.epoch}), or skip that step: "
+            f"skip_data_intervals: {sl['skip_data_intervals']}")
+
+
+def _init_stds(report: Report, model: Any, first: Snapshot | None) -> dict[str, float]:
+    """Weights to re-initialise -> the std their fan-in needs. Those named by param.init_scale, and (only
+    then) the other weights of the initial state as far off their fan-in scale that the check skips as too
+    small to judge (a [256, 1] output head drawn with the same wrong init)."""
+    from nandoctor.scan.params import expected_band, owners
+
+    out: dict[str, float] = {}
+    for f in report.findings:
+        if f.code == Code.PARAM_INIT_SCALE and f.location.parameter and f.evidence.get("expected_std") \
+                and f.evidence.get("ratio", 1) > 1:
+            lo, hi = f.evidence["expected_std"]
+            if lo > 0 and hi > 0:
+                out[f.location.parameter] = float((lo * hi) ** 0.5)
+    if not out or first is None:
+        return out
+    own = owners(model)
+    for name, p in model.named_parameters():
+        arr = first.model.get(name)
+        if name in out or arr is None or arr.ndim < 2 or arr.dtype.kind != "f":
+            continue
+        _, layer = own.get(id(p), (None, None))
+        kind, _, band, quoted = expected_band(name, list(arr.shape), layer)
+        if kind != "embedding" and quoted[0] > 0 and float(arr.std()) > 3 * band[1]:
+            out[name] = float((quoted[0] * quoted[1]) ** 0.5)
+    return out
+
+
+def _clip_threshold(report: Report, growth: Any, fault_step: int) -> float | None:
+    if growth is not None and growth.evidence.get("clip_threshold"):
+        return float(growth.evidence["clip_threshold"])
+    norms = sorted(p.grad_norm for p in report.timeline if p.step < fault_step and p.grad_norm is not None
+                   and p.grad_norm == p.grad_norm and p.grad_norm != float("inf"))
+    if not norms:
+        return None
+    return float(norms[len(norms) // 2]) * CLIP_FACTOR
+
+
+def _lr(report: Report, step: int) -> float | None:
+    lrs = [p.lr for p in report.timeline if p.lr is not None and p.step <= step]
+    return lrs[0] if lrs else None
+
+
+_CAUSE_OF = {"grad_clip": Code.GRAD_EXPLOSION, "lr_x0.1": Code.GRAD_EXPLOSION, "warmup": Code.GRAD_EXPLOSION,
+             "reinit": Code.PARAM_INIT_SCALE}
+
+
+def _mark_advice(report: Report, rows: list[dict[str, Any]], fault_step: int) -> None:
+    """The advice lists say which change was verified by replay and which did not help: the fault's own
+    finding lists every replayed remedy first, a cause's finding (grad.explosion, param.init_scale) its
+    own after its advice."""
+    symptom = next((f for f in report.findings if f.location.step == fault_step and f.code in _SYMPTOMS), None)
+    for finding in report.findings:
+        if finding is symptom:
+            mine = rows
+        else:
+            mine = [r for r in rows if _CAUSE_OF.get(r["remedy"]) == finding.code]
+        lines = [f"Verified by replay ({r['remedy']}): {r['change']}" for r in mine if r["outcome"] == FIXED]
+        lines += [f"Tried by replay, did not help ({r['remedy']}): {r['change']}" for r in mine
+                  if r["outcome"] == NOT_FIXED]
+        if not lines:
+            continue
+        kept = [a for a in finding.advice if not a.startswith(("Verified by", "Tried by"))]
+        # the fault's own finding leads with the evidence; a cause's finding keeps its advice first
+        finding.advice = lines + kept if finding is symptom else kept + lines

@@ -1,0 +1,239 @@
+"""One remedy replay: restore a snapshot, apply the change, train on and watch for NaN/Inf.
+
+The replay drives the user's own loader, loss, backward and optimizer like the probe's loop, but from a
+snapshot's step and loader position and with one change applied (a clip threshold, a learning-rate
+factor or warmup, samples dropped from one batch, an op guard, re-initialised weights). It checks the
+loss and the gradient norm every step (two host syncs: replays are not the probe's hot path) and stops
+at the first non-finite value, at `end_step` or at its deadline. The optimizer's clip and learning rate
+are put back afterwards; the caller restores the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from nandoctor.batches import subset
+from nandoctor.interrupt import stop_loader
+from nandoctor.probe.op_guards import Guard, guarded
+from nandoctor.probe.snapshots import Snapshot, SnapshotRing, restore
+
+
+@dataclass
+class Change:
+    """What a remedy changes for its replay (all optional; the default is the unchanged run)."""
+
+    lr_scale: float = 1.0
+    warmup_steps: int = 0  # the learning rate ramps linearly from 0 over steps 0..warmup_steps-1
+    clip_norm: float | None = None
+    drop: tuple[int, int, list[int]] | None = None  # (epoch, batch_index, rows) left out of that batch
+    drop_nonfinite: bool = False  # leave out every sample holding NaN/Inf, in every batch (a loader filter)
+    guard: Guard | None = None
+    source: str | None = None  # where the guarded op was created ("model.py:13 in forward")
+    reinit: dict[str, float] = field(default_factory=dict)  # parameter name -> std to draw it from
+
+
+@dataclass
+class Replay:
+    start_step: int
+    steps_run: int = 0
+    finite: bool = True
+    failed_at: int | None = None
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    cut: bool = False  # stopped by the deadline before end_step
+    error: str | None = None  # the user's code raised during the replay
+    guard_calls: int | None = None
+    ended: bool = False  # the data ran out (a loader that cannot be re-made)
+    dropped: list[tuple[int, int | None, int, list[int]]] = field(default_factory=list)  # (epoch, batch, step, rows)
+
+
+def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change,
+           deadline: float) -> Replay:
+    """Train from `snap` to `end_step` with `change`; never raises for the user's errors (they go in `.error`)."""
+    t0 = time.perf_counter()
+    out = Replay(snap.step)
+    restore(snap, workload.model, optimizer)
+    _reinit(workload.model, change.reinit)
+    try:
+        with _optimizer_changed(optimizer, change) as set_factor, _guard(change) as hits:
+            _run(workload, optimizer, ring, snap, end_step, change, deadline, set_factor, out)
+            out.guard_calls = hits["calls"] if hits is not None else None
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's code (or a subset it cannot take) raised
+        out.error = f"{type(exc).__name__}: {exc}"[:300]
+        out.finite = False
+        out.failed_at = snap.step + out.steps_run
+    finally:
+        with contextlib.suppress(Exception):
+            optimizer.clear_grad()
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change, deadline: float,
+         set_factor: Any, out: Replay) -> None:
+    import paddle
+
+    from nandoctor.probe.loop import lr_scheduler_of
+
+    accumulate = max(1, int(getattr(w.spec.optimizer, "accumulate_steps", 1) or 1))
+    sched = lr_scheduler_of(opt)
+    by = getattr(getattr(w.spec.optimizer, "lr_scheduler", None), "by", "step") or "step"
+    params = [p for p in w.model.parameters() if not p.stop_gradient]
+    epoch, batch_index, step = snap.epoch, snap.batch_index, snap.step
+    it = _loader_at(w, ring, snap)
+    opt.clear_grad()
+    try:
+        while step < end_step:
+            if time.perf_counter() > deadline:
+                out.cut = True
+                break
+            batch = next(it, _END)
+            if batch is _END:
+                if batch_index == 0:
+                    out.ended = True
+                    break
+                if sched is not None and by == "epoch":
+                    sched.step()
+                stop_loader(it)
+                epoch, batch_index, it = epoch + 1, 0, iter(w.make_loader())
+                continue
+            fields = _changed_fields(w.layout.fields(batch, batch_index), change, epoch, batch_index, step, out)
+            set_factor(step)
+            loss = w.compute_loss(w.model, fields)
+            value = float(loss.detach().astype("float32").reshape([]))
+            if not math.isfinite(value):
+                out.finite, out.failed_at = False, step
+                return
+            (loss / accumulate if accumulate > 1 else loss).backward()
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads and not bool(paddle.stack([paddle.isfinite(g).all() for g in grads]).all()):
+                out.finite, out.failed_at = False, step  # (not a norm: a finite 1e24 gradient squares to inf)
+                return
+            out.losses.append(value)
+            if (step + 1) % accumulate == 0:
+                opt.step()
+                opt.clear_grad()
+                if sched is not None and by == "step":
+                    sched.step()
+            step += 1
+            batch_index += 1
+            out.steps_run += 1
+        if out.steps_run and not all(bool(paddle.isfinite(p).all()) for p in params):
+            out.finite, out.failed_at = False, step  # the last update wrote NaN/Inf
+    finally:
+        stop_loader(it)  # a DataLoader's worker processes end with the replay
+
+
+def _changed_fields(fields: dict[str, Any], change: Change, epoch: int, batch_index: int, step: int,
+                    out: Replay) -> dict[str, Any]:
+    """The batch as the remedy sees it: the offending samples left out of their batch, or every sample
+    holding NaN/Inf left out of every batch (a loader filter); what was dropped is recorded."""
+    if change.drop is not None and (epoch, batch_index) == change.drop[:2]:
+        drop = set(change.drop[2])
+        fields = subset(fields, [i for i in range(_rows(fields)) if i not in drop])
+        out.dropped.append((epoch, batch_index, step, sorted(drop)))
+    if change.drop_nonfinite:
+        bad = _nonfinite_rows(fields)
+        if bad:
+            fields = subset(fields, [i for i in range(_rows(fields)) if i not in bad])
+            out.dropped.append((epoch, batch_index, step, sorted(bad)))
+    return fields
+
+
+def _loader_at(w: Any, ring: SnapshotRing, snap: Snapshot) -> Iterator[Any]:
+    """A fresh loader at the snapshot's position: the epoch's RNG restored before it is made (its shuffle
+    order), the batches before the position skipped, then the step's own RNG restored."""
+    rng = ring.epoch_rng.get(snap.epoch)
+    if rng is not None:
+        rng.restore()
+    it = iter(w.make_loader())
+    for _ in range(snap.batch_index):
+        if next(it, _END) is _END:
+            break
+    snap.rng.restore()
+    return it
+
+
+@contextlib.contextmanager
+def _optimizer_changed(opt: Any, change: Change) -> Iterator[Any]:
+    """The clip threshold and a learning-rate factor for the replay; both put back on exit. Yields
+    `set_factor(step)`, to call before each step (warmup ramps with the step)."""
+    import paddle
+
+    from nandoctor.probe.loop import lr_scheduler_of
+
+    sched = lr_scheduler_of(opt)
+    clip = opt._grad_clip
+    base = None if sched is not None else float(opt.get_lr())
+    if change.clip_norm is not None:
+        opt._grad_clip = paddle.nn.ClipGradByGlobalNorm(float(change.clip_norm))
+
+    def factor(step: int) -> float:
+        f = change.lr_scale
+        if change.warmup_steps and step < change.warmup_steps:  # as paddle.optimizer.lr.LinearWarmup from 0
+            f *= step / change.warmup_steps
+        return f
+
+    def set_factor(step: int) -> None:
+        f = factor(step)
+        if sched is None:
+            opt.set_lr(base * f)
+        elif f != 1.0:  # the scheduler's own value for this step, scaled (its next step recomputes it)
+            sched.last_lr = float(sched.get_lr()) * f
+
+    try:
+        yield set_factor
+    finally:
+        opt._grad_clip = clip
+        if base is not None:
+            opt.set_lr(base)
+
+
+@contextlib.contextmanager
+def _guard(change: Change) -> Iterator[dict[str, int] | None]:
+    if change.guard is None:
+        yield None
+        return
+    with guarded(change.guard, change.source) as hits:
+        yield hits
+
+
+def _reinit(model: Any, stds: dict[str, float]) -> None:
+    """Draw the named weights afresh from N(0, std) (a seeded generator of our own, not the user's RNG)."""
+    if not stds:
+        return
+    gen = np.random.default_rng(0)
+    for name, p in model.named_parameters():
+        if name in stds:
+            arr = gen.normal(0.0, stds[name], size=[int(d) for d in p.shape])
+            p.set_value(arr.astype(str(p.dtype).replace("paddle.", "")))
+
+
+def _nonfinite_rows(fields: dict[str, Any]) -> set[int]:
+    from nandoctor.batches import to_numpy
+
+    n = _rows(fields)
+    bad: set[int] = set()
+    for v in fields.values():
+        arr = to_numpy(v)
+        if arr is not None and arr.dtype.kind == "f" and arr.ndim > 0 and arr.shape[0] == n:
+            bad |= {int(i) for i in np.where(~np.isfinite(arr.reshape(n, -1)).all(axis=1))[0]}
+    return bad
+
+
+def _rows(fields: dict[str, Any]) -> int:
+    from nandoctor.batches import batch_size
+
+    return batch_size(fields) or 0
+
+
+_END = object()

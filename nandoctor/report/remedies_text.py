@@ -1,0 +1,70 @@
+"""Shared wording for the remedies section (console and Markdown): one place for labels and numbers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nandoctor.report.common import fmt_value
+
+OUTCOME_LABEL = {"fixed": "verified fix", "not_fixed": "did not help", "not_applicable": "not applicable"}
+
+
+def outcome_label(row: dict[str, Any]) -> str:
+    return OUTCOME_LABEL.get(str(row.get("outcome")), str(row.get("outcome")))
+
+
+def loss_text(row: dict[str, Any]) -> str:
+    before, after = row.get("loss_before"), row.get("loss_after")
+    if before is None and after is None:
+        return "-"
+    return f"{fmt_value(before) if before is not None else '-'} → {fmt_value(after) if after is not None else '-'}"
+
+
+def run_text(row: dict[str, Any]) -> str:
+    """'20 steps from step 6 (0.02 s)', or the reason it was not run."""
+    if row.get("outcome") == "not_applicable":
+        return str(row.get("note") or "")
+    start = row.get("start_step")
+    since = f" from step {start}" if start is not None else ""
+    out = f"{row.get('steps_run', 0)} steps{since} ({fmt_value(row.get('seconds', 0))} s)"
+    return out + (f"; {row['note']}" if row.get("note") else "")
+
+
+def notice(report: Any) -> str | None:
+    """Why there is no remedies table: nandoctor's own replay failed, or replays do not apply here."""
+    info = report.details.get("remedies")
+    if not isinstance(info, dict):
+        return None
+    text = info.get("error") or info.get("note")
+    return str(text) if text else None
+
+
+def summary_line(report: Any) -> str | None:
+    """'Remedies replayed in 0.3 s (budget 20 s; the probe took 0.2 s); fault reproduced without a change.'"""
+    info = report.details.get("remedies")
+    if not isinstance(info, dict):
+        return None
+    if notice(report):
+        return notice(report)
+    control = info.get("control") or {}
+    if not control:
+        repro = "no replay without a change was possible"
+    elif control.get("reproduced") is None:
+        repro = "the replay without any change ran out of time, so reproduction is unchecked"
+    elif control.get("reproduced"):
+        repro = "the fault reproduced in a replay without any change"
+    else:
+        repro = "the fault did NOT reproduce in a replay without any change, so outcomes are not evidence"
+    ring = report.details.get("snapshots") or {}
+    snap = (f"snapshots kept at steps {ring.get('kept_steps')} ({fmt_value(ring.get('bytes', 0) / 2**20)} MB, "
+            f"every {ring.get('every')} steps)" if ring.get("enabled") else str(ring.get("note") or "no snapshots"))
+    return (f"Replayed each remedy to step {info.get('end_step')} in {fmt_value(info.get('seconds'))} s (budget "
+            f"{fmt_value(info.get('budget_seconds'))} s; the probe itself took {fmt_value(info.get('probe_seconds'))} "
+            f"s); {repro}; {snap}.")
+
+
+def skip_list_text(row: dict[str, Any]) -> str | None:
+    import json
+
+    sl = row.get("skip_list")
+    return None if not sl else json.dumps(sl)
