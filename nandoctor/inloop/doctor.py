@@ -163,6 +163,12 @@ class Doctor:
             self._skip_next = True
         return False
 
+    def updated(self) -> None:
+        """The update of a checked step was applied by a route other than `optimizer.step()` (hapi's
+        `minimize`): close the step as the step wrapper would (parameter check, timing)."""
+        if self._checked and not self._closed:
+            self._end_step(stepped=True)
+
     # ---- the end ------------------------------------------------------------------------------------
     def close(self) -> Report | None:
         """Remove the hooks and the optimizer wrapper; a run with warnings but no fault gets its report
@@ -210,7 +216,8 @@ class Doctor:
             def compute(model: Any, fields: dict[str, Any]) -> Any:
                 return step_fn(model, rebuild(fields))
 
-        workload = _Workload(self.model, compute, SimpleNamespace(base_dir=_base_dir(self.step_fn), step=None,
+        workload = _Workload(self.model, compute, SimpleNamespace(base_dir=_base_dir(self.step_fn, self.model),
+                                                                  step=None,
                                                                   loss=None, data=SimpleNamespace(entry="the loop")))
         was_training = self.model.training
         self._busy = True
@@ -263,12 +270,18 @@ def watch(model: Any, optimizer: Any = None, step_fn: Callable[[Any, Any], Any] 
                   fields=fields, fp16=fp16, sync=sync)
 
 
-def _base_dir(fn: Any) -> Path:
-    """Where the user's code lives (for the source line of a replayed op): step_fn's file, else the cwd."""
-    try:
-        return Path(inspect.getfile(fn)).resolve().parent
-    except (TypeError, OSError):
-        return Path.cwd()
+def _base_dir(fn: Any, model: Any) -> Path:
+    """Where the user's code lives (source lines of a replayed op are shown relative to it): step_fn's
+    folder, or the model class's when step_fn is nandoctor's own (the hapi callback's replay)."""
+    own = Path(__file__).resolve().parent.parent
+    for obj in (fn, type(model)):
+        try:
+            folder = Path(inspect.getfile(obj)).resolve().parent
+        except (TypeError, OSError):
+            continue
+        if not folder.is_relative_to(own):
+            return folder
+    return Path.cwd()
 
 
 def _disable_checker() -> None:
