@@ -90,25 +90,34 @@ class RankSync:
                      evidence={PEER: True})
 
     def first_rank(self) -> int | None:
-        """The lowest rank with a fault of its own; else the lowest with non-finite gradients."""
-        for level in (2, 1):
-            for r, v in enumerate(self.levels):
-                if v >= level:
-                    return r
-        return None
-
-    def merge(self, report: Any) -> None:
-        """Every rank: its own report goes to report_dir/rank-N/; rank 0, after a barrier, takes the first
-        faulting rank's findings into `report` and lists what every rank saw."""
-        self.own = report
+        """The lowest rank with a fault of its own (a non-finite loss or data, or a gradient fault its own
+        batch reproduces alone); else the lowest with non-finite gradients."""
+        reproduced = getattr(self, "reproduced", [False] * self.world)
+        for r, v in enumerate(self.levels):
+            if v == 2 or (v and reproduced[r]):
+                return r
+        return next((r for r, v in enumerate(self.levels) if v), None)
 
     def finish(self, doctor: Any, report: Any) -> Any:
-        """Write this rank's report, wait for every rank, then (rank 0) build the merged one."""
+        """After a fault, on every rank: learn whose own batch reproduces it, write this rank's report to
+        report_dir/rank-N/, wait for every rank, then (rank 0) return the merged report."""
+        import paddle
         import paddle.distributed as dist
 
         from nandoctor.findings import Report
         from nandoctor.inloop import outcome
 
+        ff = report.first_fault
+        reproduced = ff is not None and (ff.op is not None or ff.layer is not None or bool(ff.sample_indices))
+        vec = [0] * self.world
+        vec[self.rank] = 1 if reproduced else 0
+        t = paddle.to_tensor(vec, dtype="int32")
+        dist.all_reduce(t)  # the fault's second (and last) collective: whose own batch reproduces it
+        self.reproduced = [bool(v) for v in t.numpy().tolist()]
+        report.run["rank"] = self.rank
+        report.details["rank"] = self.rank
+        if doctor.report_dir is None:
+            return report
         folder = Path(doctor.report_dir)
         mine = folder / f"rank-{self.rank}"
         outcome.write_report(report, mine)
@@ -126,8 +135,16 @@ class RankSync:
         for loc in [merged.first_fault] + [f.location for f in merged.findings]:
             if loc is not None and hasattr(loc, "rank"):  # the contract's `rank` (findings.py may carry it)
                 loc.rank = first
-        merged.details["ranks"] = [{"rank": r, "saw_nonfinite": bool(v), "own_fault": v == 2,
-                                    "report": f"rank-{r}/report.json"} for r, v in enumerate(self.levels)]
+        if first is not None and merged.findings and merged.findings[0].severity.value == "error":
+            merged.findings[0].message = f"Rank {first} of {self.world}: {merged.findings[0].message}"
+        reproduced = getattr(self, "reproduced", [False] * self.world)
+        merged.details["ranks"] = [{"rank": r, "saw_nonfinite": bool(v),
+                                    "own_fault": v == 2 or (bool(v) and reproduced[r]),
+                                    "step": self.step if v else None, "report": f"rank-{r}/report.json"}
+                                   for r, v in enumerate(self.levels)]
         merged.details["first_rank"] = first
         merged.run["world_size"] = self.world
+        merged.run.pop("rank", None)
+        merged.run["first_rank"] = first
+        merged.artifacts = source.artifacts if source is report else {}
         return merged

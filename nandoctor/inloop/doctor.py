@@ -179,7 +179,8 @@ class Doctor:
         try:
             if self._checked:
                 self._end_step(stepped=False)
-            fault = None if self.fault is not None else self.watcher.finish()
+            # the last update's check is one more sync; with ranks it would be a collective some skip
+            fault = None if self.fault is not None or self.sync is not None else self.watcher.finish()
             if fault is not None:
                 self.fault = fault
                 self._report(fault, lambda f: None)
@@ -219,17 +220,20 @@ class Doctor:
         workload = _Workload(self.model, compute, SimpleNamespace(base_dir=_base_dir(self.step_fn, self.model),
                                                                   step=None,
                                                                   loss=None, data=SimpleNamespace(entry="the loop")))
+        peer = fault is not None and fault.evidence.get("peer")
         was_training = self.model.training
         self._busy = True
         try:
-            outcome.fill_report(report, self.watcher, fault, self.step, workload=workload, optimizer=self.optimizer)
+            with _no_sync(self.wrapper):  # a replay on one rank must not wait for the others' gradients
+                outcome.fill_report(report, self.watcher, None if peer else fault, self.step, workload=workload,
+                                    optimizer=self.optimizer)
         finally:
             self._busy = False
             if not was_training:
                 self.model.eval()
             _disable_checker()
         if self.sync is not None:
-            self.sync.merge(report)
+            report = self.sync.finish(self, report)
         self.report = report
         text = outcome.render_text(report)
         (log.error if report.exit_code else log.warning)("nandoctor report\n%s", text)
@@ -282,6 +286,17 @@ def _base_dir(fn: Any, model: Any) -> Path:
         if not folder.is_relative_to(own):
             return folder
     return Path.cwd()
+
+
+def _no_sync(wrapper: Any) -> Any:
+    """DataParallel's `no_sync()` (replays stay on this rank), a no-op context for a plain model."""
+    import contextlib
+
+    import paddle
+
+    if isinstance(wrapper, paddle.DataParallel):
+        return wrapper.no_sync()
+    return contextlib.nullcontext()
 
 
 def _disable_checker() -> None:

@@ -1,0 +1,81 @@
+"""nandoctor.watch under `python -m paddle.distributed.launch --nproc_per_node 2` (CPU, gloo, DataParallel).
+
+Each case runs examples/distributed_train.py through Paddle's own launcher in a subprocess with a hard
+time limit, so a rank left waiting at a collective fails the test instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from inloop_helpers import EXAMPLES, ROOT
+
+LIMIT = 150  # seconds for the whole launch: two Paddle start-ups, 12 steps, one replay
+
+
+def _launch(tmp_path: Path, *extra: str) -> tuple[int, Path]:
+    report = tmp_path / "report"
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
+           str(tmp_path / "log"), str(EXAMPLES / "distributed_train.py"), "--report-dir", str(report), *extra]
+    try:
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=LIMIT,
+                              env={**_env(), "PYTHONPATH": str(ROOT)})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the 2-process run did not finish in {LIMIT} s (a rank hung): {_logs(tmp_path)}")
+    return proc.returncode, report
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "FLAGS_"))}
+
+
+def _logs(tmp_path: Path) -> str:
+    return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((tmp_path / "log").glob("workerlog.*")))
+
+
+def _done(tmp_path: Path) -> list[str]:
+    """The example's last line on each rank: every rank reached the end of its loop."""
+    return [line for p in sorted((tmp_path / "log").glob("workerlog.*"))
+            for line in p.read_text(errors="replace").splitlines() if line.startswith("rank ")]
+
+
+def test_fault_on_rank_1_only_names_rank_1(tmp_path: Path) -> None:
+    rc, report = _launch(tmp_path, "--fault-rank", "1")
+    assert rc != 0, _logs(tmp_path)
+    assert sorted(_done(tmp_path)) == ["rank 0: steps 7, fault True", "rank 1: steps 7, fault True"], _logs(tmp_path)
+    merged = json.loads((report / "report.json").read_text(encoding="utf-8"))
+    assert merged["verdict"] == "nan_found"
+    ff = merged["first_fault"]
+    assert (ff["step"], ff["phase"], ff["layer"], ff["op"], ff["sample_indices"]) == (
+        6, "backward", "distance", "sqrt_grad", [3])
+    assert merged["details"]["first_rank"] == 1 and merged["run"]["first_rank"] == 1
+    ranks = {r["rank"]: r for r in merged["details"]["ranks"]}
+    # rank 0's gradients went NaN too, through DataParallel's all-reduce; only rank 1's batch does it alone
+    assert ranks[0]["saw_nonfinite"] and not ranks[0]["own_fault"]
+    assert ranks[1]["saw_nonfinite"] and ranks[1]["own_fault"] and ranks[1]["step"] == 6
+    assert merged["findings"][0]["message"].startswith("Rank 1 of 2:")
+    for r in (0, 1):
+        assert (report / f"rank-{r}" / "report.json").is_file()
+    assert (report / "rank-1" / "batch.npz").is_file()
+
+
+def test_fault_on_every_rank(tmp_path: Path) -> None:
+    rc, report = _launch(tmp_path, "--fault-rank", "all")
+    assert rc != 0
+    merged = json.loads((report / "report.json").read_text(encoding="utf-8"))
+    assert merged["details"]["first_rank"] == 0
+    assert [r["own_fault"] for r in merged["details"]["ranks"]] == [True, True]
+    assert merged["first_fault"]["step"] == 6 and merged["first_fault"]["sample_indices"] == [3]
+
+
+def test_healthy_two_process_run(tmp_path: Path) -> None:
+    rc, report = _launch(tmp_path)
+    assert rc == 0, _logs(tmp_path)
+    assert sorted(_done(tmp_path)) == ["rank 0: steps 12, fault False", "rank 1: steps 12, fault False"]
+    assert not report.exists()
