@@ -59,3 +59,20 @@ def example_module(name: str) -> Any:
     sys.modules[key] = module
     spec.loader.exec_module(module)
     return module
+
+
+def probe_plain_loop(tmp_path: Path, healthy: bool = False) -> dict[str, Any]:
+    """`nandoctor probe` on examples/plain_loop.py's own model and batches (the spec the examples stand for)."""
+    import yaml
+
+    from nandoctor.probe import ProbeOptions, run_probe
+    from nandoctor.spec import load_spec
+
+    example = EXAMPLES / "plain_loop.py"
+    raw = {"version": 1, "model": {"entry": f"{example}:Siamese"},
+           "data": {"entry": f"{example}:batches", "args": {"healthy": healthy}, "fields": ["a", "b", "target"],
+                    "inputs": ["a", "b"], "label": "target"},
+           "loss": {"builtin": "mse"}, "optimizer": {"name": "Adam", "args": {"learning_rate": 0.003}}}
+    path = tmp_path / "plain_loop.yaml"
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    return fault_of(run_probe(load_spec(path), ProbeOptions(steps=20, seed=0, device="cpu")))

@@ -33,6 +33,10 @@ log = logging.getLogger("nandoctor")
 ON_FAULT = ("stop", "raise", "skip_step")
 
 
+class ReplayError(RuntimeError):
+    """A step_fn that cannot replay the failing step (nandoctor run without a loss to re-run)."""
+
+
 class NonFiniteError(RuntimeError):
     """Raised by `check()` with `on_fault="raise"`; `.report` holds the full report."""
 
@@ -57,7 +61,8 @@ class Doctor:
 
     def __init__(self, model: Any, optimizer: Any, *, step_fn: Callable[[Any, Any], Any] | None = None,
                  report_dir: str | Path | None = "nandoctor-report", on_fault: str = "stop", scaler: Any = None,
-                 fields: list[str] | None = None, fp16: bool = False, sync: Any = None) -> None:
+                 fields: list[str] | None = None, fp16: bool = False, sync: Any = None,
+                 wrap_step: bool = True) -> None:
         import paddle
 
         if on_fault not in ON_FAULT:
@@ -85,7 +90,7 @@ class Doctor:
         self._warned: set[Any] = set()
         self._hook = self.wrapper.register_forward_pre_hook(self._pre_forward)
         self._orig_step = optimizer.step if optimizer is not None else None
-        if optimizer is not None:
+        if optimizer is not None and wrap_step:  # (nandoctor run patches the class's step itself)
             optimizer.step = self._wrapped_step  # an instance attribute, deleted again in close()
 
     # ---- seams ----------------------------------------------------------------------------------
@@ -225,8 +230,15 @@ class Doctor:
         self._busy = True
         try:
             with _no_sync(self.wrapper):  # a replay on one rank must not wait for the others' gradients
-                outcome.fill_report(report, self.watcher, None if peer else fault, self.step, workload=workload,
-                                    optimizer=self.optimizer)
+                try:
+                    outcome.fill_report(report, self.watcher, None if peer else fault, self.step,
+                                        workload=workload, optimizer=self.optimizer)
+                except ReplayError as exc:  # the replay could not run: what the step's numbers say
+                    log.warning("nandoctor: the failing step could not be replayed (%s)", exc)
+                    report = outcome.new_report(device, "watch")
+                    workload.compute_loss = None
+                    outcome.fill_report(report, self.watcher, None if peer else fault, self.step,
+                                        workload=workload, optimizer=self.optimizer)
         finally:
             self._busy = False
             if not was_training:
