@@ -40,7 +40,7 @@ class _Command(typer.core.TyperCommand):
     """A usage line as people write it (`nandoctor probe [OPTIONS] CONFIG`), and no `<bool>` on flags."""
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
-        return [piece.strip("{}") for piece in super().collect_usage_pieces(ctx)]
+        return [piece.replace("{", "").replace("}", "") for piece in super().collect_usage_pieces(ctx)]
 
     def get_params(self, ctx: Any) -> list[Any]:
         return _plain_params(super().get_params(ctx))
@@ -177,7 +177,7 @@ def probe(
 
 @app.command(cls=_Command, context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 def run(
-    command: Annotated[list[str], typer.Argument(metavar="-- COMMAND...", help="Your training command, unchanged, "
+    command: Annotated[list[str], typer.Argument(metavar="COMMAND", help="Your training command, unchanged, "
                                                  "after --: `nandoctor run -- python train.py --lr 3e-4`.",
                                                  show_default=False)],
     json_path: JsonOpt = None,
