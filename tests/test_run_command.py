@@ -69,3 +69,9 @@ def test_the_scripts_own_exit_status_passes_through(tmp_path: Path) -> None:
 def test_no_command_is_a_usage_error(tmp_path: Path) -> None:
     proc = _run(tmp_path, script=[])
     assert proc.returncode == 2
+
+
+def test_a_command_without_training_says_nothing_was_watched(tmp_path: Path) -> None:
+    proc = _run(tmp_path, script=[sys.executable, "-c", "print('no training here')"])
+    assert proc.returncode == 0 and proc.stdout == "no training here\n"
+    assert "nothing was watched" in proc.stderr

@@ -23,6 +23,10 @@ from nandoctor.findings import Report
 SITE = Path(__file__).resolve().parent / "site"
 
 
+def _stderr() -> Console:
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
 def run_script(command: list[str], console: Console, *, json_path: Path | None = None,
                markdown_path: Path | None = None, bundle: Path | None = None, keep_going: bool = False,
                quiet: bool = False) -> int:
@@ -51,6 +55,10 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
         except KeyboardInterrupt:
             return 130
         if not result.is_file():
+            if not (Path(tmp) / "watched").exists():
+                _stderr().print(f"nandoctor run: nothing was watched: {' '.join(command[:3])} never stepped a "
+                                "Paddle optimizer on a model in training mode (or its Python cannot import "
+                                "nandoctor). The command's own exit status follows.", markup=False)
             return proc.returncode  # nothing found: the script's own status
         try:
             report = Report.from_dict(json.loads(result.read_text(encoding="utf-8")))

@@ -116,6 +116,7 @@ class Session:
                 self.loss_layer, self.labels = layer, tuple(args[1:])
         self.names = _input_names(self.model, len(self.inputs))
         self._switch_to_hooks()
+        mark(self.config, "watched")
         report_dir = self.config.get("report_dir")
         self.doctor = Doctor(self.model, optimizer, step_fn=self._replay, report_dir=report_dir,
                              on_fault="stop", wrap_step=False, sync=_sync())
@@ -202,6 +203,14 @@ def write_result(config: dict[str, Any], report: Any) -> None:
         path = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
     if report is not None:
         path.write_text(json_report.render(report), encoding="utf-8")
+
+
+def mark(config: dict[str, Any], what: str) -> None:
+    """Tell the parent how far the watch got (`watched`: a model and optimizer were found), by a file."""
+    try:
+        Path(config["result"]).with_name(what).touch()
+    except OSError:
+        pass
 
 
 def _sync() -> Any:
@@ -317,13 +326,13 @@ def install() -> None:
         return
     SESSION = Session(config)
     _quiet_logger()
+    import atexit
+
+    atexit.register(_at_exit)
     if "paddle" in sys.modules and hasattr(sys.modules["paddle"], "optimizer"):
         patch_paddle()
         return
     sys.meta_path.insert(0, _AfterImport("paddle", patch_paddle))
-    import atexit
-
-    atexit.register(_at_exit)
 
 
 def _at_exit() -> None:
