@@ -89,6 +89,11 @@ class RankSync:
         return Fault(FaultKind.NONFINITE, doctor.step, doctor.step, 0, w._fields, rng=w._rng,
                      evidence={PEER: True})
 
+    def barrier(self) -> None:
+        import paddle.distributed as dist
+
+        dist.barrier()
+
     def first_rank(self) -> int | None:
         """The lowest rank with a fault of its own (a non-finite loss or data, or a gradient fault its own
         batch reproduces alone); else the lowest with non-finite gradients."""

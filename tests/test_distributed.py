@@ -79,3 +79,21 @@ def test_healthy_two_process_run(tmp_path: Path) -> None:
     assert rc == 0, _logs(tmp_path)
     assert sorted(_done(tmp_path)) == ["rank 0: steps 12, fault False", "rank 1: steps 12, fault False"]
     assert not report.exists()
+
+
+def test_nandoctor_run_over_the_launcher_names_rank_1(tmp_path: Path) -> None:
+    """Zero-change mode: the unmodified DataParallel script, every rank watched through the seams."""
+    cmd = [sys.executable, "-m", "nandoctor", "run", "--json", str(tmp_path / "r.json"), "-q", "--",
+           sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
+           str(tmp_path / "log"), str(EXAMPLES / "unmodified_distributed.py"), "--fault-rank", "1"]
+    try:
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=LIMIT,
+                              env={**_env(), "PYTHONPATH": str(ROOT)})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"nandoctor run over 2 processes did not finish in {LIMIT} s: {_logs(tmp_path)}")
+    assert proc.returncode == 1, proc.stderr[-2000:] + _logs(tmp_path)
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    ff = data["first_fault"]
+    assert (ff["step"], ff["layer"], ff["op"], ff["sample_indices"]) == (6, "distance", "sqrt_grad", [3])
+    assert data["details"]["first_rank"] == 1
+    assert [r["own_fault"] for r in data["details"]["ranks"]] == [False, True]

@@ -252,6 +252,8 @@ class Doctor:
         if self.report_dir is not None and (self.sync is None or self.sync.writes_report):
             written = outcome.write_report(report, self.report_dir)
             log.error("nandoctor: report written to %s", written)
+        if self.sync is not None:
+            self.sync.barrier()  # no rank exits (and gets the launcher to kill the others) before rank 0 wrote
 
     def _warn(self) -> None:
         """Warnings through `logging` as they appear (explosion, float16 headroom): host-side only."""

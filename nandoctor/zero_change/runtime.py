@@ -118,8 +118,11 @@ class Session:
         self._switch_to_hooks()
         mark(self.config, "watched")
         report_dir = self.config.get("report_dir")
+        sync = _sync()
+        if sync is not None and report_dir is None:  # ranks merge through files: a folder beside the result
+            report_dir = str(Path(self.config["result"]).with_name("ranks"))
         self.doctor = Doctor(self.model, optimizer, step_fn=self._replay, report_dir=report_dir,
-                             on_fault="stop", wrap_step=False, sync=_sync())
+                             on_fault="stop", wrap_step=False, sync=sync)
         return True
 
     def _switch_to_hooks(self) -> None:
@@ -187,6 +190,8 @@ class Session:
         """A fault: outputs written; the script stopped unless --keep-going."""
         self.done = True
         write_result(self.config, self.doctor.report)
+        if self.doctor.sync is not None:
+            self.doctor.sync.barrier()  # rank 0's result is on disk before any rank exits
         if not self.config.get("keep_going"):
             self.doctor.close()
             sys.stdout.flush()
