@@ -121,6 +121,9 @@ class RankSync:
         self.reproduced = [bool(v) for v in t.numpy().tolist()]
         report.run["rank"] = self.rank
         report.details["rank"] = self.rank
+        for loc in [report.first_fault] + [f.location for f in report.findings]:
+            if loc is not None:
+                loc.rank = self.rank
         if doctor.report_dir is None:
             return report
         folder = Path(doctor.report_dir)
@@ -138,7 +141,7 @@ class RankSync:
                         timeline=list(source.timeline), environment=dict(report.environment),
                         run=dict(report.run), details=dict(source.details))
         for loc in [merged.first_fault] + [f.location for f in merged.findings]:
-            if loc is not None and hasattr(loc, "rank"):  # the contract's `rank` (findings.py may carry it)
+            if loc is not None:  # the contract's `rank`: the first faulting process
                 loc.rank = first
         if first is not None and merged.findings and merged.findings[0].severity.value == "error":
             merged.findings[0].message = f"Rank {first} of {self.world}: {merged.findings[0].message}"

@@ -54,7 +54,8 @@ def test_fault_on_rank_1_only_names_rank_1(tmp_path: Path) -> None:
     ff = merged["first_fault"]
     assert (ff["step"], ff["phase"], ff["layer"], ff["op"], ff["sample_indices"]) == (
         6, "backward", "distance", "sqrt_grad", [3])
-    assert merged["details"]["first_rank"] == 1 and merged["run"]["first_rank"] == 1
+    assert merged["details"]["first_rank"] == 1 and merged["run"]["first_rank"] == 1 and ff["rank"] == 1
+    assert merged["findings"][0]["location"]["rank"] == 1
     ranks = {r["rank"]: r for r in merged["details"]["ranks"]}
     # rank 0's gradients went NaN too, through DataParallel's all-reduce; only rank 1's batch does it alone
     assert ranks[0]["saw_nonfinite"] and not ranks[0]["own_fault"]
@@ -95,5 +96,5 @@ def test_nandoctor_run_over_the_launcher_names_rank_1(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
     ff = data["first_fault"]
     assert (ff["step"], ff["layer"], ff["op"], ff["sample_indices"]) == (6, "distance", "sqrt_grad", [3])
-    assert data["details"]["first_rank"] == 1
+    assert data["details"]["first_rank"] == 1 and ff["rank"] == 1
     assert [r["own_fault"] for r in data["details"]["ranks"]] == [False, True]
