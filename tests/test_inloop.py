@@ -196,3 +196,26 @@ def test_warnings_are_logged_as_they_happen(tmp_path: Path, caplog: pytest.LogCa
     assert "precision.fp16_overflow" in codes
     assert (tmp_path / "r" / "report.json").is_file()
     assert math.isfinite(doctor.report.timeline[0].loss)
+
+
+def test_grad_scaler_loop(tmp_path: Path) -> None:
+    """The AMP loop shape (scale, backward, check, scaler.step, update): same first fault; on CPU the scaler
+    is inert (paddle-notes), so this checks the wiring, not float16 numerics."""
+    paddle.seed(0)
+    model = sample_module("sqrt_at_zero", "model").build_model(in_features=10, dim=8)
+    data = sample_module("sqrt_at_zero", "data").build_loader(batches=20, batch_size=8, bad_batch=6,
+                                                              duplicate_sample=3)
+    opt = paddle.optimizer.Adam(learning_rate=0.003, parameters=model.parameters())
+    scaler = paddle.amp.GradScaler(init_loss_scaling=1024)
+    with nandoctor.watch(model, opt, step_fn=_sqrt_step, scaler=scaler, report_dir=tmp_path / "r",
+                         fields=["a", "b", "target"]) as doctor:
+        for batch in data:
+            loss = _sqrt_step(model, batch)
+            scaler.scale(loss).backward()
+            if not doctor.check(loss, batch):
+                break
+            scaler.step(opt)
+            scaler.update()
+            opt.clear_grad()
+    ff = fault_of(doctor.report)
+    assert (ff["step"], ff["layer"], ff["op"], ff["sample_indices"]) == (6, "head.distance", "sqrt_grad", [3])

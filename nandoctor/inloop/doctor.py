@@ -77,6 +77,9 @@ class Doctor:
         self.on_fault = on_fault
         self.names = fields
         self.sync = sync  # nandoctor.distributed.RankSync under a multi-process launch, else None
+        # A GradScaler Paddle left disabled (CPU: no float16 kernels) skips nothing: the probe has none there either
+        if scaler is not None and not _enabled(scaler):
+            scaler = None
         self.watcher = StepWatcher(self.model, optimizer, scaler=scaler, fp16=fp16, amp=scaler is not None)
         self.step = 0  # steps checked so far = the next step's index
         self.fault: Fault | None = None
@@ -300,6 +303,13 @@ def _base_dir(fn: Any, model: Any) -> Path:
         if not folder.is_relative_to(own):
             return folder
     return Path.cwd()
+
+
+def _enabled(scaler: Any) -> bool:
+    try:
+        return bool(scaler.is_enable())
+    except Exception:  # noqa: BLE001 - a scaler-like object without is_enable: trust it
+        return True
 
 
 def _no_sync(wrapper: Any) -> Any:
