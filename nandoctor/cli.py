@@ -169,10 +169,13 @@ def probe(
     force: ForceOpt = False,
     no_code: NoCodeOpt = False,
     quiet: QuietOpt = False,
+    nproc: Annotated[int, typer.Option("--nproc", min=1, metavar="N", help="Train with N processes through "
+                                       "paddle.distributed.launch (DataParallel); the report names the first "
+                                       "faulting rank.")] = 1,
 ) -> None:
     """Run a short instrumented training run and name the first op, layer, parameter and sample to go NaN/Inf."""
     _run("probe", config, json_path=json_path, markdown_path=markdown_path, bundle=bundle, force=force,
-         no_code=no_code, quiet=quiet, steps=steps, seed=seed, device=device)
+         no_code=no_code, quiet=quiet, steps=steps, seed=seed, device=device, nproc=nproc)
 
 
 @app.command(cls=_Command, context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

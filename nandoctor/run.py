@@ -65,8 +65,15 @@ def _run_command(command: str, config: Path, console: Console, *, json_path: Pat
                 seed=options["seed"] if options.get("seed") is not None else spec.probe.seed,
                 device=options.get("device") or spec.probe.device,
             )
-            report = run_probe(spec, opts, on_progress)
-            flags = {"--steps": opts.steps, "--seed": opts.seed, "--device": opts.device}
+            nproc = int(options.get("nproc") or 1)
+            if nproc > 1:  # N processes through Paddle's launcher, each training its share of the data
+                from nandoctor.distributed_probe import launch_probe
+
+                report = launch_probe(Path(config).resolve(), opts.steps, opts.seed, nproc)
+            else:
+                report = run_probe(spec, opts, on_progress)
+            flags = {"--steps": opts.steps, "--seed": opts.seed, "--device": opts.device,
+                     "--nproc": nproc if nproc > 1 else None}
     report.run.setdefault("config", str(config))
     report.run["command_line"] = reproduce_command(command, config, flags)
     # The run imported the user's modules: none of them may be overwritten by a report either.

@@ -98,3 +98,71 @@ def test_nandoctor_run_over_the_launcher_names_rank_1(tmp_path: Path) -> None:
     assert (ff["step"], ff["layer"], ff["op"], ff["sample_indices"]) == (6, "distance", "sqrt_grad", [3])
     assert data["details"]["first_rank"] == 1 and ff["rank"] == 1
     assert [r["own_fault"] for r in data["details"]["ranks"]] == [False, True]
+
+
+_DATA = '''
+import numpy as np
+import paddle
+
+
+def batches(bad_global_batch=-1):
+    rng = np.random.default_rng(2)
+    out = []
+    for i in range(24):
+        a = rng.normal(size=(8, 10)).astype("float32")
+        b = a + rng.normal(scale=0.5, size=a.shape).astype("float32")
+        if i == bad_global_batch:
+            b[3] = a[3]  # the duplicated pair
+        out.append((a, b, np.linalg.norm(a - b, axis=1).astype("float32")))
+    return out
+
+
+class Pairs(paddle.io.Dataset):
+    def __init__(self):
+        self.items = [(a[i], b[i], t[i]) for a, b, t in batches() for i in range(len(a))]
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def __len__(self):
+        return len(self.items)
+
+
+def loader():
+    return paddle.io.DataLoader(Pairs(), batch_size=8, shuffle=False)
+'''
+
+
+def _probe_nproc(tmp_path: Path, data: str, args: dict) -> tuple[int, dict]:
+    import yaml
+
+    (tmp_path / "dp_data.py").write_text(_DATA, encoding="utf-8")
+    spec = {"version": 1, "model": {"entry": f"{EXAMPLES / 'plain_loop.py'}:Siamese"},
+            "data": {"entry": f"dp_data.py:{data}", "args": args, "fields": ["a", "b", "target"],
+                     "inputs": ["a", "b"], "label": "target"},
+            "loss": {"builtin": "mse"}, "optimizer": {"name": "Adam", "args": {"learning_rate": 0.003}}}
+    (tmp_path / "dp.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
+    cmd = [sys.executable, "-m", "nandoctor", "probe", str(tmp_path / "dp.yaml"), "--steps", "8", "--nproc", "2",
+           "--json", str(tmp_path / "r.json"), "-q"]
+    try:
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=LIMIT, env=_env())
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"probe --nproc 2 did not finish in {LIMIT} s")
+    assert (tmp_path / "r.json").is_file(), proc.stderr[-3000:]
+    return proc.returncode, json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+
+
+def test_probe_nproc_names_the_rank_that_got_the_bad_batch(tmp_path: Path) -> None:
+    # two ranks take every other batch of a plain list: global batch 7 is rank 1's batch 3
+    rc, data = _probe_nproc(tmp_path, "batches", {"bad_global_batch": 7})
+    assert rc == 1
+    ff = data["first_fault"]
+    assert (ff["rank"], ff["step"], ff["batch_index"], ff["layer"], ff["op"], ff["sample_indices"]) == (
+        1, 3, 3, "distance", "sqrt_grad", [3])
+    assert data["run"]["nproc"] == 2 and "--nproc 2" in data["run"]["command_line"]
+
+
+def test_probe_nproc_shards_a_dataloader_and_finds_nothing_when_healthy(tmp_path: Path) -> None:
+    rc, data = _probe_nproc(tmp_path, "loader", {})
+    assert rc == 0 and data["verdict"] == "healthy" and data["first_fault"] is None
+    assert len(data["timeline"]) == 8  # 12 batches per rank through DistributedBatchSampler; 8 steps asked
