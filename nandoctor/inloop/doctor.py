@@ -194,8 +194,8 @@ class Doctor:
                 self._report(fault, lambda f: None)
         finally:
             self._hook.remove()
-            if self.optimizer is not None and "step" in vars(self.optimizer):
-                del self.optimizer.step
+            if self.optimizer is not None and vars(self.optimizer).get("step") == self._wrapped_step:
+                del self.optimizer.step  # only our own wrapper: the class's step shows through again
             self.watcher.close()
         if self.report is None and self.watcher.warnings(None):
             self._report(None, lambda f: None)
