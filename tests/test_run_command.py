@@ -75,3 +75,12 @@ def test_a_command_without_training_says_nothing_was_watched(tmp_path: Path) -> 
     proc = _run(tmp_path, script=[sys.executable, "-c", "print('no training here')"])
     assert proc.returncode == 0 and proc.stdout == "no training here\n"
     assert "nothing was watched" in proc.stderr
+
+
+def test_run_watches_paddle_model_fit(tmp_path: Path, probe_fault: dict) -> None:
+    """hapi updates through `minimize`, not `step`: the same first fault, fit stopped."""
+    proc = _run(tmp_path, "--json", "r.json", script=[sys.executable, str(EXAMPLES / "hapi_fit.py"), "--no-callback"])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "fit finished" not in proc.stdout
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert {k: data["first_fault"][k] for k in probe_fault} == probe_fault

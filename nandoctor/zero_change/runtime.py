@@ -11,7 +11,8 @@ does nothing). The seams:
   both are known, the class patch is removed and forward pre-hooks on those two layers take over, so
   the other layers keep Paddle's fast call path.
 - `Tensor.backward`: the tensor backpropagated last is the loss.
-- `Optimizer.step`: the check, between backward and the update; a faulty update is never applied.
+- `Optimizer.step` (and `minimize`, which `paddle.Model.fit` uses): the check, between backward and the
+  update; a faulty update is never applied.
 
 Replays need the step's loss as a function of the batch. With a loss layer that is `loss(model(x),
 label)`; with a loss written as functions, the gradient that reached the model's output is recorded
@@ -282,9 +283,19 @@ def patch_paddle() -> None:
         session.after_step(self)
         return out
 
+    minimize = paddle.optimizer.Optimizer.minimize
+
+    def optimizer_minimize(self: Any, *args: Any, **kwargs: Any) -> Any:  # paddle.Model.fit's route
+        if not session.before_step(self):
+            return None  # hapi clears the gradients itself right after
+        out = minimize(self, *args, **kwargs)
+        session.after_step(self)
+        return out
+
     paddle.nn.Layer.__call__ = __call__
     paddle.Tensor.backward = tensor_backward
     paddle.optimizer.Optimizer.step = optimizer_step
+    paddle.optimizer.Optimizer.minimize = optimizer_minimize
     _patch_subclass_steps(optimizer_step, step)
 
 
