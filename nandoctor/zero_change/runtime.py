@@ -256,80 +256,6 @@ def _rows(inputs: tuple) -> int | None:
 SESSION: Session | None = None
 
 
-def patch_paddle() -> None:
-    """Put the three seams on Paddle's classes (called once Paddle is imported)."""
-    import paddle
-
-    session = SESSION
-    assert session is not None
-    layer_call = paddle.nn.Layer.__call__
-    backward = paddle.Tensor.backward
-    step = paddle.optimizer.Optimizer.step
-    session.orig = {"call": layer_call, "backward": backward, "step": step}
-
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807 - the method it replaces
-        return session.layer_call(self, args, kwargs)
-
-    def tensor_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = backward(self, *args, **kwargs)
-        session.backward(self)
-        return out
-
-    def optimizer_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not session.before_step(self):
-            self.clear_grad()  # --keep-going: the update of the faulty step is not applied either
-            return None
-        out = step(self, *args, **kwargs)
-        session.after_step(self)
-        return out
-
-    minimize = paddle.optimizer.Optimizer.minimize
-
-    def optimizer_minimize(self: Any, *args: Any, **kwargs: Any) -> Any:  # paddle.Model.fit's route
-        if not session.before_step(self):
-            return None  # hapi clears the gradients itself right after
-        out = minimize(self, *args, **kwargs)
-        session.after_step(self)
-        return out
-
-    paddle.nn.Layer.__call__ = __call__
-    paddle.Tensor.backward = tensor_backward
-    paddle.optimizer.Optimizer.step = optimizer_step
-    paddle.optimizer.Optimizer.minimize = optimizer_minimize
-    _patch_subclass_steps(optimizer_step, step)
-
-
-def _patch_subclass_steps(wrapper: Any, base: Any) -> None:
-    """Optimizers that define their own `step` (Adam, AdamW, ...) get the same wrapper around theirs."""
-    import paddle
-
-    seen = set()
-    stack = list(paddle.optimizer.Optimizer.__subclasses__())
-    while stack:
-        cls = stack.pop()
-        if cls in seen:
-            continue
-        seen.add(cls)
-        stack += cls.__subclasses__()
-        own = cls.__dict__.get("step")
-        if own is not None and own is not base:
-            cls.step = _wrap_step(own)
-
-
-def _wrap_step(own: Any) -> Any:
-    def optimizer_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        session = SESSION
-        assert session is not None
-        if not session.before_step(self):
-            self.clear_grad()
-            return None
-        out = own(self, *args, **kwargs)
-        session.after_step(self)
-        return out
-
-    return optimizer_step
-
-
 def install() -> None:
     """From sitecustomize: a session when NANDOCTOR_RUN is set; the patches once Paddle is imported."""
     global SESSION
@@ -345,10 +271,13 @@ def install() -> None:
     import atexit
 
     atexit.register(_at_exit)
+    from nandoctor.zero_change.seams import AfterImport, patch_paddle
+
+    session = SESSION
     if "paddle" in sys.modules and hasattr(sys.modules["paddle"], "optimizer"):
-        patch_paddle()
+        patch_paddle(session)
         return
-    sys.meta_path.insert(0, _AfterImport("paddle", patch_paddle))
+    sys.meta_path.insert(0, AfterImport("paddle", lambda: patch_paddle(session)))
 
 
 def _at_exit() -> None:
@@ -371,31 +300,3 @@ def _quiet_logger() -> None:
     logger = logging.getLogger("nandoctor")
     logger.addHandler(logging.NullHandler())
     logger.propagate = False
-
-
-class _AfterImport:
-    """A meta-path finder that runs `then()` right after module `name` has been executed."""
-
-    def __init__(self, name: str, then: Any) -> None:
-        self.name = name
-        self.then = then
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        import importlib.util
-
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-        then = self.then
-
-        def run(module: Any) -> None:
-            exec_module(module)
-            then()
-
-        loader.exec_module = run  # type: ignore[method-assign]
-        return spec
