@@ -130,6 +130,23 @@ def per_step(s: Setting, scratch: Path) -> list[Row]:
     return rows
 
 
+def inloop(s: Setting, scratch: Path) -> list[Row]:
+    """Row 7: the in-loop API (`nandoctor.watch` + `doctor.check`) in a plain loop / the same loop without."""
+    rows = []
+    for name in s.workloads:
+        w = workloads.load(name, s.quick, scratch)
+        say(f"row 7: {name}: watched vs plain loop in one process, {s.runs} pair(s) of {s.step_steps} steps")
+        res = worker("inloop", w, s, s.step_steps)
+        setting = f"{w.describe}, steady state"
+        if "error" in res:
+            rows.append(Row("7 in-loop per step", name, setting, None, "x", "<= 1.05", res["error"][:100]))
+            continue
+        rows.append(Row("7 in-loop per step", name, setting, median(res["ratios"]), "x", "<= 1.05",
+                        f"watched {median(res['inloop_ms']):.1f} ms / plain {median(res['plain_ms']):.1f} ms, "
+                        f"pairs {fmt(res['ratios'])}; cpu {median(res['cpu_ratios']):.2f}x"))
+    return rows
+
+
 def checker(s: Setting, scratch: Path) -> list[Row]:
     w = workloads.load("transformer", s.quick, scratch)
     say(f"row 3: transformer: Paddle's tensor checker on every step vs off, {s.runs} pair(s)")
@@ -203,9 +220,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="tiny models and few steps: checks that every "
                         "row runs, in well under a minute (numbers meaningless)")
     parser.add_argument("--runs", type=int, default=None, help="pairs per row (default 3; 1 with --quick)")
-    parser.add_argument("--rows", default="1,2,3,4,5,6",
+    parser.add_argument("--rows", default="1,2,3,4,5,6,7",
                         help="comma-separated rows to run (6 comes with 1 and 5)")
-    parser.add_argument("--workloads", default=None, help="comma-separated training workloads for rows 1, 2, 6 "
+    parser.add_argument("--workloads", default=None, help="comma-separated training workloads for rows 1, 2, 6, 7 "
                         f"(default: all of {','.join(workloads.TRAINING)})")
     args = parser.parse_args()
     s = Setting.make(args.quick, args.runs)
@@ -233,7 +250,11 @@ def main() -> int:
             scan_rows = scan(s, scratch)
             rows += [r for r in scan_rows if r.row.startswith("5")]
             rss += [r for r in scan_rows if r.row.startswith("6")]
+        if "7" in wanted:
+            inloop_rows = inloop(s, scratch)
     rows += rss
+    if "7" in wanted:
+        rows += inloop_rows
     mode = "QUICK (tiny settings; numbers are not meaningful)" if s.quick else "full"
     header = (f"nandoctor benchmarks, {mode}: {s.runs} pair(s) per row, median of paired ratios "
               f"(probe/plain etc.), {time.perf_counter() - started:.0f} s in all\nmachine: {state}")

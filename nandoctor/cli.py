@@ -41,7 +41,7 @@ class _Command(typer.core.TyperCommand):
     """A usage line as people write it (`nandoctor probe [OPTIONS] CONFIG`), and no `<bool>` on flags."""
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
-        return [piece.strip("{}") for piece in super().collect_usage_pieces(ctx)]
+        return [piece.replace("{", "").replace("}", "") for piece in super().collect_usage_pieces(ctx)]
 
     def get_params(self, ctx: Any) -> list[Any]:
         return _plain_params(super().get_params(ctx))
@@ -176,11 +176,43 @@ def probe(
     force: ForceOpt = False,
     no_code: NoCodeOpt = False,
     quiet: QuietOpt = False,
+    nproc: Annotated[int, typer.Option("--nproc", min=1, metavar="N", help="Train with N processes through "
+                                       "paddle.distributed.launch (DataParallel); the report names the first "
+                                       "faulting rank.")] = 1,
 ) -> None:
     """Run a short instrumented training run and name the first op, layer, parameter and sample to go NaN/Inf."""
     _run("probe", config, json_path=json_path, markdown_path=markdown_path, bundle=bundle, force=force,
          no_code=no_code, quiet=quiet, steps=steps, seed=seed, device=device, try_fixes=not no_try_fixes,
-         fix_steps=fix_steps)
+         fix_steps=fix_steps, nproc=nproc)
+
+
+@app.command(cls=_Command, context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+def run(
+    command: Annotated[list[str], typer.Argument(metavar="COMMAND", help="Your training command, unchanged, "
+                                                 "after --: `nandoctor run -- python train.py --lr 3e-4`.",
+                                                 show_default=False)],
+    json_path: JsonOpt = None,
+    markdown_path: MarkdownOpt = None,
+    bundle: Annotated[Optional[Path], typer.Option("--bundle", metavar="DIR", help="Write the report folder "
+                                                   "(report.md, report.json, the offending batch, the model's "
+                                                   "state before the step, plots) to DIR.")] = None,
+    keep_going: Annotated[bool, typer.Option("--keep-going", help="Let the script run on after the report "
+                                             "(default: stop it at the first fault).")] = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Run your unmodified training script with the probe's watcher attached; report the first NaN/Inf step."""
+    from nandoctor.zero_change.runner import run_script
+
+    try:
+        code = run_script(list(command), _console(), json_path=json_path, markdown_path=markdown_path,
+                          bundle=bundle, keep_going=keep_going, quiet=quiet)
+    except NandoctorError as err:
+        raise _fail(err) from None
+    except KeyboardInterrupt as exc:
+        raise _interrupted(exc) from None
+    except Exception as exc:  # noqa: BLE001 - the script's own errors are its exit status: this is ours
+        raise _internal(exc, json_path or markdown_path) from None
+    raise typer.Exit(code)
 
 
 @app.command(cls=_Command)

@@ -96,6 +96,7 @@ class Location:
     batch_index: int | None = None
     sample_indices: list[int] | None = None
     field: str | None = None
+    rank: int | None = None  # the process of a multi-process run (null otherwise; the contract's `rank`)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -114,6 +115,8 @@ class Location:
     def describe(self) -> str:
         """A short human phrase: 'step 6, backward, layer head.distance, op sqrt_grad'."""
         parts: list[str] = []
+        if self.rank is not None:
+            parts.append(f"rank {self.rank}")
         if self.step is not None:
             parts.append(f"step {self.step}")
         if self.phase is not None:
@@ -181,6 +184,7 @@ class FirstFault:
     parameter: str | None = None
     batch_index: int | None = None
     sample_indices: list[int] | None = None
+    rank: int | None = None  # the first faulting process of a multi-process run (null otherwise)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -205,6 +209,7 @@ class FirstFault:
             parameter=self.parameter,
             batch_index=self.batch_index,
             sample_indices=self.sample_indices,
+            rank=self.rank,
         )
 
 

@@ -71,8 +71,15 @@ def _run_command(command: str, config: Path, console: Console, *, json_path: Pat
                 try_fixes=options.get("try_fixes", True),
                 fix_steps=options.get("fix_steps") or 20,
             )
-            report = run_probe(spec, opts, on_progress)
-            flags = {"--steps": opts.steps, "--seed": opts.seed, "--device": opts.device}
+            nproc = int(options.get("nproc") or 1)
+            if nproc > 1:  # N processes through Paddle's launcher, each training its share of the data
+                from nandoctor.distributed_probe import launch_probe
+
+                report = launch_probe(Path(config).resolve(), opts.steps, opts.seed, nproc)
+            else:
+                report = run_probe(spec, opts, on_progress)
+            flags = {"--steps": opts.steps, "--seed": opts.seed, "--device": opts.device,
+                     "--nproc": nproc if nproc > 1 else None}
     if library_logs.count:
         report.details["library_logs"] = library_logs.as_details()
     report.run.setdefault("config", str(config))

@@ -23,6 +23,7 @@ EXPECTED_ROWS = (
     [("1", w) for w in workloads.TRAINING] + [("2", w) for w in workloads.TRAINING]
     + [("3", "transformer"), ("4", "transformer"), ("5", "scan_data")]
     + [("6", w) for w in workloads.TRAINING] + [("6", "scan_data")]
+    + [("7", w) for w in workloads.TRAINING]
 )
 
 

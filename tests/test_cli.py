@@ -17,7 +17,7 @@ from nandoctor.findings import Report
 from nandoctor.report import json as json_report
 from nandoctor.report import markdown as markdown_report
 
-COMMANDS = ("scan", "probe", "report", "env")
+COMMANDS = ("scan", "probe", "run", "report", "env")
 
 
 def _cli(*args: str):

@@ -147,7 +147,7 @@ def test_scan_of_an_endless_loader_stops_at_the_default_bound_and_says_so(tmp_pa
 
 def test_every_command_has_help_a_real_usage_line_and_no_type_placeholders():
     commands = typer.main.get_command(app).commands
-    assert set(commands) == {"scan", "probe", "report", "env"}
+    assert set(commands) == {"scan", "probe", "run", "report", "env"}
     for name, command in commands.items():
         assert command.help and len(command.help) > 20, name
         result = _cli(name, "--help")

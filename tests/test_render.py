@@ -66,7 +66,7 @@ def test_json_keeps_contract_keys():
     data = _strict_loads(json_report.render(probe_nan_report()))
     assert set(data) >= {"schema", "command", "verdict", "first_fault", "findings", "timeline", "environment"}
     assert set(data["first_fault"]) == {"step", "phase", "layer", "op", "parameter", "batch_index",
-                                        "sample_indices"}
+                                        "sample_indices", "rank"}  # rank: null outside multi-process runs
     finding = data["findings"][1]
     assert set(finding) >= {"code", "severity", "message", "location", "evidence", "advice"}
     assert finding["location"]["layer"] == "head.distance" and finding["location"]["op"] == "sqrt_grad"

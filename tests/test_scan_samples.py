@@ -57,7 +57,7 @@ def test_sample_reports_exactly_its_finding(name, tmp_path):
 def test_first_fault_for_the_nan_samples(tmp_path):
     _, data = scan("nan_in_data", tmp_path)
     assert data["first_fault"] == {"step": None, "phase": "data", "layer": None, "op": None,
-                                   "parameter": None, "batch_index": 3, "sample_indices": [5]}
+                                   "parameter": None, "batch_index": 3, "sample_indices": [5], "rank": None}
     _, params = scan("nan_checkpoint", tmp_path)
     assert params["first_fault"]["parameter"] == "classifier.weight"
 

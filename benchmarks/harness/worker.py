@@ -7,6 +7,8 @@ Modes (each prints one `BENCH_RESULT {json}` line at the end):
 - `checker`: the plain loop with Paddle's tensor checker on for every step vs off, alternating blocks.
 - `localize`: the probe on a config with a late fault; seconds from the fault's detection to the report.
 - `scan`: `run_scan` over the whole loader vs a bare iteration over the same loader (samples per second).
+- `inloop`: the plain loop vs the same loop with `nandoctor.watch` and `doctor.check(loss, batch)` after
+  backward (the in-loop API), alternating whole short runs in one process.
 """
 
 from __future__ import annotations
@@ -174,9 +176,72 @@ def mode_scan(args: argparse.Namespace) -> dict[str, Any]:
             "ratios": [s / b for s, b in pairs], "samples": samples, "verdict": verdict}
 
 
+def train_inloop(settings: dict, plain: ModuleType, steps: int, seed: int) -> dict[str, list[float]]:
+    """plain_loop.train with the in-loop API added as a user adds it: watch, then check after backward."""
+    import random
+
+    import numpy as np
+    import paddle
+
+    import nandoctor
+
+    paddle.set_device("cpu")
+    paddle.seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+    model = plain.build_model(**settings["model"])
+    model.train()
+    optimizer = getattr(paddle.optimizer, settings["optimizer"])(parameters=model.parameters(),
+                                                                 **settings["optimizer_args"])
+    batches = iter(plain.build_loader(**settings["data"]))
+    times: list[float] = []
+    cpu_times: list[float] = []
+    losses: list[float] = []
+    with nandoctor.watch(model, optimizer, report_dir=None) as doctor:
+        last, last_cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            try:
+                batch = next(batches)
+            except StopIteration:
+                batches = iter(plain.build_loader(**settings["data"]))
+                batch = next(batches)
+            x, y = (paddle.to_tensor(a) for a in batch)
+            loss = plain.loss_fn(model(x), y)
+            loss.backward()
+            if not doctor.check(loss, (x, y)):
+                raise RuntimeError("the in-loop check found a fault on a healthy workload")
+            optimizer.step()
+            optimizer.clear_grad()
+            losses.append(float(loss))
+            now, now_cpu = time.perf_counter(), time.process_time()
+            times.append(now - last)
+            cpu_times.append(now_cpu - last_cpu)
+            last, last_cpu = now, now_cpu
+    return {"loss": losses, "step_seconds": times, "step_cpu_seconds": cpu_times}
+
+
+def mode_inloop(args: argparse.Namespace) -> dict[str, Any]:
+    from plain_loop import read_settings, train
+
+    plain = load_plain(args.plain)
+    settings = read_settings(args.config)
+    pairs, cpu_pairs = [], []
+    for _ in range(args.runs):
+        watched = train_inloop(settings, plain, args.steps, 0)
+        bare = train(settings, plain.build_model, plain.build_loader, plain.loss_fn, args.steps, 0)
+        w, b = watched["step_seconds"][args.warmup + 1:], bare["step_seconds"][args.warmup + 1:]
+        wc, bc = watched["step_cpu_seconds"][args.warmup + 1:], bare["step_cpu_seconds"][args.warmup + 1:]
+        pairs.append((statistics.fmean(w), statistics.fmean(b)))  # the mean: stats steps must be paid for
+        cpu_pairs.append(statistics.fmean(wc) / statistics.fmean(bc))
+        if watched["loss"] != bare["loss"]:
+            return {"error": "the watched loop trained differently from the plain one"}
+    return {"inloop_ms": [1000 * p for p, _ in pairs], "plain_ms": [1000 * q for _, q in pairs],
+            "ratios": [p / q for p, q in pairs], "cpu_ratios": cpu_pairs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["steps", "checker", "localize", "scan"])
+    parser.add_argument("mode", choices=["steps", "checker", "localize", "scan", "inloop"])
     parser.add_argument("config", type=Path)
     parser.add_argument("plain", type=Path)
     parser.add_argument("--steps", type=int, default=30)
@@ -184,7 +249,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    modes = {"steps": mode_steps, "checker": mode_checker, "localize": mode_localize, "scan": mode_scan}
+    modes = {"steps": mode_steps, "checker": mode_checker, "localize": mode_localize, "scan": mode_scan,
+             "inloop": mode_inloop}
     result = modes[args.mode](args)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 

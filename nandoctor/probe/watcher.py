@@ -171,6 +171,17 @@ class StepWatcher:
         self.monitor.begin_step(self._stats_step)
         return None
 
+    def attach_batch(self, fields: dict[str, Any], *, batch_index: int | None = None,
+                     epoch: int = 0) -> Fault | None:
+        """The batch of a step begun without one (`begin_step(step, {})` before the forward of a user's
+        own loop, the batch known only after backward): the same data checks, read by `after_backward`."""
+        self._batch_index, self._epoch, self._fields = batch_index, epoch, fields
+        bad = _host_nonfinite(fields)
+        if bad:
+            return Fault(FaultKind.DATA, self._step, batch_index, epoch, fields, bad_fields=bad)
+        self._device_checks = _device_checks(fields)
+        return None
+
     def observe_loss(self, loss: Any) -> Fault | None:
         """Before backward: a loss that cannot train (metadata only, no device work, no sync)."""
         import paddle

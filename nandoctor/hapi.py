@@ -1,0 +1,143 @@
+"""`paddle.Model.fit` (hapi) watched by nandoctor: `callbacks=[NanDoctorCallback()]`.
+
+hapi's `train_batch` runs forward, backward and `optimizer.minimize` in one call and clears the
+gradients before any callback sees the step, so `on_train_batch_end` would be too late to stop a NaN
+update. The callback therefore uses the two seams hapi itself goes through, on the instances only and
+undone at `on_train_end`: `Model.train_batch` (to know the batch) and the optimizer's `minimize` (to run
+`Doctor.check` between backward and the update, and to skip the update of a faulty step). Batches of
+an accumulation step that does not update are checked when `train_batch` returns, before hapi clears
+anything. Detection and localisation are `nandoctor.watch`'s, so the report is the probe's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import paddle
+
+from nandoctor.inloop.doctor import Doctor
+
+__all__ = ["NanDoctorCallback"]
+
+
+class NanDoctorCallback(paddle.callbacks.Callback):
+    """Stops `fit` at the first non-finite step (`stop_training=False`: skips its update and goes on) and
+    writes the report to `report_dir`. `doctor.report` holds it afterwards (None when healthy)."""
+
+    def __init__(self, report_dir: str | Path | None = "nandoctor-report", stop_training: bool = True,
+                 replay: bool = True) -> None:
+        super().__init__()
+        self.report_dir = report_dir
+        self.stop_training = stop_training
+        self.replay = replay
+        self.doctor: Doctor | None = None
+        self._batch: tuple[list[Any], list[Any]] | None = None
+        self._losses: Any = None
+        self._undo: list[tuple[Any, str, Any, bool]] = []
+        self._orig_loss: Any = None
+
+    @property
+    def report(self) -> Any:
+        return self.doctor.report if self.doctor is not None else None
+
+    # ---- fit's life cycle -------------------------------------------------------------------------------
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        hm = self.model
+        net, opt = hm.network, hm._optimizer
+        n_inputs = len(hm._inputs) if hm._inputs else None
+        names = _names(hm)
+        self.doctor = Doctor(net, opt, step_fn=self._step_fn if self.replay else None, report_dir=self.report_dir,
+                             on_fault="stop" if self.stop_training else "skip_step", fields=names)
+        self._n_inputs = n_inputs
+        self._patch(hm, "train_batch", self._train_batch(hm.train_batch))
+        self._patch(opt, "minimize", self._minimize(opt.minimize))
+        self._orig_loss = hm._loss
+        self._patch(hm, "_loss", self._loss(hm._loss))
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._unpatch()
+        if self.doctor is not None:
+            self.doctor.close()
+
+    # ---- the seams -----------------------------------------------------------------------------------
+    def _train_batch(self, inner: Any) -> Any:
+        def train_batch(inputs: Any, labels: Any = None, update: bool = True) -> Any:
+            self._batch = (list(inputs) if isinstance(inputs, (list, tuple)) else [inputs],
+                           list(labels) if isinstance(labels, (list, tuple)) else ([] if labels is None else [labels]))
+            self._checked = False
+            out = inner(inputs, labels, update)
+            doctor = self.doctor
+            if not self._checked and doctor is not None and self._losses is not None and doctor.fault is None:
+                loss = paddle.add_n(list(self._losses)) if isinstance(self._losses, (list, tuple)) else self._losses
+                if not doctor.check(loss, self._flat()):  # no update this batch (accumulation)
+                    self._stop()
+            return out
+
+        return train_batch
+
+    def _minimize(self, inner: Any) -> Any:
+        def minimize(loss: Any, *args: Any, **kwargs: Any) -> Any:
+            doctor = self.doctor
+            if doctor is None or doctor._closed:
+                return inner(loss, *args, **kwargs)
+            if doctor.fault is not None and self.stop_training:
+                return None
+            self._checked = True
+            if not doctor.check(loss, self._flat()):
+                doctor._skip_next = False  # hapi never calls step(): skipping this minimize is the skip
+                self._stop()
+                return None  # the faulty update is never applied; hapi clears the gradients next
+            out = inner(loss, *args, **kwargs)
+            doctor.updated()
+            return out
+
+        return minimize
+
+    def _loss(self, inner: Any) -> Any:
+        def loss(*args: Any) -> Any:
+            self._losses = inner(*args)
+            return self._losses
+
+        return loss
+
+    def _step_fn(self, net: Any, batch: Any) -> Any:
+        """The replay of hapi's train step: the network on the inputs, hapi's loss on outputs + labels."""
+        from paddle.hapi.model import to_list
+
+        batch = list(batch)
+        k = self._n_inputs if self._n_inputs is not None else len(self._batch[0]) if self._batch else 1
+        inputs, labels = batch[:k], batch[k:]
+        outputs = net(*[paddle.to_tensor(x) for x in inputs])
+        losses = to_list(self._orig_loss(*(to_list(outputs) + [paddle.to_tensor(v) for v in labels])))
+        return paddle.add_n(losses)
+
+    # ---- helpers --------------------------------------------------------------------------------------
+    def _flat(self) -> list[Any] | None:
+        return None if self._batch is None else [*self._batch[0], *self._batch[1]]
+
+    def _stop(self) -> None:
+        if self.stop_training:
+            self.model.stop_training = True
+
+    def _patch(self, obj: Any, name: str, fn: Any) -> None:
+        had = name in vars(obj)
+        self._undo.append((obj, name, getattr(obj, name) if had else None, had))
+        setattr(obj, name, fn)
+
+    def _unpatch(self) -> None:
+        for obj, name, old, had in reversed(self._undo):
+            if had:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)
+        self._undo = []
+
+
+def _names(hm: Any) -> list[str] | None:
+    """Field names from the Model's InputSpecs (inputs, then labels), when they are all named."""
+    specs = list(hm._inputs or []) + list(hm._labels or [])
+    names = [getattr(s, "name", None) for s in specs]
+    if specs and all(names) and len(set(names)) == len(names):
+        return [str(n) for n in names]
+    return None

@@ -1,0 +1,332 @@
+"""`nandoctor.watch`: the probe's every-step detection inside the user's own training loop.
+
+The user's loop keeps its own forward, backward and update; the doctor needs three seams:
+
+- a forward pre-hook on the model: the first training-mode call after a step opens the next step
+  (RNG state captured for the replay, the sampled stats hooks switched on), as `ProbeLoop` does
+  before its forward;
+- `check(loss, batch)` after backward: the watcher's one host sync and its fault decision, before
+  the optimizer has stepped, so the parameters are exactly those that produced a fault;
+- the optimizer's `step`, wrapped on the instance: closes the step (the parameter check after the
+  update, the timing) and, with `on_fault="skip_step"`, drops the update of a faulty step.
+
+Detection is `StepWatcher`'s (the probe's own class), and the fault's findings come from the probe's
+fault handling, so a loop and `nandoctor probe` on the same workload name the same first fault.
+Everything is undone in `close()` (also on a context manager's exit by an exception).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+from nandoctor.findings import Report
+from nandoctor.inloop.batch import to_fields
+from nandoctor.probe.watcher import Fault, FaultKind, StepWatcher
+
+log = logging.getLogger("nandoctor")
+
+ON_FAULT = ("stop", "raise", "skip_step")
+
+
+class ReplayError(RuntimeError):
+    """A step_fn that cannot replay the failing step (nandoctor run without a loss to re-run)."""
+
+
+class NonFiniteError(RuntimeError):
+    """Raised by `check()` with `on_fault="raise"`; `.report` holds the full report."""
+
+    def __init__(self, message: str, report: Report) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class _Workload:
+    """What the probe's fault handling reads from a workload; `compute_loss` None = no replay possible."""
+
+    model: Any
+    compute_loss: Callable[[Any, dict[str, Any]], Any] | None
+    spec: Any
+    uses_step: bool = True
+    layout: Any = None
+
+
+class Doctor:
+    """Watches one model and optimizer; see `watch()` for the arguments."""
+
+    def __init__(self, model: Any, optimizer: Any, *, step_fn: Callable[[Any, Any], Any] | None = None,
+                 report_dir: str | Path | None = "nandoctor-report", on_fault: str = "stop", scaler: Any = None,
+                 fields: list[str] | None = None, fp16: bool = False, sync: Any = None,
+                 wrap_step: bool = True) -> None:
+        import paddle
+
+        if on_fault not in ON_FAULT:
+            raise ValueError(f"on_fault={on_fault!r}: use one of {', '.join(ON_FAULT)}")
+        if not isinstance(model, paddle.nn.Layer):
+            raise TypeError(f"nandoctor.watch needs the paddle.nn.Layer you train, not a {type(model).__name__}")
+        self.wrapper = model
+        self.model = getattr(model, "_layers", model) if isinstance(model, paddle.DataParallel) else model
+        self.optimizer = optimizer
+        self.step_fn = step_fn
+        self.report_dir = Path(report_dir) if report_dir is not None else None
+        self.on_fault = on_fault
+        self.names = fields
+        self.sync = sync  # nandoctor.distributed.RankSync under a multi-process launch, else None
+        # A GradScaler Paddle left disabled (CPU: no float16 kernels) skips nothing: the probe has none there either
+        if scaler is not None and not _enabled(scaler):
+            scaler = None
+        self.watcher = StepWatcher(self.model, optimizer, scaler=scaler, fp16=fp16, amp=scaler is not None)
+        self.step = 0  # steps checked so far = the next step's index
+        self.fault: Fault | None = None
+        self.report: Report | None = None
+        self.skipped: list[int] = []
+        self._open = False  # a step has begun (its forward ran) and is not yet closed
+        self._checked = False  # ... and check() passed it: waiting for the update or the next forward
+        self._skip_next = False
+        self._busy = False  # a replay is running: the pre-hook must not open steps
+        self._closed = False
+        self._warned: set[Any] = set()
+        self._hook = self.wrapper.register_forward_pre_hook(self._pre_forward)
+        self._orig_step = optimizer.step if optimizer is not None else None
+        if optimizer is not None and wrap_step:  # (nandoctor run patches the class's step itself)
+            optimizer.step = self._wrapped_step  # an instance attribute, deleted again in close()
+
+    # ---- seams ----------------------------------------------------------------------------------
+    def _pre_forward(self, _layer: Any, _inputs: Any) -> None:
+        if self._busy or self._closed or self.fault is not None and self.on_fault != "skip_step":
+            return
+        if not self.wrapper.training:
+            return  # an evaluation pass between steps is not a training step
+        if self._checked:  # accumulation: no optimizer step since the last check
+            self._end_step(stepped=False)
+        if not self._open:
+            self._begin()
+
+    def _begin(self) -> None:
+        self.watcher.begin_step(self.step, {}, batch_index=self.step)
+        self._open = True
+
+    def _end_step(self, stepped: bool) -> None:
+        self.watcher.after_update(stepped=stepped)
+        self._open = self._checked = False
+
+    def _wrapped_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._skip_next:  # on_fault="skip_step": this update would train on NaN/Inf gradients
+            self._skip_next = False
+            self.optimizer.clear_grad()
+            return None
+        out = self._orig_step(*args, **kwargs)
+        if self._checked and not self._closed:
+            self._end_step(stepped=True)
+        return out
+
+    # ---- the user's call ----------------------------------------------------------------------------
+    def check(self, loss: Any, batch: Any = None) -> bool:
+        """After `loss.backward()`, before `optimizer.step()`: True when the step is finite and may update.
+
+        One host sync. On the first fault the report is built (the step replayed when `step_fn` was
+        given) and written; then "stop" returns False (and every later call too), "raise" raises
+        NonFiniteError, "skip_step" returns False and makes the next `optimizer.step()` a no-op that
+        clears the gradients, so training goes on without the faulty update.
+        """
+        if self._closed:
+            raise RuntimeError("this nandoctor watch is closed; call nandoctor.watch again for a new run")
+        if self.fault is not None and self.on_fault == "stop":
+            return False
+        if not self._open:  # the model was not called in training mode since the last step
+            self._begin()
+        fields, rebuild = to_fields(batch, self.names)
+        watcher = self.watcher
+        fault = watcher.attach_batch(fields, batch_index=self.step)
+        if fault is None:
+            fault = watcher.observe_loss(loss)
+        if fault is None:
+            fault = watcher.after_backward(loss)
+        if self.sync is not None:
+            fault = self.sync.agree(self, fault)
+        self._warn()
+        step = self.step
+        self.step += 1
+        if fault is None:
+            self._checked = True
+            return True
+        self._end_step(stepped=False)
+        if self.fault is not None:  # skip_step: a later fault is counted, not localised again
+            self.skipped.append(step)
+            self._skip_next = True
+            return False
+        self.fault = fault
+        self._report(fault, rebuild)
+        if self.on_fault == "raise":
+            ff = self.report.first_fault if self.report else None
+            raise NonFiniteError(f"nandoctor: non-finite values at step {step}"
+                                 + (f": {ff.as_location().describe()}" if ff else ""), self.report)
+        if self.on_fault == "skip_step":
+            self.skipped.append(step)
+            self._skip_next = True
+        return False
+
+    def updated(self) -> None:
+        """The update of a checked step was applied by a route other than `optimizer.step()` (hapi's
+        `minimize`): close the step as the step wrapper would (parameter check, timing)."""
+        if self._checked and not self._closed:
+            self._end_step(stepped=True)
+
+    # ---- the end ------------------------------------------------------------------------------------
+    def close(self) -> Report | None:
+        """Remove the hooks and the optimizer wrapper; a run with warnings but no fault gets its report
+        written now. Returns the report (None for a healthy run). Safe to call twice."""
+        if self._closed:
+            return self.report
+        self._closed = True
+        try:
+            if self._checked:
+                self._end_step(stepped=False)
+            # the last update's check is one more sync; with ranks it would be a collective some skip
+            fault = None if self.fault is not None or self.sync is not None else self.watcher.finish()
+            if fault is not None:
+                self.fault = fault
+                self._report(fault, lambda f: None)
+        finally:
+            self._hook.remove()
+            if self.optimizer is not None and vars(self.optimizer).get("step") == self._wrapped_step:
+                del self.optimizer.step  # only our own wrapper: the class's step shows through again
+            self.watcher.close()
+        if self.report is None and self.watcher.warnings(None):
+            self._report(None, lambda f: None)
+        if self.report is None:
+            log.info("nandoctor: no non-finite value in %d step(s)", self.step)
+        return self.report
+
+    def __enter__(self) -> Doctor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    def _report(self, fault: Fault | None, rebuild: Callable[[dict], Any]) -> None:
+        import paddle
+
+        from nandoctor.inloop import outcome
+
+        self.watcher.monitor.begin_step(False)  # stats hooks off before any replay
+        device = str(paddle.get_device())
+        report = outcome.new_report(device, "watch")
+        compute = None
+        if self.step_fn is not None and fault is not None and fault.kind == FaultKind.NONFINITE:
+            step_fn = self.step_fn
+
+            def compute(model: Any, fields: dict[str, Any]) -> Any:
+                return step_fn(model, rebuild(fields))
+
+        workload = _Workload(self.model, compute, SimpleNamespace(base_dir=_base_dir(self.step_fn, self.model),
+                                                                  step=None,
+                                                                  loss=None, data=SimpleNamespace(entry="the loop")))
+        peer = fault is not None and fault.evidence.get("peer")
+        was_training = self.model.training
+        self._busy = True
+        try:
+            with _no_sync(self.wrapper):  # a replay on one rank must not wait for the others' gradients
+                try:
+                    outcome.fill_report(report, self.watcher, None if peer else fault, self.step,
+                                        workload=workload, optimizer=self.optimizer)
+                except ReplayError as exc:  # the replay could not run: what the step's numbers say
+                    log.warning("nandoctor: the failing step could not be replayed (%s)", exc)
+                    report = outcome.new_report(device, "watch")
+                    workload.compute_loss = None
+                    outcome.fill_report(report, self.watcher, None if peer else fault, self.step,
+                                        workload=workload, optimizer=self.optimizer)
+        finally:
+            self._busy = False
+            if not was_training:
+                self.model.eval()
+            _disable_checker()
+        if self.sync is not None:
+            report = self.sync.finish(self, report)
+        self.report = report
+        text = outcome.render_text(report)
+        (log.error if report.exit_code else log.warning)("nandoctor report\n%s", text)
+        if self.report_dir is not None and (self.sync is None or self.sync.writes_report):
+            written = outcome.write_report(report, self.report_dir)
+            log.error("nandoctor: report written to %s", written)
+        if self.sync is not None:
+            self.sync.barrier()  # no rank exits (and gets the launcher to kill the others) before rank 0 wrote
+
+    def _warn(self) -> None:
+        """Warnings through `logging` as they appear (explosion, float16 headroom): host-side only."""
+        tracker = self.watcher.tracker
+        if tracker.explosion is not None and "explosion" not in self._warned:
+            self._warned.add("explosion")
+            log.warning("nandoctor: %s", tracker.explosion.message)
+        for i in tracker.fp16_hits:
+            if ("fp16", i) not in self._warned:
+                self._warned.add(("fp16", i))
+                step, top = tracker.fp16_hits[i]
+                log.warning("nandoctor: layer %s outputs values up to %.3g at step %d, beyond float16's 65504",
+                            tracker.layer_names[i], top, step)
+
+
+def watch(model: Any, optimizer: Any = None, step_fn: Callable[[Any, Any], Any] | None = None, *,
+          report_dir: str | Path | None = "nandoctor-report", on_fault: str = "stop", scaler: Any = None,
+          fields: list[str] | None = None, fp16: bool = False, distributed: bool | None = None) -> Doctor:
+    """Watch a training loop: `doctor.check(loss, batch)` after each backward (see Doctor.check).
+
+    `step_fn(model, batch) -> loss` (the forward and loss of one step) lets the doctor replay a faulty
+    step for its layer, op, parameter, source line and samples. `fields` names the parts of a tuple
+    batch. Under `paddle.distributed.launch` with more than one process (or `distributed=True`), every
+    rank must call `check` every step: the ranks agree on a fault with one collective per step.
+    """
+    from nandoctor.distributed import RankSync, world_size
+
+    sync = None
+    if distributed or (distributed is None and world_size() > 1):
+        sync = RankSync()
+    return Doctor(model, optimizer, step_fn=step_fn, report_dir=report_dir, on_fault=on_fault, scaler=scaler,
+                  fields=fields, fp16=fp16, sync=sync)
+
+
+def _base_dir(fn: Any, model: Any) -> Path:
+    """Where the user's code lives (source lines of a replayed op are shown relative to it): step_fn's
+    folder, or the model class's when step_fn is nandoctor's own (the hapi callback's replay)."""
+    own = Path(__file__).resolve().parent.parent
+    for obj in (fn, type(model)):
+        try:
+            folder = Path(inspect.getfile(obj)).resolve().parent
+        except (TypeError, OSError):
+            continue
+        if not folder.is_relative_to(own):
+            return folder
+    return Path.cwd()
+
+
+def _enabled(scaler: Any) -> bool:
+    try:
+        return bool(scaler.is_enable())
+    except Exception:  # noqa: BLE001 - a scaler-like object without is_enable: trust it
+        return True
+
+
+def _no_sync(wrapper: Any) -> Any:
+    """DataParallel's `no_sync()` (replays stay on this rank), a no-op context for a plain model."""
+    import contextlib
+
+    import paddle
+
+    if isinstance(wrapper, paddle.DataParallel):
+        return wrapper.no_sync()
+    return contextlib.nullcontext()
+
+
+def _disable_checker() -> None:
+    try:
+        from paddle.amp import debugging
+
+        debugging.disable_tensor_checker()
+    except Exception:  # noqa: BLE001 - nothing to undo
+        pass

@@ -1,0 +1,78 @@
+"""Shared by the integration tests: a sample config's own modules, and the probe's answer on it.
+
+The in-loop API, the hapi callback and `nandoctor run` must name the same first fault as `nandoctor
+probe` on the same workload, so each test runs both: the probe on the sample's config.yaml, and a
+plain Paddle loop built from the very same model.py / data.py the config names.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "sample_configs"
+EXAMPLES = ROOT / "examples"
+
+FAULT_KEYS = ("step", "phase", "layer", "op", "parameter", "batch_index", "sample_indices")
+
+
+def sample_module(sample: str, name: str) -> Any:
+    """Import sample_configs/<sample>/<name>.py under a unique module name (samples share file names)."""
+    path = SAMPLES / sample / f"{name}.py"
+    key = f"_sample_{sample}_{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    spec = importlib.util.spec_from_file_location(key, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def probe_first_fault(sample: str) -> dict[str, Any]:
+    """`nandoctor probe sample_configs/<sample>/config.yaml`'s first fault, as the JSON has it."""
+    from nandoctor.probe import ProbeOptions, run_probe
+    from nandoctor.spec import load_spec
+
+    spec = load_spec(SAMPLES / sample / "config.yaml")
+    report = run_probe(spec, ProbeOptions(steps=spec.probe.steps, seed=spec.probe.seed, device="cpu"))
+    return fault_of(report)
+
+
+def fault_of(report: Any) -> dict[str, Any]:
+    assert report is not None and report.first_fault is not None
+    ff = report.to_dict()["first_fault"]
+    return {k: ff[k] for k in FAULT_KEYS}
+
+
+def example_module(name: str) -> Any:
+    key = f"_example_{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    spec = importlib.util.spec_from_file_location(key, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def probe_plain_loop(tmp_path: Path, healthy: bool = False) -> dict[str, Any]:
+    """`nandoctor probe` on examples/plain_loop.py's own model and batches (the spec the examples stand for)."""
+    import yaml
+
+    from nandoctor.probe import ProbeOptions, run_probe
+    from nandoctor.spec import load_spec
+
+    example = EXAMPLES / "plain_loop.py"
+    raw = {"version": 1, "model": {"entry": f"{example}:Siamese"},
+           "data": {"entry": f"{example}:batches", "args": {"healthy": healthy}, "fields": ["a", "b", "target"],
+                    "inputs": ["a", "b"], "label": "target"},
+           "loss": {"builtin": "mse"}, "optimizer": {"name": "Adam", "args": {"learning_rate": 0.003}}}
+    path = tmp_path / "plain_loop.yaml"
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    return fault_of(run_probe(load_spec(path), ProbeOptions(steps=20, seed=0, device="cpu")))

@@ -1,0 +1,86 @@
+"""`nandoctor run -- COMMAND`: an unmodified script watched through Paddle's seams, as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from inloop_helpers import EXAMPLES, ROOT, probe_plain_loop
+
+SCRIPT = EXAMPLES / "unmodified_loop.py"
+LIMIT = 240
+
+
+def _run(tmp_path: Path, *args: str, script: list[str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "nandoctor", "run", *args, "--",
+           *(script if script is not None else [sys.executable, str(SCRIPT)])]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=LIMIT, env=env)
+
+
+@pytest.fixture(scope="module")
+def probe_fault(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    fault = probe_plain_loop(tmp_path_factory.mktemp("probe"))
+    assert (fault["step"], fault["phase"], fault["layer"], fault["op"], fault["sample_indices"]) == (
+        6, "backward", "distance", "sqrt_grad", [3])
+    return fault
+
+
+@pytest.mark.parametrize("loss", ["functional", "layer"])
+def test_run_names_the_probes_first_fault_and_stops_the_script(tmp_path: Path, probe_fault: dict,
+                                                               loss: str) -> None:
+    extra = ["--loss-layer"] if loss == "layer" else []
+    proc = _run(tmp_path, "--json", "r.json", "--markdown", "r.md", "--bundle", "b",
+                script=[sys.executable, str(SCRIPT), *extra])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "step 5 loss" in proc.stdout and "step 6 loss" not in proc.stdout  # stopped before step 6's update
+    assert "training finished" not in proc.stdout
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert data["verdict"] == "nan_found"
+    assert {k: data["first_fault"][k] for k in probe_fault} == probe_fault
+    assert "sqrt_grad" in (tmp_path / "r.md").read_text(encoding="utf-8")
+    assert (tmp_path / "b" / "batch.npz").is_file() and (tmp_path / "b" / "report.json").is_file()
+    assert "first fault" in proc.stdout  # the console report
+
+
+def test_healthy_script_passes_through(tmp_path: Path) -> None:
+    proc = _run(tmp_path, "--json", "r.json", script=[sys.executable, str(SCRIPT), "--healthy"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "training finished"
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_keep_going_lets_the_script_finish(tmp_path: Path) -> None:
+    proc = _run(tmp_path, "--keep-going", "--json", "r.json")
+    assert proc.returncode == 1
+    assert "training finished" in proc.stdout and "step 19 loss" in proc.stdout
+    assert json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))["first_fault"]["step"] == 6
+
+
+def test_the_scripts_own_exit_status_passes_through(tmp_path: Path) -> None:
+    proc = _run(tmp_path, script=[sys.executable, "-c", "import sys; print('hi'); sys.exit(3)"])
+    assert (proc.returncode, proc.stdout) == (3, "hi\n")
+
+
+def test_no_command_is_a_usage_error(tmp_path: Path) -> None:
+    proc = _run(tmp_path, script=[])
+    assert proc.returncode == 2
+
+
+def test_a_command_without_training_says_nothing_was_watched(tmp_path: Path) -> None:
+    proc = _run(tmp_path, script=[sys.executable, "-c", "print('no training here')"])
+    assert proc.returncode == 0 and proc.stdout == "no training here\n"
+    assert "nothing was watched" in proc.stderr
+
+
+def test_run_watches_paddle_model_fit(tmp_path: Path, probe_fault: dict) -> None:
+    """hapi updates through `minimize`, not `step`: the same first fault, fit stopped."""
+    proc = _run(tmp_path, "--json", "r.json", script=[sys.executable, str(EXAMPLES / "hapi_fit.py"), "--no-callback"])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "fit finished" not in proc.stdout
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert {k: data["first_fault"][k] for k in probe_fault} == probe_fault
