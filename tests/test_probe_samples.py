@@ -134,15 +134,21 @@ EXPECTED: dict[str, Expect] = {
     "gated_mlp_backward": Expect(NAN, 1, fault(6, "backward", "mlp.act_fn", "sqrt_grad", ANY, 6, [3]),
                                  {"grad.nonfinite"}),
     # two residual blocks, both fed the zero rows; backward meets blocks.1's act first
-    "residual_backward": Expect(NAN, 1, fault(4, "backward", "blocks.1.mlp.act_fn", "sqrt_grad", ANY, 4, [2, 5]),
+    "gated_mlp_backward/residual": Expect(NAN, 1, fault(4, "backward", "blocks.1.mlp.act_fn", "sqrt_grad", ANY, 4, [2, 5]),
                                 {"grad.nonfinite"}),
 }
 # healthy_mlp and healthy_cnn are the scan helper's; they have no probe defaults, hence the step count
 HEALTHY_STEPS = {"healthy_rnn": None, "healthy_transformer": None, "healthy_mlp": 30, "healthy_cnn": 30,
-                 # masks full of intended -inf (and, for healthy_llama, fully masked rows filled with
+                 # masks full of intended -inf (and, for llama_masked_row/healthy, fully masked rows filled with
                  # finfo.min): the plain loop saw finite losses and gradients on every step
-                 "healthy_masked_attention": None, "healthy_causal_decoder": None, "healthy_llama": None}
-HEALTHY = sorted(n for n in HEALTHY_STEPS if (SAMPLES / n / "config.yaml").is_file())
+                 "masked_attention/healthy": None, "causal_padding_decoder/healthy": None, "llama_masked_row/healthy": None}
+def config_of(name: str) -> Path:
+    """A sample's spec: "folder" is folder/config.yaml; "folder/variant" is folder/variant.yaml, a second
+    config over the same model and data (a healthy twin, another setting)."""
+    return SAMPLES / (f"{name}.yaml" if "/" in name else f"{name}/config.yaml")
+
+
+HEALTHY = sorted(n for n in HEALTHY_STEPS if config_of(n).is_file())
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +159,8 @@ def probe(tmp_path_factory: pytest.TempPathFactory):
 
     def run(name: str) -> tuple[int, dict[str, Any]]:
         if name not in cache:
-            out = folder / f"{name}.json"
-            args = ["probe", str(SAMPLES / name / "config.yaml"), "--json", str(out)]
+            out = folder / f"{name.replace('/', '__')}.json"
+            args = ["probe", str(config_of(name)), "--json", str(out)]
             if HEALTHY_STEPS.get(name):
                 args += ["--steps", str(HEALTHY_STEPS[name])]
             result = CliRunner().invoke(app, args)
@@ -181,6 +187,8 @@ def test_every_sample_folder_has_an_expectation():
     folders = {p.parent.name for p in SAMPLES.glob("*/config.yaml")}
     untested = folders - set(EXPECTED) - set(HEALTHY) - set(SCAN_EXPECTED) - {"healthy_mlp", "healthy_cnn"}
     untested -= SPEC_SAMPLES
+    variants = {f"{p.parent.name}/{p.stem}" for p in SAMPLES.glob("*/*.yaml") if p.name != "config.yaml"}
+    untested |= {v for v in variants - set(EXPECTED) - set(HEALTHY) if v.split("/")[0] not in SPEC_SAMPLES}
     assert not untested, f"sample configs with no expectation: {sorted(untested)}"
 
 
