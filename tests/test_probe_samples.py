@@ -134,14 +134,17 @@ EXPECTED: dict[str, Expect] = {
     "gated_mlp_backward": Expect(NAN, 1, fault(6, "backward", "mlp.act_fn", "sqrt_grad", ANY, 6, [3]),
                                  {"grad.nonfinite"}),
     # two residual blocks, both fed the zero rows; backward meets blocks.1's act first
-    "gated_mlp_backward/residual": Expect(NAN, 1, fault(4, "backward", "blocks.1.mlp.act_fn", "sqrt_grad", ANY, 4, [2, 5]),
-                                {"grad.nonfinite"}),
+    "gated_mlp_backward/residual": Expect(NAN, 1, fault(4, "backward", "blocks.1.mlp.act_fn", "sqrt_grad", ANY, 4,
+                                                        [2, 5]), {"grad.nonfinite"}),
 }
 # healthy_mlp and healthy_cnn are the scan helper's; they have no probe defaults, hence the step count
 HEALTHY_STEPS = {"healthy_rnn": None, "healthy_transformer": None, "healthy_mlp": 30, "healthy_cnn": 30,
                  # masks full of intended -inf (and, for llama_masked_row/healthy, fully masked rows filled with
                  # finfo.min): the plain loop saw finite losses and gradients on every step
-                 "masked_attention/healthy": None, "causal_padding_decoder/healthy": None, "llama_masked_row/healthy": None}
+                 "masked_attention/healthy": None, "causal_padding_decoder/healthy": None,
+                 "llama_masked_row/healthy": None}
+
+
 def config_of(name: str) -> Path:
     """A sample's spec: "folder" is folder/config.yaml; "folder/variant" is folder/variant.yaml, a second
     config over the same model and data (a healthy twin, another setting)."""
