@@ -210,24 +210,31 @@ class StepMonitor:
         """The one host sync of a step: everything queued so far, as numbers. `scale`: AMP's loss-scale
         tensor, read in the same sync; the gradients it multiplied are divided back out."""
         import paddle
+        from paddle import _C_ops
 
-        parts: list[Any] = [loss.detach().astype("float32").reshape([-1]).sum().reshape([1])]
-        if scale is not None:
-            parts.append(scale.astype("float32").reshape([1]))
+        f32 = paddle.float32
         has_params = self._pending_params is not None
-        if has_params:
-            parts.append(self._pending_params)
         data_names = list(data_checks)
-        parts += [data_checks[k].astype("float32").reshape([1]) for k in data_names]
         per_param = full or self.small
-        grad_sq, present = self._grad_sq(per_param)
-        if grad_sq is not None:
-            parts.append(grad_sq)
         acts = list(self._act_val)
         act_idx = list(self._act_idx)
-        if acts:
-            parts.append(paddle.stack(acts).reshape([-1]))
-        vec = paddle.concat(parts).numpy().astype("float64")
+        # No autograd here: gradients are tensors that require grad, and every op on them would record a
+        # backward node (stacking 150 gradients: 0.2 ms with, 0.06 ms without; a third of a 500-layer
+        # MLP's detection cost).
+        with paddle.no_grad():
+            lv = loss if loss.dtype == f32 else _C_ops.cast(loss, f32)
+            parts: list[Any] = [_C_ops.reshape(_C_ops.sum(lv, None, None, False), [1])]
+            if scale is not None:
+                parts.append(_C_ops.reshape(_C_ops.cast(scale, f32), [1]))
+            if has_params:
+                parts.append(self._pending_params)
+            parts += [_C_ops.reshape(_C_ops.cast(data_checks[k], f32), [1]) for k in data_names]
+            grad_sq, present = self._grad_sq(per_param)
+            if grad_sq is not None:
+                parts.append(grad_sq)
+            if acts:
+                parts.append(_C_ops.reshape(_C_ops.stack(acts, 0), [-1]))
+            vec = _C_ops.concat(parts, 0).numpy().astype("float64")
         pos = 0
         loss_v = float(vec[pos])
         pos += 1
