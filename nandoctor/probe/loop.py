@@ -86,7 +86,9 @@ class StatsSchedule:
             return False
         if step == 2:  # and one stats step that is not the first (warm-up) step
             return True
-        return step - self.last >= self.k
+        # k == 1 (stats every step) would leave no plain step to measure against, so a plain step
+        # measured slow once (a first-call cost, a load spike) would keep it at 1: measure one in 16.
+        return step - self.last >= self.k and not (self.k == 1 and step % 16 == 0)
 
     def record(self, step: int, stats: bool, seconds: float, detect_seconds: float = 0.0) -> None:
         if step == 0:
