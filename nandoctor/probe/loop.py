@@ -102,7 +102,7 @@ class StatsSchedule:
         if stats:
             self.last = step
         if self.plain and self.stats:
-            plain = statistics.median(self.plain[-20:])
+            plain = min(self.plain[-20:])  # min: one slow plain step (first calls, load) must not make stats look free
             detect = statistics.median(self.detect[-20:]) / max(plain, 1e-9)
             budget = max(_MIN_STATS_BUDGET, _TOTAL_BUDGET - detect)
             extra = max(0.0, statistics.median(self.stats[-20:]) - plain)
