@@ -36,7 +36,7 @@ class Setting:
 
     quick: bool
     runs: int
-    steps: int = 60  # row 1: whole-process steps, as `nandoctor probe CONFIG --steps 60`
+    steps: int | None = None  # row 1: whole-process steps; None: each config's `probe.steps` (60, or 600)
     step_steps: int = 30  # row 2: steps per in-process run
     warmup: int = 5  # steps left out of per-step medians (start-up, allocator warm-up)
     checker_steps: int = 2  # row 3: checked steps per block (~18x a plain step on CPU)
@@ -65,23 +65,24 @@ def whole_process(s: Setting, scratch: Path) -> tuple[list[Row], list[Row]]:
     time_rows, rss_rows = [], []
     for name in s.workloads:
         w = workloads.load(name, s.quick, scratch)
-        say(f"row 1/6: {name}: {s.runs} pair(s) of probe vs plain processes, {s.steps} steps")
+        steps = s.steps or w.steps
+        say(f"row 1/6: {name}: {s.runs} pair(s) of probe vs plain processes, {steps} steps")
         report = scratch / f"{name}_report.json"
         report.unlink(missing_ok=True)
-        paired = procs.run_paired([PY, "-m", "nandoctor", "probe", str(w.config), "--steps", str(s.steps),
+        paired = procs.run_paired([PY, "-m", "nandoctor", "probe", str(w.config), "--steps", str(steps),
                                    "--json", str(report)],
-                                  [PY, str(w.plain), str(w.config), "--steps", str(s.steps)], s.runs)
+                                  [PY, str(w.plain), str(w.config), "--steps", str(steps)], s.runs)
         ok, note = check_runs(paired, report)
         ta, tb = median([r.seconds for r in paired.a]), median([r.seconds for r in paired.b])
         ratios = [a.seconds / b.seconds for a, b in zip(paired.a, paired.b)]
         cpu = median([a.cpu_seconds / b.cpu_seconds for a, b in zip(paired.a, paired.b)])
-        time_rows.append(Row("1 whole process", name, f"{w.describe}, {s.steps} steps",
+        time_rows.append(Row("1 whole process", name, f"{w.describe}, {steps} steps",
                              median(ratios) if ok else None, "x", "<= 1.10",
                              f"{note}probe {ta:.1f}s / plain {tb:.1f}s, pairs {fmt(ratios)}; cpu {cpu:.2f}x"
                              if ok else note))
         rss = [a.max_rss_mb / b.max_rss_mb for a, b in zip(paired.a, paired.b)]
         ra, rb = median([r.max_rss_mb for r in paired.a]), median([r.max_rss_mb for r in paired.b])
-        rss_rows.append(Row("6 peak RSS probe", name, f"{w.describe}, {s.steps} steps",
+        rss_rows.append(Row("6 peak RSS probe", name, f"{w.describe}, {steps} steps",
                             median(rss) if ok else None, "x", "<= 1.15",
                             f"{note}probe {ra:.0f} MB / plain {rb:.0f} MB" if ok else note))
     return time_rows, rss_rows
@@ -118,8 +119,9 @@ def per_step(s: Setting, scratch: Path) -> list[Row]:
     rows = []
     for name in s.workloads:
         w = workloads.load(name, s.quick, scratch)
-        say(f"row 2: {name}: probe vs plain steps in one process, {s.runs} pair(s) of {s.step_steps} steps")
-        res = worker("steps", w, s, s.step_steps)
+        steps = s.step_steps if s.quick else (w.step_steps or s.step_steps)
+        say(f"row 2: {name}: probe vs plain steps in one process, {s.runs} pair(s) of {steps} steps")
+        res = worker("steps", w, s, steps)
         setting = f"{w.describe}, steady state"
         if "error" in res:
             rows.append(Row("2 per step", name, setting, None, "x", "<= 1.05", res["error"][:100]))
