@@ -20,7 +20,7 @@ from nandoctor.artifacts import capture
 from nandoctor.device import resolve_device, use_device
 from nandoctor.errors import UserCodeError
 from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity, TimelinePoint
-from nandoctor.interrupt import interrupted_finding
+from nandoctor.interrupt import interrupted_finding, reassert
 from nandoctor.probe import causes, faults
 from nandoctor.probe.crash import CrashContext, crash_findings
 from nandoctor.probe.loop import LoopResult, ProbeLoop
@@ -92,6 +92,7 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
         loc.step = None
         faults.set_first(report, loc)
         return
+    reassert()  # the user's imports (paddleformers) may have reset SIGTERM in C: a signal must still report
     model = workload.model
     if not trainable_names(model):
         report.findings.append(no_trainable_finding(spec, model))
