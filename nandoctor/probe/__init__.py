@@ -218,7 +218,7 @@ def _localise(report: Report, fault: Any, workload: Any) -> None:
                      "condition); subsets see different batch statistics")
     report.details["bisection"] = {"evaluations": bis.evaluations, "capped": bis.capped}
     report.details["localization_seconds"] = round(time.perf_counter() - t0, 3)
-    faults.nonfinite_fault(report, fault, loc, bis.samples, notes)
+    faults.nonfinite_fault(report, fault, loc, bis.samples, notes, bis.scope)
 
 
 def _remedies(report: Report, res: LoopResult, workload: Any, optimizer: Any, loop: ProbeLoop,
