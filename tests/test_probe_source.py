@@ -74,3 +74,17 @@ def test_the_interpreters_own_files_and_nandoctors_console_script_are_not_the_us
     user.write_text("x = 1\n")
     assert is_user_file(user, None) and is_user_file(user, tmp_path.resolve())
     assert is_user_file(bin_dir / "train.py", bin_dir.resolve())  # the spec's own folder always counts
+
+
+def test_no_paddle_warning_caused_by_nandoctors_own_ops(tmp_path: Path) -> None:
+    """Paddle logs "Got different data type, run type promotion automatically" (glog, once a process) when an
+    op mixes dtypes; a plain loop over this sample never logs it, so a probe (scan of the weights' scale,
+    watcher, localisation, remedy replays) must not either. A fresh process: the line is logged only once."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "nandoctor", "probe", str(SAMPLES / "log_of_zero" / "config.yaml"),
+                           "--json", str(tmp_path / "r.json"), "-q"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "type promotion" not in done.stderr, done.stderr
