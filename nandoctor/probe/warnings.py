@@ -122,8 +122,8 @@ class WarningTracker:
         if others:
             shown = ", ".join(others[:5]) + ("…" if len(others) > 5 else "")
             first = min(hits, key=lambda kv: (kv[1][0], kv[0]))
-            also = (f" {len(others)} other layer(s) also exceed it ({shown}); the first to, at step {first[1][0]}, "
-                    f"was {self.layer_names[first[0]]}.")
+            also = (f" {len(others)} other layer(s) also exceed it ({shown}); {self.layer_names[first[0]]} was the "
+                    f"first to, at step {first[1][0]}.")
         layers = [{"layer": self.layer_names[j], "max_abs": v, "first_step": st} for j, (st, v) in hits[:50]]
         return Finding(
             Code.PRECISION_FP16_OVERFLOW, sev,
