@@ -6,6 +6,7 @@ so the domain knowledge can be read and improved here alone.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # Starting points for ClipGradByGlobalNorm that practitioners use per architecture.
@@ -88,12 +89,64 @@ _BY_CODE: dict[str, list[str]] = {
 }
 
 
+def lower_lr_advice(lr: float | None, at: str = "") -> str:
+    """How far to lower the learning rate, scaled to the one in use: 3-10x is right for 3e-3, not for 1000."""
+    if not isinstance(lr, (int, float)) or lr <= 0 or lr != lr:
+        return "Lower the learning rate by 3-10x and add a warmup of a few hundred steps."
+    where = f" ({lr:g}{' ' + at if at else ''})"
+    if lr > 1.0:
+        exponent = math.log10(lr)
+        if exponent >= 1 and abs(exponent - round(exponent)) < 1e-9:  # 10, 1e3, 1e4: a lost minus sign?
+            k = round(exponent)
+            return (f"The learning rate{where} is far beyond any usual value (about 1e-5 to 1e-3 for Adam/AdamW, "
+                    f"1e-3 to 0.1 for SGD/Momentum): set it in that range. If 1e-{k} was meant, the exponent's "
+                    f"minus sign is missing (1e{k}).")
+        return (f"The learning rate{where} is far beyond any usual value (about 1e-5 to 1e-3 for Adam/AdamW, "
+                "1e-3 to 0.1 for SGD/Momentum): set it in that range, e.g. 1e-3, and add a warmup.")
+    if lr >= 0.1:
+        return f"Lower the learning rate{where} by about 10x (to {lr / 10:.2g} or less) and add a warmup."
+    return f"Lower the learning rate{where} by 3-10x and add a warmup of a few hundred steps."
+
+
+def cause_advice(cause: str, **facts: Any) -> list[str]:
+    """What to change for the cause the probe found before the fault (grad.explosion, a loss jump, a NaN
+    parameter read, weights initialised too large): asked before the op's generic advice, which only
+    says what such an op does wrong in general."""
+    lr, at = facts.get("learning_rate"), facts.get("lr_step")
+    at_text = f"at step {at}" if at is not None else ""
+    if cause in ("grad.explosion", "loss.jump"):
+        what = ("the gradient norm grew step after step" if cause == "grad.explosion" else
+                "the loss jumped in one update")
+        return [f"The fault follows from the step size: {what} before it. " + lower_lr_advice(lr, at_text),
+                f"Clip gradients (`optimizer.grad_clip: {{global_norm: {facts.get('clip_norm') or 1.0:.3g}}}`) so "
+                "one large gradient cannot throw the weights this far."]
+    if cause == "param.nonfinite":
+        name = facts.get("parameter") or "the parameter"
+        return [f"Nothing overflowed here: the op read {name}, which held NaN/Inf before training (see "
+                "param.nonfinite). Load it from an earlier, finite checkpoint or re-initialise the bad rows."]
+    if cause == "param.init_scale":
+        return ["The weights start far above their fan-in's scale (see param.init_scale): re-initialise with "
+                "`nn.initializer.XavierUniform()` (tanh/linear) or `nn.initializer.KaimingNormal()` (ReLU)."]
+    return []
+
+
 def advice_for(code: str, op: str | None = None, **facts: Any) -> list[str]:
-    """The remedies for a finding: op-specific first (most concrete), then the code's general ones.
+    """The remedies for a finding: for the cause found when there is one (`cause`: grad.explosion,
+    loss.jump, param.nonfinite, param.init_scale), then op-specific (most concrete), then the code's
+    general ones. A cause replaces the code's generic guess; a NaN parameter also the op's (the op only
+    read it).
 
     `facts` tailor the text: `clip_norm` (a threshold derived from observed norms), `learning_rate`,
-    `expected_std`, `arch`.
+    `lr_step`, `parameter`, `expected_std`, `arch`.
     """
+    cause = facts.pop("cause", None)
+    if cause:
+        out = cause_advice(cause, **facts)
+        if out:
+            if cause != "param.nonfinite" and op:
+                base = op.removesuffix("_grad") if op not in _BY_OP else op
+                out += _BY_OP.get(op, _BY_OP.get(base, []))
+            return list(dict.fromkeys(out))
     out: list[str] = []
     if op:
         base = op.removesuffix("_grad") if op not in _BY_OP else op
@@ -105,9 +158,11 @@ def advice_for(code: str, op: str | None = None, **facts: Any) -> list[str]:
         typical = facts.get("typical_norm")
         seen = (f"{facts['clip_norm'] / typical:.2g}x the typical norm before the growth began ({typical:.3g})"
                 if typical else "the norm seen before the growth began")
-        out += [f"Clip gradients at about {facts['clip_norm']:.3g}, {seen}: "
-                f"`optimizer.grad_clip: {{global_norm: {facts['clip_norm']:.3g}}}`.",
-                f"Lower the learning rate{lr_text} by 3-10x and add a warmup of a few hundred steps."]
+        clip = [f"Clip gradients at about {facts['clip_norm']:.3g}, {seen}: "
+                f"`optimizer.grad_clip: {{global_norm: {facts['clip_norm']:.3g}}}`."]
+        lower = lower_lr_advice(lr, at if lr_text else "")
+        # a learning rate beyond any usual value is the thing to fix first; clipping would only hide it
+        out += [lower, *clip] if isinstance(lr, (int, float)) and lr > 1.0 else [*clip, lower]
         return out
     if code == "param.nonfinite" and facts.get("frozen"):
         return ["The parameter is frozen, so training will never repair it: load it from a finite checkpoint, "

@@ -8,6 +8,7 @@ a `UserCodeError`, which scan and probe turn into a `user_code.error` finding in
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -129,7 +130,9 @@ def user_origin(exc: BaseException, base_dir: Path | None = None) -> str | None:
 
 
 def is_user_file(file: Path, base: Path | None) -> bool:
-    """Not nandoctor, not an installed package, not the standard library; anything under `base` counts."""
+    """Not nandoctor (its package or its console script), not an installed package, not the standard
+    library, not anything else in the interpreter's own prefix (a venv's bin/ scripts); anything under
+    `base` counts."""
     text = str(file)
     if text.startswith("<"):
         return False
@@ -137,12 +140,31 @@ def is_user_file(file: Path, base: Path | None) -> bool:
         resolved = file.resolve()
     except OSError:
         return False
-    if _OUR_DIR in resolved.parents:
+    if _OUR_DIR in resolved.parents or resolved.name == "nandoctor":  # the package, the console script
         return False
     if base is not None and base in resolved.parents:
         return True
+    if any(prefix in resolved.parents for prefix in _interpreter_dirs()):
+        return False
     lowered = text.replace("\\", "/")
     return "site-packages" not in lowered and "/lib/python" not in lowered
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreter_dirs() -> tuple[Path, ...]:
+    """The interpreter's prefixes and its bin folder: what lives there was installed, not written by the
+    user (the filesystem root is left out: it holds everything)."""
+    dirs = {Path(sys.executable).parent}
+    for prefix in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix):
+        if prefix:
+            dirs.add(Path(prefix))
+    resolved = set()
+    for d in dirs:
+        try:
+            resolved.add(d.resolve())
+        except OSError:
+            continue
+    return tuple(d for d in resolved if d.parent != d)
 
 
 def short_path(file: Path, base_dir: Path | None) -> str:

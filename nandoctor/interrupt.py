@@ -3,7 +3,9 @@
 cancels too; the signal received decides the exit status (128 + its number: 130, 143).
 
 Paddle installs C++ handlers at import that dump a native stack on SIGTERM; `install()` runs after
-Paddle is imported and puts Python's handlers back.
+Paddle is imported and puts Python's handlers back. The user's own imports can do the same behind
+Python's back (`import paddleformers` resets SIGTERM to the default in C while `signal.getsignal` still
+shows ours): `reassert()` runs after the user's code is imported, the model built and the loader made.
 """
 
 from __future__ import annotations
@@ -41,6 +43,18 @@ def install() -> None:
         return
     signal.signal(signal.SIGINT, _on_sigint)
     signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def reassert() -> None:
+    """Re-set the SIGINT/SIGTERM handlers Python believes are installed, so that the C-level disposition
+    matches them again after a library changed it underneath (two system calls; main thread only).
+    Only Python-level handlers are re-set: a default or a C handler Python does not know is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(signum)
+        if callable(handler):
+            signal.signal(signum, handler)
 
 
 @contextlib.contextmanager

@@ -306,3 +306,36 @@ def test_fault_in_the_models_own_forward_reads_so_in_message_and_markdown(tmp_pa
     assert message.startswith("A value computed in the model's own forward") and "None" not in message
     first_fault = markdown_report.render(report).split("## First fault", 1)[1].split("##", 1)[0]
     assert "the model's forward" in first_fault and "None" not in first_fault
+
+
+class _CountReplayer:
+    """The loss is NaN when the subset holds all of `together`, or any sample of `alone`."""
+
+    params: list = []
+
+    def __init__(self, together: set[int], alone: set[int]) -> None:
+        self.together, self.alone = together, alone
+
+    def reset_rng(self) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+    def loss(self, part: dict) -> paddle.Tensor:
+        ids = {int(i) for i in np.asarray(part["id"]).ravel()}
+        bad = bool(ids & self.alone) or (bool(self.together) and self.together <= ids)
+        return paddle.to_tensor(float("nan") if bad else 1.0)
+
+
+@pytest.mark.parametrize(("together", "alone", "samples", "scope"), [
+    (set(), {0, 1, 2, 3, 4, 5}, None, "every_sample"),
+    (set(range(6)), set(), None, "whole_batch"),
+    (set(), {1, 4}, [1, 4], "samples"),
+])
+def test_bisection_says_which_case_it_measured(together, alone, samples, scope) -> None:
+    from nandoctor.probe.samples import find_samples
+
+    fields = {"id": np.arange(6, dtype="int64")}
+    bis = find_samples(_CountReplayer(together, alone), fields, "loss")
+    assert (bis.samples, bis.scope) == (samples, scope)

@@ -315,3 +315,88 @@ def test_nan_batchnorm_statistics_do_not_stop_training_but_are_reported(tmp_path
     assert "batch-norm running statistics" in p.message and "model.eval()" in p.message
     assert p.severity.value == "error"
     assert report.first_fault.phase == Phase.PARAMS
+
+
+def test_advice_follows_the_cause_found_not_the_ops_generic_advice():
+    """lr_divergence (plain loop: the norm grows for steps, every sample alone overflows at step 16): the
+    first advice is the learning rate in use, not the matmul's "check the initialisation". embedding_nan_row
+    (plain loop: samples 3 and 6 read the NaN row of token 37 at step 7): the op only read a NaN parameter,
+    so nothing about overflow is advised."""
+    report = _sample_report("lr_divergence")
+    [symptom] = [f for f in report.findings if f.code.value == "activation.nonfinite"]
+    assert symptom.location.op == "matmul" and symptom.evidence["causes"][0] == "grad.explosion"
+    advice = _own_advice(symptom)
+    assert advice[0].startswith("The fault follows from the step size") and \
+        "learning rate (0.03 at step" in advice[0], advice
+    assert "global_norm" in advice[1]
+    report = _sample_report("embedding_nan_row")
+    [symptom] = [f for f in report.findings if f.code.value == "activation.nonfinite"]
+    assert symptom.evidence["causes"] == ["param.nonfinite"]
+    advice = _own_advice(symptom)
+    assert advice[0].startswith("Nothing overflowed here: the op read embed.weight"), advice
+    assert not any("overflow" in a and "Nothing" not in a for a in advice)
+
+
+def _own_advice(finding) -> list[str]:
+    """The diagnosis' advice, without the remedy replays' outcome lines put in front of it."""
+    return [a for a in finding.advice if "by replay" not in a]
+
+
+@pytest.mark.parametrize(("lr", "words"), [
+    (1e3, ["(1000 now) is far beyond any usual value", "If 1e-3 was meant", "minus sign"]),
+    (5.0, ["(5 now) is far beyond any usual value", "e.g. 1e-3"]),
+    (0.3, ["(0.3 now) by about 10x (to 0.03 or less)"]),
+    (0.01, ["(0.01 now) by 3-10x"]),
+    (None, ["by 3-10x"]),
+])
+def test_learning_rate_advice_is_scaled_to_the_rate_in_use(lr, words):
+    from nandoctor.advice import advice_for
+
+    advice = advice_for("grad.explosion", clip_norm=5.0, learning_rate=lr, lr_step=None, typical_norm=3.0)
+    text = " ".join(advice)
+    assert all(w in text for w in words), advice
+    # a rate beyond any usual value comes first: clipping would only hide it
+    assert ("far beyond" in advice[0]) == (lr is not None and lr > 1)
+
+
+_SILU_MLP = """
+import numpy as np
+import paddle
+from paddle import nn
+
+
+def model():
+    paddle.seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.Silu(), nn.Linear(64, 64), nn.Silu(), nn.Linear(64, 10))
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return [{"x": rng.normal(size=(8, 16)).astype("float32"), "label": rng.integers(0, 10, size=(8,)).astype("int64")}
+            for _ in range(10)]
+"""
+
+
+def test_a_one_step_loss_jump_at_a_huge_learning_rate_is_named_as_the_cause(tmp_path):
+    """b3 of the real-model report in small: SGD at lr 1e3 (1e-3 meant) on Linear-SiLU layers. A plain
+    loop (same model, data and seed, no nandoctor) measured: step 0 loss 2.313, gradients finite; step 1
+    loss 64.0 (finite, cross_entropy's clamp) and NaN gradients (silu_grad at inputs near 1e38). With one
+    step of history there is no grad.explosion: the loss jump and the learning rate are the cause, and the
+    advice must say so first, not "an op with an infinite derivative (sqrt, log...)"."""
+    import yaml
+
+    (tmp_path / "silu_mlp.py").write_text(_SILU_MLP, encoding="utf-8")
+    spec = {"version": 1, "model": {"entry": "silu_mlp.py:model"},
+            "data": {"entry": "silu_mlp.py:data", "fields": ["x", "label"], "label": "label"},
+            "loss": {"builtin": "cross_entropy"}, "optimizer": {"name": "SGD", "args": {"learning_rate": 1000.0}}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
+    report = run_probe(load_spec(tmp_path / "config.yaml"), ProbeOptions(steps=5, seed=0, device="cpu",
+                                                                          try_fixes=False))
+    ff = report.first_fault
+    assert (ff.step, ff.phase.value) == (1, "backward"), ff
+    assert [round(p.loss, 3) for p in report.timeline[:2]] == [2.313, 64.0]
+    [symptom] = [f for f in report.findings if f.code.value == "grad.nonfinite"]
+    assert symptom.evidence["causes"] == ["loss.jump"] and "the loss jumped 27.7x in one update" in symptom.message
+    assert symptom.advice[0].startswith("The fault follows from the step size"), symptom.advice
+    assert "(1000) is far beyond any usual value" in symptom.advice[0] and "If 1e-3 was meant" in symptom.advice[0]
+    assert not any("infinite derivative" in a for a in symptom.advice)

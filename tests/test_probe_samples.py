@@ -262,3 +262,22 @@ def test_crash_names_the_users_line(probe):
     _, report = probe("crash_in_user_code")
     [f] = [f for f in report["findings"] if f["code"] == "user_code.error"]
     assert "model.py:19" in f["message"] + json.dumps(f["evidence"]), f
+
+
+@pytest.mark.parametrize(("name", "batch"), [("lr_divergence", 16), ("empty_mask_mean", 4)])
+def test_every_sample_faulting_alone_is_said_as_such(name, batch, probe):
+    """Ground truth (the plain loop, each sample alone): every sample of the failing batch faults on its
+    own. sample_indices stays null (all positions would name no sample and make "leave these samples out"
+    drop the batch); the message and `samples_scope` say which case was measured."""
+    _, report = probe(name)
+    assert report["first_fault"]["sample_indices"] is None
+    [f] = [f for f in report["findings"] if f["severity"] == "error" and f["location"]["step"] == batch]
+    assert f"every sample of batch {batch} faults on its own" in f["message"], f["message"]
+    assert "no subset" not in f["message"] and "as a whole" not in f["message"]
+    assert f["evidence"]["samples_scope"] == "every_sample"
+
+
+def test_samples_named_when_a_strict_subset_faults(probe):
+    _, report = probe("div_by_zero_layer")
+    [f] = [f for f in report["findings"] if f["code"] == "activation.nonfinite"]
+    assert f["evidence"]["samples_scope"] == "samples" and "sample(s) 2, 5 of batch 9" in f["message"]

@@ -55,3 +55,36 @@ def test_source_line_of_the_offending_op(sample: str, needle: str, phase: str, c
     printed = capfd.readouterr()
     assert "[PRECISION]" not in printed.out + printed.err
     assert "There are nan/inf" not in printed.out + printed.err
+
+
+def test_the_interpreters_own_files_and_nandoctors_console_script_are_not_the_users(tmp_path: Path) -> None:
+    """With a library model and a builtin loss no frame is the user's: the outermost one left was the
+    `nandoctor` console script in the venv's bin/ ("created at .../bin/nandoctor:8"), which must not be
+    named as the user's source."""
+    import sys
+
+    from nandoctor.entrypoints import is_user_file
+
+    bin_dir = Path(sys.executable).parent
+    assert not is_user_file(bin_dir / "nandoctor", None)
+    assert not is_user_file(bin_dir / "some-tool", None)  # any script installed next to the interpreter
+    assert not is_user_file(Path(sys.prefix) / "share" / "x.py", None)
+    assert not is_user_file(Path("/elsewhere/venv/bin/nandoctor"), None)  # our console script in another venv
+    user = tmp_path / "train.py"
+    user.write_text("x = 1\n")
+    assert is_user_file(user, None) and is_user_file(user, tmp_path.resolve())
+    assert is_user_file(bin_dir / "train.py", bin_dir.resolve())  # the spec's own folder always counts
+
+
+def test_no_paddle_warning_caused_by_nandoctors_own_ops(tmp_path: Path) -> None:
+    """Paddle logs "Got different data type, run type promotion automatically" (glog, once a process) when an
+    op mixes dtypes; a plain loop over this sample never logs it, so a probe (scan of the weights' scale,
+    watcher, localisation, remedy replays) must not either. A fresh process: the line is logged only once."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "nandoctor", "probe", str(SAMPLES / "log_of_zero" / "config.yaml"),
+                           "--json", str(tmp_path / "r.json"), "-q"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "type promotion" not in done.stderr, done.stderr

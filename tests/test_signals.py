@@ -103,3 +103,45 @@ def test_signal_during_the_model_build(tmp_path, command):
     rc, output, data = _finish(proc, signal.SIGTERM, tmp_path)
     assert rc == 143, output
     assert data["verdict"] == "interrupted" and data["partial"] is True and data["timeline"] == []
+
+
+_RESETTING_MODEL = '''
+import ctypes
+import signal
+import sys
+
+sys.path.insert(0, {models_dir!r})
+from watcher_models import classifier  # noqa: E402,F401
+
+# What `import paddleformers` does: SIGTERM back to the default in C, behind Python's back.
+ctypes.CDLL(None).signal(int(signal.SIGTERM), ctypes.c_void_p(0))
+'''
+
+
+@pytest.mark.parametrize("command, extra", [("probe", ["--steps", "100000"]), ("scan", ["--batches", "100000"])])
+def test_sigterm_still_reports_after_the_users_import_reset_it_in_c(tmp_path, command, extra):
+    """A library imported by the user's model module resets SIGTERM at the C level while Python's
+    `signal.getsignal` still shows nandoctor's handler: without re-installing it the run dies with
+    status 143 and no report at all."""
+    from test_watcher import MODELS
+
+    (tmp_path / "resetting_model.py").write_text(_RESETTING_MODEL.format(models_dir=str(MODELS.parent)),
+                                                encoding="utf-8")
+    marker = tmp_path / "marker"
+    spec = write_spec(tmp_path, data="slow_loader", data_args={"marker": str(marker)})
+    spec.write_text(spec.read_text(encoding="utf-8").replace(f"{MODELS}:classifier", "resetting_model.py:classifier"),
+                    encoding="utf-8")
+    args = [sys.executable, "-m", "nandoctor", command, str(spec), "--json", str(tmp_path / "r.json"),
+            "--markdown", str(tmp_path / "r.md"), "-q", *extra]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while not marker.exists():
+        if proc.poll() is not None or time.time() > deadline:
+            out, err = proc.communicate(timeout=30) if proc.poll() is None else proc.communicate()
+            pytest.fail(f"the run ended or hung before the marker: rc={proc.returncode}\n{out}\n{err}")
+        time.sleep(0.1)
+    rc, output, data = _finish(proc, signal.SIGTERM, tmp_path)
+    assert rc == 143, output
+    assert data["verdict"] == "interrupted" and data["partial"] is True
+    [f] = [f for f in data["findings"] if f["code"] == "run.interrupted"]
+    assert "SIGTERM" in f["message"]

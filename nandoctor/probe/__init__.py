@@ -20,7 +20,7 @@ from nandoctor.artifacts import capture
 from nandoctor.device import resolve_device, use_device
 from nandoctor.errors import UserCodeError
 from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity, TimelinePoint
-from nandoctor.interrupt import interrupted_finding
+from nandoctor.interrupt import interrupted_finding, reassert
 from nandoctor.probe import causes, faults
 from nandoctor.probe.crash import CrashContext, crash_findings
 from nandoctor.probe.loop import LoopResult, ProbeLoop
@@ -92,6 +92,7 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
         loc.step = None
         faults.set_first(report, loc)
         return
+    reassert()  # the user's imports (paddleformers) may have reset SIGTERM in C: a signal must still report
     model = workload.model
     if not trainable_names(model):
         report.findings.append(no_trainable_finding(spec, model))
@@ -217,7 +218,7 @@ def _localise(report: Report, fault: Any, workload: Any) -> None:
                      "condition); subsets see different batch statistics")
     report.details["bisection"] = {"evaluations": bis.evaluations, "capped": bis.capped}
     report.details["localization_seconds"] = round(time.perf_counter() - t0, 3)
-    faults.nonfinite_fault(report, fault, loc, bis.samples, notes)
+    faults.nonfinite_fault(report, fault, loc, bis.samples, notes, bis.scope)
 
 
 def _remedies(report: Report, res: LoopResult, workload: Any, optimizer: Any, loop: ProbeLoop,

@@ -8,9 +8,11 @@ and the growth of the gradient norm or loss that led to the fault (grad.explosio
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from nandoctor.advice import advice_for
 from nandoctor.findings import Code, Report, Severity
 from nandoctor.probe import nan_params
 from nandoctor.probe.monitors import param_nonfinite
@@ -48,7 +50,7 @@ def after_run(report: Report, causes: Causes, res: Any, workload: Any, lr: float
     if found is not None:  # it sees the whole rise up to the fault: it replaces the tracker's warning
         report.findings = [f for f in report.findings if f.code != Code.GRAD_EXPLOSION]
         report.findings.append(found)
-    _name_causes(report, fault.step)
+    _name_causes(report, fault.step, res.records, lr)
 
 
 def _samples_alone(report: Report, fault: Any) -> list[int] | None:
@@ -65,18 +67,38 @@ _SYMPTOMS = (Code.ACTIVATION_NONFINITE, Code.LOSS_NONFINITE, Code.GRAD_NONFINITE
 _INIT_STEPS = 3  # a forward overflow this early still follows from the initial scale
 
 
-def _name_causes(report: Report, fault_step: int) -> None:
-    """The fault's own finding says what led to it, so the first thing read is cause and symptom together."""
+def _name_causes(report: Report, fault_step: int, records: list[Any] | None = None, lr: float | None = None) -> None:
+    """The fault's own finding says what led to it, so the first thing read is cause and symptom together;
+    its advice then starts with what fixes that cause, not with what the op does wrong in general."""
     symptom = next((f for f in report.findings if f.code in _SYMPTOMS and f.location.step == fault_step), None)
     if symptom is None:
         return
     causes: list[tuple[str, str]] = []  # (code, text)
+    facts: dict[str, Any] = {"learning_rate": lr}
+    read = [f for f in report.findings if f.code == Code.PARAM_NONFINITE
+            and f.evidence.get("first_read_step") == fault_step and f.location.parameter == symptom.location.parameter]
+    if read:
+        facts["parameter"] = read[0].location.parameter
+        causes.append((Code.PARAM_NONFINITE.value, f"{facts['parameter']} held NaN/Inf before training and this "
+                       "op read it (param.nonfinite)"))
     for f in report.findings:
         if f.code == Code.GRAD_EXPLOSION and f.severity != Severity.INFO and (f.location.step or 0) <= fault_step:
             ev = f.evidence
             grew = f"{ev['growth']:.3g}x" if "growth" in ev else "sharply"
             causes.append((f.code.value, f"the {ev.get('signal', 'gradient norm')} grew {grew} from step "
                            f"{f.location.step} (grad.explosion: lower the learning rate or clip)"))
+            if ev.get("learning_rate") is not None:
+                facts["learning_rate"], facts["lr_step"] = ev["learning_rate"], f.location.step
+            if ev.get("clip_threshold"):
+                facts["clip_norm"] = ev["clip_threshold"]
+    if not any(code == Code.GRAD_EXPLOSION.value for code, _ in causes) and not read \
+            and not _samples_named(report):
+        jump = _loss_jump(records or [], fault_step)
+        if jump is not None:
+            (s0, v0), (s1, v1) = jump
+            at_lr = f" at learning rate {lr:g}" if lr is not None else ""
+            causes.append(("loss.jump", f"the loss jumped {v1 / v0:.3g}x in one update{at_lr} ({v0:.3g} at step "
+                           f"{s0}, {v1:.3g} at step {s1}): the step size threw the weights out of range"))
     inits = [f for f in report.findings if f.code == Code.PARAM_INIT_SCALE and f.evidence.get("ratio", 1) > 1]
     if inits and fault_step < _INIT_STEPS and symptom.location.phase is not None \
             and symptom.location.phase.value in ("forward", "loss"):
@@ -84,5 +106,31 @@ def _name_causes(report: Report, fault_step: int) -> None:
         causes.append((Code.PARAM_INIT_SCALE.value,
                        f"weights initialised far above their fan-in's scale: {names} (param.init_scale)"))
     if causes:
-        symptom.message += " Likely cause: " + "; ".join(text for _, text in causes) + "."
+        said = [text for code, text in causes  # the NaN parameter's read is said already (nan_params.py)
+                if not (code == Code.PARAM_NONFINITE.value and "NaN before training" in symptom.message)]
+        if said:
+            symptom.message += " Likely cause: " + "; ".join(said) + "."
         symptom.evidence["causes"] = [code for code, _ in causes]
+        op = symptom.location.op
+        symptom.advice = list(dict.fromkeys(advice_for(symptom.code.value, op=op, cause=causes[0][0], **facts)))
+
+
+_LOSS_JUMP = 5.0  # a finite loss this many times the one before, right before the fault
+
+
+def _samples_named(report: Report) -> bool:
+    ff = report.first_fault
+    return bool(ff is not None and ff.sample_indices)
+
+
+def _loss_jump(records: list[Any], fault_step: int) -> tuple[tuple[int, float], tuple[int, float]] | None:
+    """The last two finite losses up to the fault when the later is `_LOSS_JUMP` times the earlier: one
+    update threw the weights out of range (too few steps of history for grad.explosion to see a trend)."""
+    losses = [(r.step, float(r.loss)) for r in records if r.step <= fault_step and r.loss is not None
+              and math.isfinite(float(r.loss))]
+    if len(losses) < 2:
+        return None
+    (s0, v0), (s1, v1) = losses[-2], losses[-1]
+    if s1 != s0 + 1 or s1 < fault_step - 1 or v0 <= 0 or v1 < _LOSS_JUMP * v0:
+        return None
+    return (s0, v0), (s1, v1)

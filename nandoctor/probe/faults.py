@@ -12,6 +12,7 @@ from nandoctor.advice import advice_for
 from nandoctor.findings import Code, Finding, FirstFault, Location, Phase, Report, Severity
 from nandoctor.probe.localize import Localization
 from nandoctor.probe.loop import Fault
+from nandoctor.probe.samples import EVERY_SAMPLE, WHOLE_BATCH
 
 # Paddle optimizer class -> the in-place update op the tensor checker names (checked on 3.3.1: Adam's
 # update is `adam_`; the others follow the same `<name>_` pattern).
@@ -77,7 +78,7 @@ def update_fault(report: Report, fault: Fault, optimizer: Any) -> None:
 
 
 def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: list[int] | None,
-                    sample_notes: list[str]) -> None:
+                    sample_notes: list[str], scope: str | None = None) -> None:
     st = fault.stats
     phase = loc_.phase
     code = {Phase.FORWARD: Code.ACTIVATION_NONFINITE, Phase.LOSS: Code.LOSS_NONFINITE,
@@ -86,8 +87,14 @@ def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: l
                    batch_index=fault.batch_index, sample_indices=samples)
     where = f"in layer {loc_.layer}" if loc_.layer else "outside every model layer (the loss or step code)"
     op = f" (op {loc_.op})" if loc_.op else ""
-    who = (f"sample(s) {', '.join(str(s) for s in samples[:10])} of batch {fault.batch_index}" if samples
-           else f"batch {fault.batch_index} as a whole (no subset of samples faults alone)")
+    if samples:
+        who = f"sample(s) {', '.join(str(s) for s in samples[:10])} of batch {fault.batch_index}"
+    elif scope == EVERY_SAMPLE:
+        who = f"no particular sample: every sample of batch {fault.batch_index} faults on its own"
+    elif scope == WHOLE_BATCH:
+        who = f"batch {fault.batch_index} as a whole (no subset of its samples faults alone)"
+    else:
+        who = f"batch {fault.batch_index} (its samples could not be tried apart)"
     if phase == Phase.BACKWARD:
         par = f"; first non-finite parameter gradient: {loc_.parameter}" if loc_.parameter else ""
         what = (f"A gradient became NaN/Inf in the backward pass at step {fault.step}, {where}{op}{par}, while the "
@@ -105,6 +112,8 @@ def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: l
     if loc_.source:
         evidence["source"] = loc_.source
         report.details["source"] = loc_.source  # the first-fault panel shows it beside layer and op
+    if scope is not None:
+        evidence["samples_scope"] = scope
     if loc_.bad_parameters:
         evidence["nonfinite_grad_parameters"] = loc_.bad_parameters[:50]
     if loc_.offending:

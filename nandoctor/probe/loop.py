@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from nandoctor.errors import NandoctorError, UserCodeError
 from nandoctor.findings import Phase
-from nandoctor.interrupt import stop_loader
+from nandoctor.interrupt import reassert, stop_loader
 from nandoctor.probe.watcher import Fault, FaultKind, StatsSchedule, StepRecord, StepWatcher
 from nandoctor.workload import Workload
 
@@ -90,6 +90,7 @@ class ProbeLoop:
                     if self.snapshots is not None:
                         self.snapshots.on_epoch(epoch)
                     it = _user(Phase.DATA, lambda: iter(self.w.make_loader()))
+                    reassert()  # the data entry's imports may have reset SIGTERM in C (once an epoch)
                 batch = _user(Phase.DATA, _next, it)
                 if batch is _END:
                     if batch_index == 0:  # an empty loader: nothing to train on

@@ -2,8 +2,10 @@
 
 A half that still faults on its own is split again; the leaves found are the minimal set. When no half
 faults alone (the fault needs the batch as a whole: an empty mask over the batch, weights that already
-diverged) or every sample does, no sample is to blame and the answer is None. Batch-norm layers stay in
-train mode (the failing condition), so a subset sees different batch statistics: the caller notes it.
+diverged) or every sample does, no sample is to blame and the answer is None; `scope` says which of
+the two was measured, because they point at different causes (the batch's make-up vs. the weights or
+the step size). Batch-norm layers stay in train mode (the failing condition), so a subset sees
+different batch statistics: the caller notes it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from nandoctor.batches import batch_size, subset
 
 MAX_EVALS = 64
 
+SAMPLES = "samples"  # a strict subset of the batch faults alone: those are named
+EVERY_SAMPLE = "every_sample"  # each sample of the batch faults on its own
+WHOLE_BATCH = "whole_batch"  # no part faults alone, only the batch together (or part of it together)
+
 
 @dataclass
 class Bisection:
@@ -22,6 +28,7 @@ class Bisection:
     evaluations: int = 0
     capped: bool = False
     notes: list[str] = field(default_factory=list)
+    scope: str | None = None  # SAMPLES, EVERY_SAMPLE or WHOLE_BATCH; None when nothing could be tried
 
 
 def find_samples(replayer: Any, fields: dict[str, Any], phase: str) -> Bisection:
@@ -59,9 +66,9 @@ def find_samples(replayer: Any, fields: dict[str, Any], phase: str) -> Bisection
             replayer.clear()
 
     if n == 1:
-        return Bisection([0], 0)
+        return Bisection([0], 0, scope=SAMPLES)
     found: list[int] = []
-    capped = False
+    capped = together = False
     stack = [list(range(n))]
     while stack:
         idx = stack.pop()
@@ -77,19 +84,31 @@ def find_samples(replayer: Any, fields: dict[str, Any], phase: str) -> Bisection
         lf, rf = faults(left), faults(right)
         if not lf and not rf:
             found += idx  # needs both halves together: this set is the smallest we can name
+            together = True
             continue
         if rf:
             stack.append(right)
         if lf:
             stack.append(left)
     found = sorted(set(found))
-    out = Bisection(found, evals, capped)
+    out = Bisection(found, evals, capped, scope=SAMPLES)
     if capped:
         out.notes.append(f"bisection stopped after {MAX_EVALS} replays; the samples named may be more than needed")
     if len(found) == n:
+        # Every position would be no attribution at all (and "leave these samples out" would drop the
+        # batch), so sample_indices stays null and the scope says which case was measured.
         out.samples = None
-        out.notes.append("every sample faults, or none does alone: the batch as a whole (or the weights) is at "
-                         "fault, not particular samples")
+        if together:
+            out.scope = WHOLE_BATCH
+            out.notes.append("no strict subset of the samples faults alone: the batch as a whole is at fault, "
+                             "not particular samples")
+        elif capped:
+            out.scope = None
+            out.notes.append("the replays ran out before the samples could all be tried apart")
+        else:
+            out.scope = EVERY_SAMPLE
+            out.notes.append(f"every one of the {n} samples faults on its own: the cause is common to all of them "
+                             "(the weights, the step, or something every sample shares), not particular samples")
     return out
 
 

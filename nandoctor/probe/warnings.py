@@ -105,23 +105,41 @@ class WarningTracker:
             advice_for(Code.GRAD_EXPLOSION.value, clip_norm=clip, learning_rate=lr, lr_step=start_step,
                        typical_norm=typical))
 
+    def _fp16_finding(self) -> Finding:
+        """One finding a run, at the layer with the largest output: every layer past float16's range is
+        listed in its evidence (a diverging run crosses it in layer after layer, and ten findings with the
+        same advice buried the error)."""
+        # ties (a container and the sublayer whose output it returns) go to the later, inner layer
+        hits = sorted(self.fp16_hits.items(), key=lambda kv: (-kv[1][1], -kv[0]))
+        i, (step, top) = hits[0]
+        name = self.layer_names[i]
+        if self.fp16:
+            sev, tail = Severity.WARNING, "but with AMP in float16 (as the spec asks) this layer would output inf"
+        else:
+            sev, tail = Severity.INFO, "the spec has no float16 AMP, but with it this layer would output inf"
+        others = [self.layer_names[j] for j, _ in hits[1:]]
+        also = ""
+        if others:
+            shown = ", ".join(others[:5]) + ("…" if len(others) > 5 else "")
+            first = min(hits, key=lambda kv: (kv[1][0], kv[0]))
+            also = (f" {len(others)} other layer(s) also exceed it ({shown}); {self.layer_names[first[0]]} was the "
+                    f"first to, at step {first[1][0]}.")
+        layers = [{"layer": self.layer_names[j], "max_abs": v, "first_step": st} for j, (st, v) in hits[:50]]
+        return Finding(
+            Code.PRECISION_FP16_OVERFLOW, sev,
+            f"Layer {name} outputs values up to {top:.3g} (first at step {step}), {top / FP16_MAX:.3g}x "
+            f"float16's maximum of 65504: finite in float32; {tail} and the run would go NaN.{also}",
+            Location(step=step, phase=Phase.FORWARD, layer=name),
+            {"max_abs": top, "fp16_max": FP16_MAX, "margin": top / FP16_MAX, "amp_float16": self.fp16,
+             "layers": layers, "n_layers": len(hits)},
+            advice_for(Code.PRECISION_FP16_OVERFLOW.value))
+
     def findings(self) -> list[Finding]:
         out: list[Finding] = []
         if self.explosion is not None:
             out.append(self.explosion)
-        for i, (step, top) in sorted(self.fp16_hits.items(), key=lambda kv: -kv[1][1])[:10]:
-            name = self.layer_names[i]
-            if self.fp16:
-                sev, tail = Severity.WARNING, "but with AMP in float16 (as the spec asks) this layer would output inf"
-            else:
-                sev, tail = Severity.INFO, "the spec has no float16 AMP, but with it this layer would output inf"
-            out.append(Finding(
-                Code.PRECISION_FP16_OVERFLOW, sev,
-                f"Layer {name} outputs values up to {top:.3g} (first at step {step}), {top / FP16_MAX:.3g}x "
-                f"float16's maximum of 65504: finite in float32; {tail} and the run would go NaN.",
-                Location(step=step, phase=Phase.FORWARD, layer=name),
-                {"max_abs": top, "fp16_max": FP16_MAX, "margin": top / FP16_MAX, "amp_float16": self.fp16},
-                advice_for(Code.PRECISION_FP16_OVERFLOW.value)))
+        if self.fp16_hits:
+            out.append(self._fp16_finding())
         if self.vanishing:
             items = sorted(self.vanishing.items())
             names = [self.param_names[i] for i, _ in items]

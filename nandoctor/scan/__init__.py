@@ -21,7 +21,7 @@ from nandoctor.batches import BatchLayout, batch_size
 from nandoctor.entrypoints import call_user, user_import_path, user_origin
 from nandoctor.errors import UserCodeError
 from nandoctor.findings import Code, Finding, FirstFault, Location, Phase, Report, Severity
-from nandoctor.interrupt import interrupted_finding, stop_loader
+from nandoctor.interrupt import interrupted_finding, reassert, stop_loader
 from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.scan.data import DataLimits, DataScanner
 from nandoctor.scan.model_facts import infer_num_classes, position_tables
@@ -80,6 +80,7 @@ def _scan(spec: Spec, options: ScanOptions, progress: ProgressFn, report: Report
         report.crashed = True
         layout = BatchLayout(spec.data, str(spec.path))
         make_loader = loader_factory(spec)
+    reassert()  # the user's imports (paddleformers) may have reset SIGTERM in C: a signal must still report
     if model is not None:
         progress(0, None, "checking parameters")
         found, summary = scan_params(model)
@@ -126,6 +127,7 @@ def _scan_loader(spec: Spec, layout: BatchLayout, make_loader: Callable[[], Any]
             total = _length(loader)
             with user_import_path(base):
                 it = call_user(f"data.entry {spec.data.entry} (iter)", iter, loader, base_dir=base)
+            reassert()
         except SystemExit as exc:
             raise UserCodeError(f"data.entry {spec.data.entry}", exc) from None
     except UserCodeError as err:

@@ -139,7 +139,9 @@ def init_scale_findings(model: Any) -> list[Finding]:
         if param.dtype not in (paddle.float32, paddle.float16, paddle.bfloat16, paddle.float64) or \
                 len([s for s in shape if s != 1]) < 2 or math.prod(shape) < MIN_NUMEL:
             continue
-        std = float(param.detach().astype("float32").std(unbiased=False))
+        w = param.detach().astype("float32")
+        # Not Tensor.std(): it divides by an int64 count, which makes Paddle log a type-promotion warning.
+        std = float(((w - w.mean()) ** 2).mean().sqrt())
         if not math.isfinite(std) or std == 0.0:
             continue
         layer_name, layer = owners_.get(id(param), (None, None))
