@@ -236,15 +236,15 @@ def _judge(r: Replay, fault_step: int, end_step: int, c: Candidate,
            before: float | None) -> tuple[str, str | None]:
     if r.error is not None:
         return NOT_FIXED, f"the replay raised {r.error}"
+    unused = never_fired(r, c.change)  # before the outcome: a guard never applied says nothing about the fix
+    if unused is not None:
+        return NOT_APPLICABLE, unused
     held = _held(r)
     if not r.finite:
         if held and r.failed_at is not None and r.failed_at > fault_step:
             return NOT_FIXED, (f"still NaN/Inf at step {r.failed_at}: {held} and a later batch reads it "
                                "again (leaving samples out cannot repair a NaN weight; re-initialise it)")
         return NOT_FIXED, f"still NaN/Inf at step {r.failed_at}"
-    unused = never_fired(r, c.change)
-    if unused is not None:
-        return NOT_APPLICABLE, unused
     last = r.start_step + r.steps_run - 1
     if last <= fault_step:
         why = "the data ran out" if r.ended else "the time budget ran out"
