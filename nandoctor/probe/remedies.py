@@ -1,11 +1,11 @@
 """Verified remedies: after a fault, replay the training with each candidate fix and keep the evidence.
 
 The candidates follow from what the probe found: an epsilon/clamp for the faulting op, dropping the
-offending samples, re-initialising weights named by param.init_scale or the NaN rows of a weight named
-by param.nonfinite, gradient clipping at a threshold from the norms before the fault, learning rate x0.1
-and a linear warmup. Each restarts from a snapshot
-(snapshots.py): the failing step itself for op and sample remedies, the state before the growth began
-for divergence remedies, the first step for warmup and re-initialisation. A run that stays finite to
+offending samples, re-drawing the NaN rows of a weight named by param.nonfinite, re-initialising weights
+named by param.init_scale, gradient clipping at a threshold from the norms before the fault, learning
+rate x0.1 and a linear warmup. Each restarts from a snapshot (snapshots.py): the failing step itself for
+op, sample and NaN-row remedies, the state before the growth began for divergence remedies, the first
+step for warmup and re-initialisation. A run that stays finite to
 `end_step` without its loss blowing up is `fixed`. A replay without any change (the control) checks
 that the fault reproduces at all. Time is bounded by a budget of a few times the probe's own run.
 """
