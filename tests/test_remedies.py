@@ -36,6 +36,8 @@ EXPECT = {
     "exploding_rnn": ("grad_clip", set()),  # clip an RNN's gradients
     "bad_init_overflow": ("reinit", {"lr_x0.1"}),  # a fan-in scaled init
     "nan_in_data": ("drop_samples", {"lr_x0.1"}),  # filter the NaN samples out
+    # re-draw the NaN row; dropping its two samples fails when epoch 1 reads the row again (step 19)
+    "embedding_nan_row": ("reinit_rows", {"lr_x0.1", "drop_samples"}),
 }
 
 
@@ -343,3 +345,137 @@ def test_a_saved_report_rerenders_its_remedies(probe):
     assert again.remedies == data["remedies"]
     text = markdown_report.render(again)
     assert "## Remedies" in text and "verified fix" in text and "the fault reproduced" in text
+
+
+# --- an op made in library code, a NaN weight row ------------------------------------------------------
+
+def test_op_guard_widens_to_calls_inside_the_reported_line():
+    """A guard at a line that only calls the op's maker (a helper, a library) fires once widened to "within"."""
+    import paddle
+
+    from nandoctor.probe.op_guards import guard_for, guarded
+
+    def helper(x: paddle.Tensor) -> paddle.Tensor:
+        return paddle.log(x)  # the op is made here, not at the reported line
+
+    x = paddle.zeros([3])
+    line = sys._getframe().f_lineno + 4
+    source = f"{Path(__file__).name}:{line} in test"
+    for scope, fired in (("line", 0), ("within", 1), ("any", 2)):
+        with guarded(guard_for("log"), source, scope) as hits:
+            out = helper(x)  # the reported line
+            helper(x)  # another line: only "any" reaches it
+        assert hits["calls"] == fired, scope
+        assert math.isfinite(float(out[0])) == (scope != "line")
+    made = f"{Path(__file__).name}:{helper.__code__.co_firstlineno + 1} in helper"
+    assert hits["sites"] == {made: 2}  # the line that made the op, where the guard changed a value
+
+
+def test_a_guard_that_never_fired_is_not_applicable():
+    """Never reached at the line, within it or anywhere: not_applicable with a note, never not_fixed."""
+    from nandoctor.probe.op_guards import guard_for
+    from nandoctor.probe.remedies import NOT_APPLICABLE, Candidate, _judge
+    from nandoctor.probe.remedy_guard import replay_guard
+    from nandoctor.probe.remedy_replay import Change, Replay
+
+    scopes: list[str] = []
+
+    def run(change: Change) -> Replay:  # a replay in which no divide on a tensor was ever called
+        scopes.append(change.guard_scope)
+        return Replay(6, steps_run=0, finite=False, failed_at=6, guard_calls=0)
+
+    r, change = replay_guard(run, Change(guard=guard_for("divide"), source="train.py:10 in compute_loss"))
+    assert scopes == ["line", "within", "any"]
+    outcome, note = _judge(r, 6, 26, Candidate("op_guard", "", change, None), None)
+    assert outcome == NOT_APPLICABLE and "never applied" in note and "train.py:10" in note
+
+
+def test_op_guard_in_library_code_is_fixed(tmp_path, monkeypatch):
+    """empty_mask_mean with its loss moved into a package under site-packages (library code to the user-file
+    rule): the report's source is the user's call into it, where the guard never fires; widened to the
+    divides made while that call runs, it fires in the library's line and fixes the run."""
+    import shutil
+
+    proj, lib = tmp_path / "proj", tmp_path / "site-packages" / "nd_fakelib"
+    shutil.copytree(SAMPLES / "empty_mask_mean", proj)
+    lib.mkdir(parents=True)
+    (lib / "__init__.py").write_text("", encoding="utf-8")
+    (lib / "tokloss.py").write_text((proj / "loss.py").read_text(encoding="utf-8"), encoding="utf-8")
+    (proj / "loss.py").write_text(
+        "from nd_fakelib.tokloss import masked_token_loss as lib_loss\n\n\n"
+        "def masked_token_loss(logits, tags):\n"
+        "    return lib_loss(logits, tags)  # the user's call into the library\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    monkeypatch.delitem(sys.modules, "nd_fakelib", raising=False)
+    monkeypatch.delitem(sys.modules, "nd_fakelib.tokloss", raising=False)
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(app, ["probe", str(proj / "config.yaml"), "--json", str(out), "-q"])
+    assert out.is_file(), result.output
+    report = json.loads(out.read_text(encoding="utf-8"))
+    sys.modules.pop("nd_fakelib.tokloss", None)
+    sys.modules.pop("nd_fakelib", None)
+    assert report["first_fault"]["step"] == 4 and report["first_fault"]["op"] == "divide"
+    assert report["details"]["source"].startswith("loss.py:5")  # the user's line, not the library's
+    by = _by_name(report)
+    guard = by["op_guard"]
+    assert guard["outcome"] == "fixed", guard
+    assert report["remedies"][0]["remedy"] == "op_guard"
+    assert guard["guard"]["scope"] == "within" and guard["guard"]["calls"] >= 1
+    lib_line = next(iter(guard["guard"]["sites"]))
+    assert lib_line.startswith("nd_fakelib/tokloss.py:") and lib_line.endswith("in masked_token_loss")
+    assert lib_line in guard["change"] and "loss.py:5" in guard["change"]  # where the epsilon goes
+    assert "never fired at loss.py:5" in guard["note"]
+    assert by["lr_x0.1"]["outcome"] == "not_fixed"
+
+
+def test_nan_embedding_row_remedies(probe):
+    """A NaN row in the weights: re-drawing it is verified; dropping the two samples that read it is not,
+    because epoch 1 reads the row again, and the note says so."""
+    by = _by_name(probe("embedding_nan_row"))
+    rows = by["reinit_rows"]
+    assert rows["outcome"] == "fixed" and rows["note"] is None
+    assert "row(s) 37 of embed.weight (token id(s) 37)" in rows["change"]
+    drop = by["drop_samples"]
+    assert drop["outcome"] == "not_fixed" and drop["failed_at"] == 19  # batch 7 of epoch 1
+    assert "embed.weight still holds 16 NaN/Inf value(s)" in drop["note"] and "later batch" in drop["note"]
+
+
+def _bag_loop(steps: int, drop: tuple[int, int, list[int]] | None = None, reinit_row: bool = False) -> int | None:
+    """embedding_nan_row in a plain Paddle loop (AdamW 0.003, cross-entropy, the data repeated per epoch):
+    the first step whose loss or gradient is non-finite (float64 on the host), or None."""
+    import paddle
+    import paddle.nn.functional as F
+
+    paddle.seed(0)
+    model = _load("embedding_nan_row", "model").build_model(vocab=64, dim=16, classes=3)
+    if reinit_row:
+        w = model.embed.weight.numpy()
+        ok = np.isfinite(w).all(axis=1)
+        w[~ok] = np.random.default_rng(0).normal(w[ok].mean(), w[ok].std(), w[~ok].shape)
+        model.embed.weight.set_value(w)
+    opt = paddle.optimizer.AdamW(parameters=model.parameters(), learning_rate=0.003)
+    data = _load("embedding_nan_row", "data").build_loader(batches=12, batch_size=8, seq_len=10)
+    for step in range(steps):
+        epoch, index = divmod(step, len(data))
+        ids, label = data[index]
+        if drop is not None and (epoch, index) == drop[:2]:
+            keep = [i for i in range(len(ids)) if i not in drop[2]]
+            ids, label = ids[keep], label[keep]
+        loss = F.cross_entropy(model(paddle.to_tensor(ids)), paddle.to_tensor(label))
+        if not np.isfinite(np.float64(loss.numpy())):
+            return step
+        loss.backward()
+        if not all(np.isfinite(p.grad.numpy().astype("float64")).all() for p in model.parameters()
+                   if p.grad is not None):
+            return step
+        opt.step()
+        opt.clear_grad()
+    return None
+
+
+def test_ground_truth_nan_embedding_row():
+    """Without nandoctor: NaN at step 7; samples [3, 6] of batch 7 left out -> NaN at step 19 (epoch 1's
+    batch 7 reads row 37 again); row 37 re-drawn -> 27 steps finite."""
+    assert _bag_loop(27) == 7
+    assert _bag_loop(27, drop=(0, 7, [3, 6])) == 19
+    assert _bag_loop(27, reinit_row=True) is None

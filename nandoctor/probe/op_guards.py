@@ -2,7 +2,10 @@
 
 The guard wraps the Paddle function (and the Tensor method or operator: `x ** p`, `a / b`, `z.exp()`)
 and, when the report knows the user's source line that created the op, acts only on calls from that
-line, so every other use of the op (and Paddle's own) is untouched. Everything is put back on exit.
+line, so every other use of the op (and Paddle's own) is untouched. When the op is made in library code
+the user's line only calls into it; the wider scopes act on every call made while that line's call runs
+("within"), or on every call ("any"). Each firing is counted, with the line that made it wherever the
+guard changed a value, so the report can say where the epsilon belongs. Everything is put back on exit.
 """
 
 from __future__ import annotations
@@ -74,6 +77,45 @@ def _guarded_args(op: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return args
 
 
+def _changes(op: str, args: tuple[Any, ...]) -> bool:
+    """Whether the guard alters a value of this call (one host sync: replays are not the hot path)."""
+    import paddle
+
+    x = args[0]
+    if op in ("sqrt", "rsqrt"):
+        return bool((x <= 0).any())
+    if op in ("log", "pow"):
+        return bool((x < EPS).any())
+    if op == "exp":
+        return bool((x > EXP_MAX).any())
+    if op == "acos":
+        return bool((x.abs() > 1 - 1e-7).any())
+    if op == "divide" and len(args) > 1 and isinstance(args[1], paddle.Tensor):
+        return bool((args[1].abs() < EPS).any())
+    return False
+
+
+def site(frame: Any) -> str:
+    """'paddleformers/nn/criterion/sft_loss.py:50 in sft_postprocess_loss': a library file by its path
+    inside the installed packages, any other file by its name."""
+    path = frame.f_code.co_filename.replace("\\", "/")
+    for mark in ("site-packages/", "dist-packages/"):
+        if mark in path:
+            path = path.rsplit(mark, 1)[1]
+            break
+    else:
+        path = os.path.basename(path)
+    return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def _within(frame: Any, where: tuple[str, int]) -> bool:
+    while frame is not None:
+        if frame.f_lineno == where[1] and os.path.basename(frame.f_code.co_filename) == where[0]:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _at(source: str | None) -> tuple[str, int] | None:
     """'model.py:13 in forward' -> ('model.py', 13)."""
     if not source:
@@ -84,23 +126,33 @@ def _at(source: str | None) -> tuple[str, int] | None:
 
 
 @contextlib.contextmanager
-def guarded(guard: Guard, source: str | None) -> Iterator[dict[str, int]]:
-    """Within the block, `guard.op` calls (from `source` when known) get the epsilon/clamp; yields a counter
-    of guarded calls, so a replay can tell that the guard was actually reached."""
+def guarded(guard: Guard, source: str | None, scope: str = "line") -> Iterator[dict[str, Any]]:
+    """Within the block, `guard.op` calls get the epsilon/clamp: those made at `source` (scope "line"),
+    those made while the call at `source` runs ("within"), or all of them ("any", also when `source` is
+    unknown). Yields {"calls": firings, "sites": {line that made the call: firings that changed a value}},
+    so a replay can tell whether the guard was reached at all, and where it mattered."""
     import paddle
 
-    where = _at(source)
-    hits = {"calls": 0}
+    where = _at(source) if scope != "any" else None
+    hits: dict[str, Any] = {"calls": 0, "sites": {}}
     saved: list[tuple[Any, str, Any]] = []
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         def guarded_fn(*args: Any, **kwargs: Any) -> Any:
+            frame = sys._getframe(1)
             if where is not None:
-                frame = sys._getframe(1)
-                if frame.f_lineno != where[1] or os.path.basename(frame.f_code.co_filename) != where[0]:
+                mine = _within(frame, where) if scope == "within" else \
+                    frame.f_lineno == where[1] and os.path.basename(frame.f_code.co_filename) == where[0]
+                if not mine:
                     return fn(*args, **kwargs)
+            new = _guarded_args(guard.op, args)
+            if new is args:  # not a tensor call the guard can change (a / 2.0)
+                return fn(*args, **kwargs)
             hits["calls"] += 1
-            return fn(*_guarded_args(guard.op, args), **kwargs)
+            if _changes(guard.op, args):
+                at = site(frame)
+                hits["sites"][at] = hits["sites"].get(at, 0) + 1
+            return fn(*new, **kwargs)
 
         return guarded_fn
 

@@ -1,10 +1,11 @@
 """Verified remedies: after a fault, replay the training with each candidate fix and keep the evidence.
 
 The candidates follow from what the probe found: an epsilon/clamp for the faulting op, dropping the
-offending samples, re-initialising weights named by param.init_scale, gradient clipping at a threshold
-from the norms before the fault, learning rate x0.1 and a linear warmup. Each restarts from a snapshot
-(snapshots.py): the failing step itself for op and sample remedies, the state before the growth began
-for divergence remedies, the first step for warmup and re-initialisation. A run that stays finite to
+offending samples, re-drawing the NaN rows of a weight named by param.nonfinite, re-initialising weights
+named by param.init_scale, gradient clipping at a threshold from the norms before the fault, learning
+rate x0.1 and a linear warmup. Each restarts from a snapshot (snapshots.py): the failing step itself for
+op, sample and NaN-row remedies, the state before the growth began for divergence remedies, the first
+step for warmup and re-initialisation. A run that stays finite to
 `end_step` without its loss blowing up is `fixed`. A replay without any change (the control) checks
 that the fault reproduces at all. Time is bounded by a budget of a few times the probe's own run.
 """
@@ -17,7 +18,9 @@ from typing import Any
 
 from nandoctor.findings import Code, Report
 from nandoctor.probe.op_guards import guard_for
+from nandoctor.probe.remedy_guard import guard_info, guard_text, never_fired, replay_guard, scope_note
 from nandoctor.probe.remedy_replay import Change, Replay, replay
+from nandoctor.probe.remedy_weights import init_stds, nan_rows, rows_text
 from nandoctor.probe.snapshots import Snapshot, SnapshotRing, restore
 from nandoctor.probe.warnings import CLIP_FACTOR
 
@@ -72,9 +75,21 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
             if c.why_not is not None or c.start is None:
                 rows.append(_row(c, NOT_APPLICABLE, None, note=c.why_not or "no state to restart from"))
                 continue
-            r = replay(workload, optimizer, ring, c.start, end_step, c.change, t0 + budget)
+            start = c.start
+
+            def run(change: Change, start: Snapshot = start) -> Any:
+                return replay(workload, optimizer, ring, start, end_step, change, t0 + budget)
+
+            if c.change.guard is not None:  # widened past the reported line while it never fired
+                r, c.change = replay_guard(run, c.change)
+                c.change_text = guard_text(c.change, r)
+                c.extra["guard"] = guard_info(c.change, r)
+            else:
+                r = run(c.change)
             before = _baseline_loss(report, r.start_step)
             outcome, note = _judge(r, fault.step, end_step, c, before)
+            widened = scope_note(c.change, r)
+            note = "; ".join(n for n in (widened, note) if n) or None
             rows.append(_row(c, outcome, r, note=note, before=before))
     finally:  # the weights, optimizer state and RNG as the probe left them, whatever stopped the replays
         restore(entry, workload.model, optimizer)
@@ -141,6 +156,8 @@ def _candidates(report: Report, fault: Any, workload: Any, ring: SnapshotRing, h
     else:
         out.append(Candidate("op_guard", "an epsilon or clamp for the faulting op", Change(), None,
                              why_not=f"no guard for op {op}" if op else "no single op was named"))
+    for name, bad in nan_rows(report, workload.model, here).items():
+        out.append(Candidate("reinit_rows", rows_text(name, bad, report), Change(reinit_rows={name: bad}), here))
     rows = _offending_rows(fault, symptom)
     if fault.kind == "data":
         text = ("filter samples holding NaN/Inf out in the loader (e.g. keep rows where np.isfinite(x).all(axis=1)), "
@@ -154,7 +171,7 @@ def _candidates(report: Report, fault: Any, workload: Any, ring: SnapshotRing, h
         out.append(Candidate("drop_samples", "leave out the offending samples", Change(), None,
                              why_not="no subset of the batch was found to cause the fault (the batch as a whole "
                              "or the weights are at fault)"))
-    stds = _init_stds(report, workload.model, first)
+    stds = init_stds(report, workload.model, first)
     if stds:
         names = ", ".join(list(stds)[:4]) + ("…" if len(stds) > 4 else "")
         text = (f"re-initialise {names} with a fan-in aware initializer (std ~{min(stds.values()):.3g}): "
@@ -211,7 +228,7 @@ def _ordered(cands: list[Candidate], report: Report, fault: Any, symptom: Any, g
             ["warmup", "reinit", "op_guard", "drop_samples"]
     else:
         pref = ["op_guard", "drop_samples", "reinit", "grad_clip", "lr_x0.1", "warmup"]
-    rank = {name: i for i, name in enumerate(pref)}
+    rank = {name: i for i, name in enumerate(["reinit_rows", *pref])}  # a NaN weight is repaired first
     return sorted(cands, key=lambda c: rank.get(c.remedy, len(pref)))
 
 
@@ -219,10 +236,15 @@ def _judge(r: Replay, fault_step: int, end_step: int, c: Candidate,
            before: float | None) -> tuple[str, str | None]:
     if r.error is not None:
         return NOT_FIXED, f"the replay raised {r.error}"
+    unused = never_fired(r, c.change)  # before the outcome: a guard never applied says nothing about the fix
+    if unused is not None:
+        return NOT_APPLICABLE, unused
+    held = _held(r)
     if not r.finite:
+        if held and r.failed_at is not None and r.failed_at > fault_step:
+            return NOT_FIXED, (f"still NaN/Inf at step {r.failed_at}: {held} and a later batch reads it "
+                               "again (leaving samples out cannot repair a NaN weight; re-initialise it)")
         return NOT_FIXED, f"still NaN/Inf at step {r.failed_at}"
-    if c.change.guard is not None and not r.guard_calls:
-        return NOT_FIXED, "the guarded op was never called from the reported line"
     last = r.start_step + r.steps_run - 1
     if last <= fault_step:
         why = "the data ran out" if r.ended else "the time budget ran out"
@@ -233,9 +255,18 @@ def _judge(r: Replay, fault_step: int, end_step: int, c: Candidate,
         return NOT_FIXED, f"finite, but the loss grew from {before:.3g} to {after:.3g}"
     if after is not None and abs(after) > STUCK:
         return NOT_FIXED, f"finite, but the loss stays at {after:.3g}: training does not recover"
+    note = None
     if last < end_step - 1:
-        return FIXED, f"finite through step {last} (stopped early: {'data' if r.ended else 'time'} ran out)"
-    return FIXED, None
+        note = f"finite through step {last} (stopped early: {'data' if r.ended else 'time'} ran out)"
+    if held:  # e.g. samples dropped around a NaN embedding row: finite only while no batch reads it
+        note = (f"{note or f'finite through step {last}'}, but {held}: this holds only while no "
+                "later batch reads it (re-initialise it to be safe)")
+    return FIXED, note
+
+
+def _held(r: Replay) -> str:
+    """'model.embed_tokens.weight still holds 64 NaN/Inf value(s)': the weights a replay left non-finite."""
+    return ", ".join(f"{name} still holds {n} NaN/Inf value(s)" for name, n in list(r.still_nonfinite.items())[:3])
 
 
 def _first_loss(r: Replay) -> float | None:
@@ -268,6 +299,8 @@ def _row(c: Candidate, outcome: str, r: Replay | None, note: str | None,
                            "start_step": r.start_step if r else None, "note": note}
     if r is not None and not r.finite:
         row["failed_at"] = r.failed_at
+    if "guard" in c.extra:
+        row["guard"] = c.extra["guard"]
     if outcome == FIXED:
         row.update(c.extra)
         if r is not None and r.dropped:
@@ -309,33 +342,6 @@ def _skip_text(fault: Any, rows: list[int], workload: Any) -> str:
             f"skip_data_intervals: {sl['skip_data_intervals']}")
 
 
-def _init_stds(report: Report, model: Any, first: Snapshot | None) -> dict[str, float]:
-    """Weights to re-initialise -> the std their fan-in needs. Those named by param.init_scale, and (only
-    then) the other weights of the initial state as far off their fan-in scale that the check skips as too
-    small to judge (a [256, 1] output head drawn with the same wrong init)."""
-    from nandoctor.scan.params import expected_band, owners
-
-    out: dict[str, float] = {}
-    for f in report.findings:
-        if f.code == Code.PARAM_INIT_SCALE and f.location.parameter and f.evidence.get("expected_std") \
-                and f.evidence.get("ratio", 1) > 1:
-            lo, hi = f.evidence["expected_std"]
-            if lo > 0 and hi > 0:
-                out[f.location.parameter] = float((lo * hi) ** 0.5)
-    if not out or first is None:
-        return out
-    own = owners(model)
-    for name, p in model.named_parameters():
-        arr = first.model.get(name)
-        if name in out or arr is None or arr.ndim < 2 or arr.dtype.kind != "f":
-            continue
-        _, layer = own.get(id(p), (None, None))
-        kind, _, band, quoted = expected_band(name, list(arr.shape), layer)
-        if kind != "embedding" and quoted[0] > 0 and float(arr.std()) > 3 * band[1]:
-            out[name] = float((quoted[0] * quoted[1]) ** 0.5)
-    return out
-
-
 def _clip_threshold(report: Report, growth: Any, fault_step: int) -> float | None:
     if growth is not None and growth.evidence.get("clip_threshold"):
         return float(growth.evidence["clip_threshold"])
@@ -352,7 +358,7 @@ def _lr(report: Report, step: int) -> float | None:
 
 
 _CAUSE_OF = {"grad_clip": Code.GRAD_EXPLOSION, "lr_x0.1": Code.GRAD_EXPLOSION, "warmup": Code.GRAD_EXPLOSION,
-             "reinit": Code.PARAM_INIT_SCALE}
+             "reinit": Code.PARAM_INIT_SCALE, "reinit_rows": Code.PARAM_NONFINITE}
 
 
 def _mark_advice(report: Report, rows: list[dict[str, Any]], fault_step: int) -> None:

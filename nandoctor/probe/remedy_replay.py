@@ -36,6 +36,8 @@ class Change:
     drop_nonfinite: bool = False  # leave out every sample holding NaN/Inf, in every batch (a loader filter)
     guard: Guard | None = None
     source: str | None = None  # where the guarded op was created ("model.py:13 in forward")
+    guard_scope: str = "line"  # op_guards.guarded: "line", "within" (the line's call) or "any"
+    reinit_rows: dict[str, list[int]] = field(default_factory=dict)  # parameter -> rows drawn afresh (NaN rows)
     reinit: dict[str, float] = field(default_factory=dict)  # parameter name -> std to draw it from
 
 
@@ -50,6 +52,8 @@ class Replay:
     cut: bool = False  # stopped by the deadline before end_step
     error: str | None = None  # the user's code raised during the replay
     guard_calls: int | None = None
+    guard_sites: dict[str, int] = field(default_factory=dict)  # line that made the op -> firings that mattered
+    still_nonfinite: dict[str, int] = field(default_factory=dict)  # parameter -> NaN/Inf values at the end
     ended: bool = False  # the data ran out (a loader that cannot be re-made)
     dropped: list[tuple[int, int | None, int, list[int]]] = field(default_factory=list)  # (epoch, batch, step, rows)
 
@@ -61,10 +65,13 @@ def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, en
     out = Replay(snap.step)
     restore(snap, workload.model, optimizer)
     _reinit(workload.model, change.reinit)
+    _reinit_rows(workload.model, change.reinit_rows)
     try:
         with _optimizer_changed(optimizer, change) as set_factor, _guard(change) as hits:
             _run(workload, optimizer, ring, snap, end_step, change, deadline, set_factor, out)
-            out.guard_calls = hits["calls"] if hits is not None else None
+            if hits is not None:
+                out.guard_calls, out.guard_sites = hits["calls"], dict(hits["sites"])
+        out.still_nonfinite = _held(workload.model)
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's code (or a subset it cannot take) raised
@@ -89,6 +96,7 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
     by = getattr(getattr(w.spec.optimizer, "lr_scheduler", None), "by", "step") or "step"
     params = [p for p in w.model.parameters() if not p.stop_gradient]
     epoch, batch_index, step = snap.epoch, snap.batch_index, snap.step
+    before = _nonfinite_counts(params)  # NaN the weights already held (a corrupt checkpoint) is not new
     it = _loader_at(w, ring, snap)
     opt.clear_grad()
     try:
@@ -127,8 +135,9 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
             step += 1
             batch_index += 1
             out.steps_run += 1
-        if out.steps_run and not all(bool(paddle.isfinite(p).all()) for p in params):
-            out.finite, out.failed_at = False, step  # the last update wrote NaN/Inf
+        after = _nonfinite_counts(params)
+        if out.steps_run and any(n > b for n, b in zip(after, before)):
+            out.finite, out.failed_at = False, step  # the last update wrote (more) NaN/Inf
     finally:
         stop_loader(it)  # a DataLoader's worker processes end with the replay
 
@@ -203,7 +212,7 @@ def _guard(change: Change) -> Iterator[dict[str, int] | None]:
     if change.guard is None:
         yield None
         return
-    with guarded(change.guard, change.source) as hits:
+    with guarded(change.guard, change.source, change.guard_scope) as hits:
         yield hits
 
 
@@ -216,6 +225,36 @@ def _reinit(model: Any, stds: dict[str, float]) -> None:
         if name in stds:
             arr = gen.normal(0.0, stds[name], size=[int(d) for d in p.shape])
             p.set_value(arr.astype(str(p.dtype).replace("paddle.", "")))
+
+
+def _nonfinite_counts(params: list[Any]) -> list[int]:
+    import paddle
+
+    if not params:
+        return []
+    return [int(n) for n in paddle.stack([(~paddle.isfinite(p)).astype("int64").sum() for p in params]).numpy()]
+
+
+def _held(model: Any) -> dict[str, int]:
+    """Trainable weights still holding NaN/Inf after the replay -> how many values."""
+    named = [(n, p) for n, p in model.named_parameters() if not p.stop_gradient]
+    return {n: c for (n, _), c in zip(named, _nonfinite_counts([p for _, p in named])) if c}
+
+
+def _reinit_rows(model: Any, rows: dict[str, list[int]]) -> None:
+    """Draw the named rows of a weight afresh from N(mean, std) of its finite values (what a practitioner
+    does for a NaN row of an embedding table); a seeded generator of our own, not the user's RNG."""
+    if not rows:
+        return
+    gen = np.random.default_rng(0)
+    for name, p in model.named_parameters():
+        if name in rows:
+            arr = p.numpy().copy()
+            good = arr[np.isfinite(arr)]
+            mean, std = (float(good.mean()), float(good.std())) if good.size else (0.0, 0.02)
+            idx = np.asarray(rows[name], dtype=np.int64)
+            arr[idx] = gen.normal(mean, std or 0.02, size=arr[idx].shape).astype(arr.dtype)
+            p.set_value(arr)
 
 
 def _nonfinite_rows(fields: dict[str, Any]) -> set[int]:
