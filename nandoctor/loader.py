@@ -35,6 +35,9 @@ _JOIN_SECONDS = 5.0
 _lock = threading.Lock()
 _watched: dict[threading.Thread, _Watch] = {}
 _previous_hook: Any = None
+# The watch of an iterator being created: its reader thread starts inside `iter(loader)` and can die
+# (an early bad item) before the thread is known and registered; its exception must not be lost.
+_arming: _Watch | None = None
 
 
 class _Watch:
@@ -47,11 +50,15 @@ class _Watch:
 
 def _excepthook(args: Any) -> None:
     """threading.excepthook while a guarded loader runs: keep its reader thread's exception, print nothing."""
-    watch = _watched.get(args.thread)
+    watch = _watched.get(args.thread) or _arming
     if watch is None:
         (_previous_hook or threading.__excepthook__)(args)
         return
     watch.exc = args.exc_value
+    _kill(watch)
+
+
+def _kill(watch: _Watch) -> None:
     kill = getattr(watch.it, "_exit_thread_unexpectedly", None)
     if callable(kill):  # wakes a `next()` blocked on the queue (the num_workers=0 path never does)
         try:
@@ -60,10 +67,23 @@ def _excepthook(args: Any) -> None:
             pass
 
 
+def _arm(watch: _Watch | None) -> None:
+    """Install the hook (if needed) and catch reader threads that die before they are registered."""
+    global _previous_hook, _arming
+    with _lock:
+        if watch is not None and threading.excepthook is not _excepthook:
+            _previous_hook = threading.excepthook
+            threading.excepthook = _excepthook
+        _arming = watch
+        if watch is None and not _watched and threading.excepthook is _excepthook:
+            threading.excepthook = _previous_hook or threading.__excepthook__
+            _previous_hook = None
+
+
 def _register(thread: threading.Thread, watch: _Watch) -> None:
     global _previous_hook
     with _lock:
-        if not _watched:
+        if threading.excepthook is not _excepthook:
             _previous_hook = threading.excepthook
             threading.excepthook = _excepthook
         _watched[thread] = watch
@@ -127,12 +147,21 @@ class GuardedLoader:
         if sampler is not None and not isinstance(getattr(loader, "dataset", None), paddle.io.IterableDataset):
             recorder = _RecordingSampler(sampler)
             loader.batch_sampler = recorder  # read once, by the iterator made below
+        watch = _Watch(None)
+        _arm(watch)
         try:
-            it = iter(loader)
+            try:
+                it = iter(loader)
+            finally:
+                if recorder is not None:
+                    loader.batch_sampler = sampler
+            watch.it = it
+            guarded = _GuardedIterator(it, self._base_dir, recorder, watch)
         finally:
-            if recorder is not None:
-                loader.batch_sampler = sampler
-        return _GuardedIterator(it, self._base_dir, recorder)
+            _arm(None)
+        if watch.exc is not None:  # the reader died before it was registered: wake the queue now
+            _kill(watch)
+        return guarded
 
     def __len__(self) -> int:
         return len(self._loader)
@@ -142,14 +171,15 @@ class GuardedLoader:
 
 
 class _GuardedIterator:
-    def __init__(self, it: Any, base_dir: Path, recorder: _RecordingSampler | None = None) -> None:
+    def __init__(self, it: Any, base_dir: Path, recorder: _RecordingSampler | None = None,
+                 watch: _Watch | None = None) -> None:
         self._it = it
         self._base_dir = base_dir
         self._recorder = recorder
         self._delivered = 0  # batches returned so far
         self._fallback: BaseException | None = None  # set once the reader died: replaying in-process
         self._thread: threading.Thread | None = getattr(it, "_thread", None)
-        self._watch = _Watch(it)
+        self._watch = watch if watch is not None else _Watch(it)
         if isinstance(self._thread, threading.Thread):
             _register(self._thread, self._watch)
         else:

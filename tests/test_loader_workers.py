@@ -144,3 +144,45 @@ def test_rebuild_from_a_workers_text_keeps_type_message_and_line(tmp_path: Path)
     exited = user_exception(SystemExit("DataLoader worker(0) caught SystemExit with message:\n"
                                        "Traceback (most recent call last):\nSystemExit: 3\n"), tmp_path)
     assert isinstance(exited, RuntimeError) and "must raise an exception, not exit" in str(exited)
+
+
+def test_a_reader_that_dies_before_the_first_batch_never_hangs(tmp_path: Path):
+    """Item 0 raises: the single-process reader thread can die inside iter(), before the guard knows the
+    thread; its exception must still wake next() (a race that hung the suite under load)."""
+    import paddle
+
+    _project(tmp_path, """\
+        import numpy as np
+        import paddle
+
+
+        class Items(paddle.io.Dataset):
+            def __len__(self):
+                return 8
+
+            def __getitem__(self, i):
+                if i == 0:
+                    raise IndexError("item 0 is missing")
+                return np.full((3,), i, dtype="float32")
+        """)
+    outcome: list[BaseException] = []
+    try:
+        import ds
+
+        def consume() -> None:
+            for _ in range(20):  # each new iterator races its reader thread afresh
+                loader = guard_loader(paddle.io.DataLoader(ds.Items(), batch_size=4, num_workers=0), tmp_path)
+                try:
+                    for _batch in loader:
+                        pass
+                except IndexError as exc:
+                    outcome.append(exc)
+
+        worker = threading.Thread(target=consume, daemon=True)
+        worker.start()
+        worker.join(120)
+        assert not worker.is_alive(), "next() blocked: the reader's early death was lost"
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("ds", None)
+    assert len(outcome) == 20 and all("item 0 is missing" in str(e) for e in outcome)
