@@ -184,3 +184,49 @@ def call_user(what: str, fn: Callable[..., Any], *args: Any, base_dir: Path | No
         raise
     except Exception as exc:  # noqa: BLE001 - the user's exception is the finding
         raise UserCodeError(what, exc, user_origin(exc, base_dir)) from exc
+
+
+def entry_files(entry: str, base: Path) -> list[Path]:
+    """'sub/models.py:build' -> that file; 'pkg.mod:f' -> pkg/__init__.py and pkg/mod.py under the folder."""
+    target = entry.rsplit(":", 1)[0]
+    if target.endswith(".py"):
+        return [base / target]
+    return module_files(target, base)
+
+
+def module_files(dotted: str, root: Path) -> list[Path]:
+    """The files under `root` that importing `dotted` runs: each package's __init__.py and the module."""
+    out: list[Path] = []
+    folder = root
+    parts = [p for p in dotted.split(".") if p]
+    for i, part in enumerate(parts):
+        package = folder / part
+        if (package / "__init__.py").is_file():
+            out.append(package / "__init__.py")
+            folder = package
+        elif i == len(parts) - 1 and (folder / f"{part}.py").is_file():
+            out.append(folder / f"{part}.py")
+        else:
+            break
+    return out
+
+
+def modules_imported_from(base: Path) -> list[Path]:
+    """The `.py` files of loaded modules whose real path is under `base`, as imported (links kept).
+
+    Installed packages and nandoctor itself are skipped by name before any path is resolved: after a
+    Paddle import there are ~1,700 modules, and resolving them all costs a quarter of a second.
+    """
+    base = base.resolve()
+    out: list[Path] = []
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__file__", None)
+        if not name or not name.endswith(".py") or "site-packages" in name or "dist-packages" in name:
+            continue
+        path = Path(name)
+        if not path.is_absolute():
+            continue
+        real = path.resolve()
+        if real.is_relative_to(base) and not real.is_relative_to(_OUR_DIR):
+            out.append(path)
+    return out

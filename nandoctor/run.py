@@ -189,38 +189,18 @@ def check_writable_file(path: Path) -> None:
 
 def spec_inputs(spec: Any) -> set[Path]:
     """The spec file and the files its entries name (file paths, or modules found under the spec folder)."""
-    files = {Path(spec.path).resolve()}
-    entries = [spec.model.entry, spec.data.entry, getattr(spec.loss, "entry", None),
-               getattr(spec.step, "entry", None),
-               getattr(getattr(spec.optimizer, "lr_scheduler", None), "entry", None)]
+    from nandoctor.entrypoints import entry_files
+
     base = Path(spec.base_dir)
-    for entry in entries:
-        if not isinstance(entry, str) or ":" not in entry:
-            continue
-        target = entry.rsplit(":", 1)[0]
-        if target.endswith(".py") or "/" in target or "\\" in target:
-            candidates = [base / target]
-        else:
-            mod = base.joinpath(*target.split("."))
-            candidates = [mod.with_suffix(".py"), mod / "__init__.py"]
-        files |= {c.resolve() for c in candidates if c.is_file()}
-    return files
+    return {Path(spec.path).resolve()} | {f.resolve() for e in spec.entries for f in entry_files(e, base)
+                                          if f.is_file()}
 
 
 def imported_files(base_dir: Path) -> set[Path]:
     """The `.py` files under the spec's folder that the run imported (the user's modules and theirs)."""
-    import sys
+    from nandoctor.entrypoints import modules_imported_from
 
-    base = Path(base_dir).resolve()
-    out: set[Path] = set()
-    for module in list(sys.modules.values()):
-        file = getattr(module, "__file__", None)
-        if not file or "site-packages" in file or file.startswith(sys.prefix):
-            continue  # installed packages and the interpreter's own library: never the user's modules
-        path = Path(file).resolve()
-        if path.is_relative_to(base):
-            out.add(path)
-    return out
+    return {p.resolve() for p in modules_imported_from(Path(base_dir))}
 
 
 def check_not_an_input(outputs: list[Path], inputs: set[Path]) -> None:

@@ -138,6 +138,18 @@ class Spec:
         """Relative entry paths resolve against the YAML's folder, which is importable at run time."""
         return self.path.parent
 
+    @property
+    def entries(self) -> list[str]:
+        """Every entry string the spec names: the code a run imports (bundles copy it, outputs never overwrite it)."""
+        out = [self.model.entry, self.data.entry]
+        if self.loss is not None and self.loss.entry:
+            out.append(self.loss.entry)
+        if self.step is not None:
+            out.append(self.step.entry)
+        if self.optimizer.lr_scheduler is not None and self.optimizer.lr_scheduler.entry:
+            out.append(self.optimizer.lr_scheduler.entry)
+        return out
+
 
 def load_spec(path: str | Path) -> Spec:
     """Read and validate a spec file; raise `SpecError` naming the file and key on any problem."""

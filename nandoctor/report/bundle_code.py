@@ -13,10 +13,10 @@ import ast
 import fnmatch
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import nandoctor
+from nandoctor.entrypoints import entry_files, module_files, modules_imported_from
 from nandoctor.spec import Spec
 
 MAX_CODE_FILE = 1_000_000  # bytes; bigger .py files are data in disguise, not code a maintainer reads
@@ -63,7 +63,7 @@ def select_code(spec: Spec, base: Path) -> tuple[list[tuple[Path, Path]], list[s
     name it is imported by.
     """
     notes: list[str] = []
-    queue = [f for entry in _entries(spec) for f in _entry_files(entry, base)]
+    queue = [f for entry in spec.entries for f in entry_files(entry, base)]
     queue += _imported_during_run(base)
     seen: set[Path] = set()
     kept: list[tuple[Path, Path]] = []
@@ -112,41 +112,7 @@ def _refusal(candidate: Path, file: Path, base: Path) -> str | None:
     return None
 
 
-def _entries(spec: Spec) -> list[str]:
-    entries = [spec.model.entry, spec.data.entry]
-    if spec.loss is not None and spec.loss.entry:
-        entries.append(spec.loss.entry)
-    if spec.step is not None:
-        entries.append(spec.step.entry)
-    scheduler = getattr(spec.optimizer, "lr_scheduler", None)
-    if scheduler is not None and getattr(scheduler, "entry", None):
-        entries.append(scheduler.entry)
-    return entries
 
-
-def _entry_files(entry: str, base: Path) -> list[Path]:
-    """'sub/models.py:build' -> that file; 'pkg.mod:f' -> pkg/__init__.py and pkg/mod.py under the folder."""
-    target = entry.rsplit(":", 1)[0]
-    if target.endswith(".py"):
-        return [base / target]
-    return _module_files(target, base)
-
-
-def _module_files(dotted: str, root: Path) -> list[Path]:
-    """The files under `root` that importing `dotted` runs: each package's __init__.py and the module."""
-    out: list[Path] = []
-    folder = root
-    parts = [p for p in dotted.split(".") if p]
-    for i, part in enumerate(parts):
-        package = folder / part
-        if (package / "__init__.py").is_file():
-            out.append(package / "__init__.py")
-            folder = package
-        elif i == len(parts) - 1 and (folder / f"{part}.py").is_file():
-            out.append(folder / f"{part}.py")
-        else:
-            break
-    return out
 
 
 def _imports_of(file: Path, base: Path) -> list[Path]:
@@ -159,7 +125,7 @@ def _imports_of(file: Path, base: Path) -> list[Path]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                out += _module_files(alias.name, base)
+                out += module_files(alias.name, base)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 root = file.parent
@@ -168,7 +134,7 @@ def _imports_of(file: Path, base: Path) -> list[Path]:
                 prefix = node.module or ""
             else:
                 root, prefix = base, node.module or ""
-            found = _module_files(prefix, root) if prefix else []
+            found = module_files(prefix, root) if prefix else []
             out += found
             # `from pkg import mod` imports pkg/mod.py when mod is a submodule
             sub_root = root.joinpath(*prefix.split(".")) if prefix else root
@@ -181,18 +147,8 @@ def _imports_of(file: Path, base: Path) -> list[Path]:
 def _imported_during_run(base: Path) -> list[Path]:
     """Files of modules already imported from the spec's folder (a dynamic import the scan cannot see)."""
     out: list[Path] = []
-    for module in list(sys.modules.values()):
-        name = getattr(module, "__file__", None)
-        if not name:
-            continue
-        path = Path(name)
-        if not (path.is_absolute() and path.suffix == ".py"):
-            continue
-        real = path.resolve()
-        if not real.is_relative_to(base) or real.is_relative_to(_OWN_DIR):
-            continue
-        parts = real.relative_to(base).parts
-        if any(p.startswith(".") or p in ("site-packages", "dist-packages") for p in parts):
-            continue  # ~/.local, a virtualenv: installed packages, not the user's code (and no note each)
+    for path in modules_imported_from(base):
+        if any(p.startswith(".") for p in path.resolve().relative_to(base).parts):
+            continue  # ~/.local and other hidden folders: never the user's code (and no note each)
         out.append(path)
     return out
