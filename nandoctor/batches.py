@@ -147,6 +147,18 @@ def to_numpy(value: Any) -> np.ndarray | None:
     return None
 
 
+def nonfinite_rows(value: Any) -> list[int]:
+    """Positions along the first axis that hold a NaN or Inf (a batch's samples, a weight's rows); [0] for
+    a non-finite scalar; [] for anything that is not array-like."""
+    arr = to_numpy(value)
+    if arr is None or arr.dtype.kind not in "fc":
+        return []
+    if arr.ndim == 0:
+        return [0] if not np.isfinite(arr) else []
+    bad = ~np.isfinite(arr.reshape(arr.shape[0], -1)).all(axis=1)
+    return [int(i) for i in np.where(bad)[0]]
+
+
 def to_tensor(value: Any) -> Any:
     """Numpy arrays and Python numbers -> Paddle tensors on the current device; tensors pass through."""
     import paddle

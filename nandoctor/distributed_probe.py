@@ -61,7 +61,7 @@ def rank_main(config: Path, steps: int, seed: int, out: Path) -> int:
 
     from nandoctor.distributed import RankSync
     from nandoctor.inloop.doctor import Doctor
-    from nandoctor.probe.loop import lr_scheduler_of
+    from nandoctor.schedulers import lr_scheduler
     from nandoctor.spec import load_spec
     from nandoctor.workload import build_optimizer, build_workload
 
@@ -74,9 +74,9 @@ def rank_main(config: Path, steps: int, seed: int, out: Path) -> int:
     workload = build_workload(spec)
     model = workload.model
     optimizer = build_optimizer(spec, model)
-    scheduler = lr_scheduler_of(optimizer)
-    by = getattr(getattr(spec.optimizer, "lr_scheduler", None), "by", "step") or "step"
-    accumulate = max(1, int(getattr(spec.optimizer, "accumulate_steps", 1) or 1))
+    scheduler = lr_scheduler(optimizer)
+    by = spec.optimizer.scheduler_by
+    accumulate = spec.optimizer.accumulate_steps
     dp = paddle.DataParallel(model)
     model.train()
     ranks_dir = out.with_name("ranks")

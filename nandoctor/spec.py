@@ -90,6 +90,11 @@ class OptimizerSpec:
     lr_scheduler: SchedulerSpec | None = None
     accumulate_steps: int = 1  # one optimizer step every K batches
 
+    @property
+    def scheduler_by(self) -> str:
+        """When the scheduler steps: "step" (after each optimizer step, also with no scheduler) or "epoch"."""
+        return self.lr_scheduler.by if self.lr_scheduler is not None else "step"
+
 
 @dataclass
 class AmpSpec:

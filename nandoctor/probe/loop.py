@@ -16,6 +16,7 @@ from nandoctor.errors import NandoctorError, UserCodeError
 from nandoctor.findings import Phase
 from nandoctor.interrupt import reassert, stop_loader
 from nandoctor.probe.watcher import Fault, FaultKind, StatsSchedule, StepRecord, StepWatcher
+from nandoctor.schedulers import lr_scheduler
 from nandoctor.workload import Workload
 
 __all__ = ["Fault", "FaultKind", "LoopResult", "ProbeLoop", "StatsSchedule", "StepRecord"]
@@ -65,10 +66,9 @@ class ProbeLoop:
         self.watcher = StepWatcher(workload.model, optimizer, scaler=scaler, fp16=fp16, amp=amp)
         opt_spec = workload.spec.optimizer
         # One optimizer step per `accumulate` batches; a probe step stays one batch, so steps name batches.
-        self.accumulate = max(1, int(getattr(opt_spec, "accumulate_steps", 1) or 1))
-        self.scheduler = lr_scheduler_of(optimizer)
-        sched_spec = getattr(opt_spec, "lr_scheduler", None)
-        self.scheduler_by = getattr(sched_spec, "by", "step") or "step"
+        self.accumulate = opt_spec.accumulate_steps
+        self.scheduler = lr_scheduler(optimizer)
+        self.scheduler_by = opt_spec.scheduler_by
         self.snapshots: Any = None  # a SnapshotRing (probe/snapshots.py) when remedies will be tried
 
     @property
@@ -152,19 +152,6 @@ class ProbeLoop:
 
     def close(self) -> None:
         self.watcher.close()
-
-
-def lr_scheduler_of(optimizer: Any) -> Any:
-    """The optimizer's LR scheduler (paddle.optimizer.lr.LRScheduler) or None for a constant rate."""
-    from nandoctor import workload
-
-    find = getattr(workload, "lr_scheduler", None)
-    if callable(find):
-        return find(optimizer)
-    import paddle
-
-    lr = getattr(optimizer, "_learning_rate", None)
-    return lr if isinstance(lr, paddle.optimizer.lr.LRScheduler) else None
 
 
 _END = object()

@@ -333,7 +333,7 @@ def _skip_list_of(dropped: list[tuple[int, int | None, int, list[int]]], accumul
 
 
 def _accumulate(workload: Any) -> int:
-    return max(1, int(getattr(workload.spec.optimizer, "accumulate_steps", 1) or 1))
+    return workload.spec.optimizer.accumulate_steps
 
 
 def _skip_text(fault: Any, rows: list[int], workload: Any) -> str:

@@ -89,11 +89,11 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
          set_factor: Any, out: Replay) -> None:
     import paddle
 
-    from nandoctor.probe.loop import lr_scheduler_of
+    from nandoctor.schedulers import lr_scheduler
 
-    accumulate = max(1, int(getattr(w.spec.optimizer, "accumulate_steps", 1) or 1))
-    sched = lr_scheduler_of(opt)
-    by = getattr(getattr(w.spec.optimizer, "lr_scheduler", None), "by", "step") or "step"
+    accumulate = w.spec.optimizer.accumulate_steps
+    sched = lr_scheduler(opt)
+    by = w.spec.optimizer.scheduler_by
     params = [p for p in w.model.parameters() if not p.stop_gradient]
     epoch, batch_index, step = snap.epoch, snap.batch_index, snap.step
     before = _nonfinite_counts(params)  # NaN the weights already held (a corrupt checkpoint) is not new
@@ -178,9 +178,9 @@ def _optimizer_changed(opt: Any, change: Change) -> Iterator[Any]:
     `set_factor(step)`, to call before each step (warmup ramps with the step)."""
     import paddle
 
-    from nandoctor.probe.loop import lr_scheduler_of
+    from nandoctor.schedulers import lr_scheduler
 
-    sched = lr_scheduler_of(opt)
+    sched = lr_scheduler(opt)
     clip = opt._grad_clip
     base = None if sched is not None else float(opt.get_lr())
     if change.clip_norm is not None:
@@ -258,15 +258,11 @@ def _reinit_rows(model: Any, rows: dict[str, list[int]]) -> None:
 
 
 def _nonfinite_rows(fields: dict[str, Any]) -> set[int]:
-    from nandoctor.batches import to_numpy
+    from nandoctor.batches import nonfinite_rows, to_numpy
 
     n = _rows(fields)
-    bad: set[int] = set()
-    for v in fields.values():
-        arr = to_numpy(v)
-        if arr is not None and arr.dtype.kind == "f" and arr.ndim > 0 and arr.shape[0] == n:
-            bad |= {int(i) for i in np.where(~np.isfinite(arr.reshape(n, -1)).all(axis=1))[0]}
-    return bad
+    arrays = [to_numpy(v) for v in fields.values()]
+    return {i for arr in arrays if arr is not None and arr.ndim > 0 and arr.shape[0] == n for i in nonfinite_rows(arr)}
 
 
 def _rows(fields: dict[str, Any]) -> int:

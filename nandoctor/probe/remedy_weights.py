@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nandoctor.batches import nonfinite_rows
 from nandoctor.findings import Code, Report
 from nandoctor.probe.snapshots import Snapshot
 
@@ -14,7 +15,6 @@ from nandoctor.probe.snapshots import Snapshot
 def nan_rows(report: Report, model: Any, here: Snapshot | None) -> dict[str, list[int]]:
     """Parameters named by param.nonfinite -> the rows (first axis) that still hold NaN/Inf in the state the
     replays start from (a NaN an update wrote is not there yet: those are not repaired row by row)."""
-    import numpy as np
 
     if here is None:
         return {}
@@ -25,9 +25,9 @@ def nan_rows(report: Report, model: Any, here: Snapshot | None) -> dict[str, lis
         arr = here.model.get(name)
         if arr is None or arr.dtype.kind != "f" or arr.ndim == 0:
             continue
-        bad = ~np.isfinite(arr.reshape(arr.shape[0], -1)).all(axis=1)
-        if bad.any() and not bad.all():  # a wholly NaN weight is not a row to repair: restore the checkpoint
-            out[name] = [int(i) for i in np.where(bad)[0]]
+        bad = nonfinite_rows(arr)
+        if bad and len(bad) < arr.shape[0]:  # a wholly NaN weight is not a row to repair: restore the checkpoint
+            out[name] = bad
     return out
 
 

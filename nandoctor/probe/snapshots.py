@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from nandoctor.schedulers import lr_scheduler
+
 MAX_MODEL_BYTES = 256 * 2**20  # one snapshot (weights + optimizer state) above this: no ring
 MAX_RING_BYTES = 512 * 2**20  # all snapshots together
 MAX_SNAPSHOTS = 2  # besides the pinned first one: enough to reach 2 intervals (>= 8 steps) before a fault
@@ -122,7 +124,7 @@ class SnapshotRing:
         model = {k: _host(v) for k, v in self.model.state_dict().items()}
         accs = {name: {p: _host(t) for p, t in per.items()}
                 for name, per in getattr(self.optimizer, "_accumulators", {}).items()}
-        sched = _scheduler(self.optimizer)
+        sched = lr_scheduler(self.optimizer)
         nbytes = sum(a.nbytes for a in model.values()) + sum(a.nbytes for per in accs.values() for a in per.values())
         bad = sum(int((~np.isfinite(a)).sum()) for a in model.values() if a.dtype.kind == "f")
         return Snapshot(step, epoch, batch_index, model, accs, sched.state_dict() if sched is not None else None,
@@ -164,15 +166,9 @@ def restore(snap: Snapshot, model: Any, optimizer: Any) -> None:
                 for pname, arr in per.items():
                     if pname in accs.get(name, {}):
                         accs[name][pname].set_value(arr)
-    sched = _scheduler(optimizer)
+    sched = lr_scheduler(optimizer)
     if sched is not None and snap.scheduler is not None:
         sched.set_state_dict(dict(snap.scheduler))
-
-
-def _scheduler(optimizer: Any) -> Any:
-    from nandoctor.probe.loop import lr_scheduler_of
-
-    return lr_scheduler_of(optimizer)
 
 
 def _host(t: Any) -> np.ndarray:

@@ -55,7 +55,7 @@ class WarningTracker:
     def update(self, record: Any) -> bool:
         """Take one step's numbers; True while something looks like trouble (stats on every step)."""
         alert = False
-        self.lrs[record.step] = getattr(record, "lr", None)  # the watcher records the scheduler's value
+        self.lrs[record.step] = record.lr  # the watcher records the scheduler's value
         if record.grad_norm is not None and math.isfinite(record.grad_norm):
             self.norms.append((record.step, record.grad_norm))
             early = self.early_level()

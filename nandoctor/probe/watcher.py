@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from nandoctor.batches import to_numpy
+from nandoctor.batches import nonfinite_rows, to_numpy
 from nandoctor.findings import Code, Phase
 from nandoctor.probe.monitors import StepMonitor, StepStats
 
@@ -228,7 +228,7 @@ class StepWatcher:
         bad_data = [k for k, ok in st.data_finite.items() if not ok]
         if bad_data:
             fields = self._fields or {}
-            return self._fault(FaultKind.DATA, bad_fields={k: _bad_rows(fields[k]) for k in bad_data})
+            return self._fault(FaultKind.DATA, bad_fields={k: nonfinite_rows(fields[k]) for k in bad_data})
         lr = current_lr(self.optimizer)
         record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, st.loss_scale, lr=lr)
         skipped = scaler is not None and math.isfinite(st.loss) and not st.grads_finite
@@ -329,7 +329,7 @@ def _host_nonfinite(fields: dict[str, Any]) -> dict[str, list[int]]:
             continue
         arr = to_numpy(v)
         if arr is not None and _is_float(arr) and arr.size and not np.isfinite(arr).all():
-            out[k] = _bad_rows(arr)
+            out[k] = nonfinite_rows(arr)
     return out
 
 
@@ -340,13 +340,3 @@ def _device_checks(fields: dict[str, Any]) -> dict[str, Any]:
     return {k: paddle.isfinite(v).all() for k, v in fields.items()
             if isinstance(v, paddle.Tensor) and v.dtype in (paddle.float32, paddle.float16, paddle.float64,
                                                             paddle.bfloat16) and v.size > 0}
-
-
-def _bad_rows(value: Any) -> list[int]:
-    arr = to_numpy(value)
-    if arr is None:
-        return []
-    if arr.ndim == 0:
-        return [0] if not np.isfinite(arr) else []
-    bad = ~np.isfinite(arr.reshape(arr.shape[0], -1)).all(axis=1)
-    return sorted(int(i) for i in np.where(bad)[0])

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from nandoctor.advice import advice_for
+from nandoctor.batches import nonfinite_rows
 from nandoctor.findings import Code, Finding, Location, Phase, Severity
 
 TOO_BIG = 8.0
@@ -72,12 +73,9 @@ def nonfinite_facts(name: str, arr: np.ndarray, layer: Any) -> NonfiniteParam:
 
     bad = ~np.isfinite(arr)
     n_nan = int(np.isnan(arr).sum())
-    if arr.ndim:
-        rows = np.where(bad.reshape(arr.shape[0], -1).any(axis=1))[0]
-    else:
-        rows = np.zeros(1 if bad else 0, dtype=int)
+    rows = nonfinite_rows(arr)
     return NonfiniteParam(name=name, shape=[int(s) for s in arr.shape], nan=n_nan, inf=int(bad.sum()) - n_nan,
-                          rows=[int(r) for r in rows[:MAX_ROWS]], n_rows=int(rows.size), wholly=bool(bad.all()),
+                          rows=rows[:MAX_ROWS], n_rows=len(rows), wholly=bool(bad.all()),
                           token_ids=isinstance(layer, nn.Embedding) and arr.ndim == 2)
 
 
