@@ -9,6 +9,7 @@ a file.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, Optional
@@ -33,7 +34,8 @@ def _plain_params(params: list[Any]) -> list[Any]:
         if getattr(param, "is_flag", False) and param.metavar is None:
             param.metavar = ""
         elif isinstance(param, typer.core.TyperArgument):
-            param.display_type_rich = lambda ctx: None
+            param.type = copy.copy(param.type)  # a copy: click shares one type object between parameters
+            param.type.get_metavar = lambda *args, **kwargs: ""
     return params
 
 

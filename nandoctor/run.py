@@ -84,9 +84,11 @@ def _run_command(command: str, config: Path, console: Console, *, json_path: Pat
         report.details["library_logs"] = library_logs.as_details()
     report.run.setdefault("config", str(config))
     report.run["command_line"] = reproduce_command(command, config, flags)
-    # The run imported the user's modules: none of them may be overwritten by a report either.
-    if outputs:  # walking sys.modules costs ~0.25 s after a Paddle import: only when there is a file to guard
-        check_not_an_input(outputs, spec_inputs(spec) | imported_files(spec.base_dir))
+    # The run imported the user's modules: none of them may be overwritten by a report either. Only a
+    # `.py` output can be one, and walking sys.modules after a Paddle import costs 10-30 ms: only then.
+    py_outputs = [p for p in outputs if p.suffix == ".py"]
+    if py_outputs:
+        check_not_an_input(py_outputs, imported_files(spec.base_dir))
     write_outputs(report, console, json_path=json_path, markdown_path=markdown_path, quiet=quiet)
     if bundle is not None:
         from nandoctor.report.bundle import write_bundle

@@ -130,20 +130,27 @@ def init_scale_findings(model: Any) -> list[Finding]:
     weight lives (no host copy of a large model); NaN/Inf and all-zero weights are left to other checks."""
     import paddle
 
+    weights, stds = [], []
+    with paddle.no_grad():
+        for name, param in model.named_parameters():
+            shape = [int(s) for s in param.shape]
+            if param.dtype not in (paddle.float32, paddle.float16, paddle.bfloat16, paddle.float64) or \
+                    len([s for s in shape if s != 1]) < 2 or math.prod(shape) < MIN_NUMEL:
+                continue
+            w = param.detach().astype("float32")
+            # Not Tensor.std(): it divides by an int64 count, which makes Paddle log a type-promotion warning.
+            stds.append(((w - w.mean()) ** 2).mean().sqrt().reshape([1]))
+            weights.append((name, shape, param))
+    if not weights:
+        return []
+    values = paddle.concat(stds).numpy().astype(np.float64)  # one host sync for every weight, not one each
     owners_ = _owners(model)
     out: list[Finding] = []
-    for name, param in model.named_parameters():
-        shape = [int(s) for s in param.shape]
-        if param.dtype not in (paddle.float32, paddle.float16, paddle.bfloat16, paddle.float64) or \
-                len([s for s in shape if s != 1]) < 2 or math.prod(shape) < MIN_NUMEL:
-            continue
-        w = param.detach().astype("float32")
-        # Not Tensor.std(): it divides by an int64 count, which makes Paddle log a type-promotion warning.
-        std = float(((w - w.mean()) ** 2).mean().sqrt())
+    for (name, shape, param), std in zip(weights, values):
         if not math.isfinite(std) or std == 0.0:
             continue
         layer_name, layer = owners_.get(id(param), (None, None))
-        out += _scale_finding(name, shape, std, layer_name, layer)
+        out += _scale_finding(name, shape, float(std), layer_name, layer)
     return out
 
 
