@@ -22,9 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import nandoctor  # noqa: E402
 from harness import procs, workloads  # noqa: E402
 from harness.table import Row, median, render  # noqa: E402
+
+import nandoctor  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "harness" / "worker.py"
