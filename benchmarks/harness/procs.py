@@ -61,11 +61,16 @@ def run_timed(argv: list[str], *, timeout: float = 1200.0, cwd: Path | None = No
 
 
 def run_paired(a: list[str], b: list[str], runs: int, *, timeout: float = 1200.0) -> Paired:
-    """`runs` pairs, strictly alternating A B A B ..., so slow drift in the machine hits both sides alike."""
+    """`runs` pairs in A B B A order (pair 2 runs B first), so neither side always runs first and slow
+    drift in the machine hits both sides alike."""
     paired = Paired()
-    for _ in range(runs):
-        paired.a.append(run_timed(a, timeout=timeout))
-        paired.b.append(run_timed(b, timeout=timeout))
+    for i in range(runs):
+        if i % 2 == 0:
+            paired.a.append(run_timed(a, timeout=timeout))
+            paired.b.append(run_timed(b, timeout=timeout))
+        else:
+            paired.b.append(run_timed(b, timeout=timeout))
+            paired.a.append(run_timed(a, timeout=timeout))
     return paired
 
 

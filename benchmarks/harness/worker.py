@@ -14,6 +14,7 @@ Modes (each prints one `BENCH_RESULT {json}` line at the end):
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import statistics
@@ -61,25 +62,93 @@ def diffs(stamps: list[float]) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
+def rng_state() -> tuple[Any, Any, Any]:
+    import random
+
+    import numpy as np
+    import paddle
+
+    return paddle.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def set_rng_state(state: tuple[Any, Any, Any]) -> None:
+    import random
+
+    import numpy as np
+    import paddle
+
+    paddle.set_rng_state(state[0])
+    np.random.set_state(state[1])
+    random.setstate(state[2])
+
+
+class Interleaved:
+    """One plain step after every step of another loop (the probe's, or a watched one), in one process.
+
+    Whole runs of each side taken in turn were too noisy here: two runs of the very same plain loop
+    differed by up to 1.37x (lstm, 30 steps each), as other tenants slow this machine for seconds at a
+    time. Steps taken in turn see the same machine within ~100 ms. Each side keeps its own RNG state
+    (swapped outside both timings), so each trains exactly as it would alone; `between()` times the other
+    loop's step as the span since the previous plain step ended.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.rng = rng_state()  # the plain side's, as its build left it
+        self.plain_loss: list[float] = []
+        self.plain: list[tuple[float, float]] = []  # (wall, cpu) seconds of each plain step
+        self.other: list[tuple[float, float]] = []  # the other loop's steps, from its second on
+        self._end: tuple[float, float] | None = None
+
+    def between(self) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        if self._end is not None:
+            self.other.append((wall - self._end[0], cpu - self._end[1]))
+        theirs = rng_state()
+        set_rng_state(self.rng)
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.plain_loss.append(self.trainer.step())
+        self.plain.append((time.perf_counter() - wall, time.process_time() - cpu))
+        self.rng = rng_state()
+        set_rng_state(theirs)
+        self._end = time.perf_counter(), time.process_time()
+
+    def on_progress(self, done: int, total: int | None, description: str) -> None:
+        """As `run_probe`'s progress callback: a plain step after each probe step (not after a replay's)."""
+        if description == "probe step":
+            self.between()
+
+    def ratios(self, warmup: int) -> tuple[float, float, float, float]:
+        """(other ms, plain ms, wall ratio, cpu ratio) over the same steps, the first `warmup` left out.
+
+        The mean, not the median: a loop that samples per-layer stats every k-th step must pay for those
+        steps here, and a median would hide them."""
+        other, plain = self.other[warmup:], self.plain[warmup + 1:]  # other[i] is step i + 1
+        ow, pw = statistics.fmean(w for w, _ in other), statistics.fmean(w for w, _ in plain)
+        oc, pc = statistics.fmean(c for _, c in other), statistics.fmean(c for _, c in plain)
+        return 1000 * ow, 1000 * pw, ow / pw, oc / pc
+
+
 def mode_steps(args: argparse.Namespace) -> dict[str, Any]:
-    from plain_loop import read_settings, train
+    """The probe's steps against plain steps taken in turn in the same process (`Interleaved`)."""
+    from plain_loop import PlainTrainer, read_settings
+
+    from nandoctor.probe import ProbeOptions, run_probe
+    from nandoctor.spec import load_spec
 
     plain = load_plain(args.plain)
     settings = read_settings(args.config)
-    pairs, cpu_pairs = [], []
+    spec = load_spec(args.config)
+    out: dict[str, list[float]] = {"probe_ms": [], "plain_ms": [], "ratios": [], "cpu_ratios": []}
     for _ in range(args.runs):
-        _, stamps, _, cpu = probe_run(args.config, args.steps)
-        probe_steps = diffs(stamps)[args.warmup:]
-        probe_cpu = diffs(cpu)[args.warmup:]
-        plain_run = train(settings, plain.build_model, plain.build_loader, plain.loss_fn, args.steps, 0)
-        plain_steps = plain_run["step_seconds"][args.warmup + 1:]
-        plain_cpu = plain_run["step_cpu_seconds"][args.warmup + 1:]
-        # The mean, not the median: a probe that samples per-layer stats every k-th step must pay for
-        # those steps here, and a median would hide them.
-        pairs.append((statistics.fmean(probe_steps), statistics.fmean(plain_steps)))
-        cpu_pairs.append(statistics.fmean(probe_cpu) / statistics.fmean(plain_cpu))
-    return {"probe_ms": [1000 * p for p, _ in pairs], "plain_ms": [1000 * q for _, q in pairs],
-            "ratios": [p / q for p, q in pairs], "cpu_ratios": cpu_pairs}
+        gc.collect()
+        steps = Interleaved(PlainTrainer(settings, plain.build_model, plain.build_loader, plain.loss_fn, 0))
+        report = run_probe(spec, ProbeOptions(steps=args.steps, seed=0, device="cpu"), steps.on_progress)
+        if [p.loss for p in report.timeline] != steps.plain_loss:
+            return {"error": "the probe trained differently from the plain loop beside it"}
+        for key, value in zip(("probe_ms", "plain_ms", "ratios", "cpu_ratios"), steps.ratios(args.warmup)):
+            out[key].append(value)
+    return out
 
 
 def mode_checker(args: argparse.Namespace) -> dict[str, Any]:
@@ -176,67 +245,58 @@ def mode_scan(args: argparse.Namespace) -> dict[str, Any]:
             "ratios": [s / b for s, b in pairs], "samples": samples, "verdict": verdict}
 
 
-def train_inloop(settings: dict, plain: ModuleType, steps: int, seed: int) -> dict[str, list[float]]:
-    """plain_loop.train with the in-loop API added as a user adds it: watch, then check after backward."""
-    import random
+class WatchedTrainer:
+    """The plain loop with the in-loop API added as a user adds it: watch, then check after backward."""
 
-    import numpy as np
-    import paddle
+    def __init__(self, trainer: Any) -> None:
+        import nandoctor
 
-    import nandoctor
+        self.trainer = trainer
+        self.watch = nandoctor.watch(trainer.model, trainer.optimizer, report_dir=None)
+        self.doctor = self.watch.__enter__()
 
-    paddle.set_device("cpu")
-    paddle.seed(seed)
-    np.random.seed(seed)
-    random.seed(seed)
-    model = plain.build_model(**settings["model"])
-    model.train()
-    optimizer = getattr(paddle.optimizer, settings["optimizer"])(parameters=model.parameters(),
-                                                                 **settings["optimizer_args"])
-    batches = iter(plain.build_loader(**settings["data"]))
-    times: list[float] = []
-    cpu_times: list[float] = []
-    losses: list[float] = []
-    with nandoctor.watch(model, optimizer, report_dir=None) as doctor:
-        last, last_cpu = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            try:
-                batch = next(batches)
-            except StopIteration:
-                batches = iter(plain.build_loader(**settings["data"]))
-                batch = next(batches)
-            x, y = (paddle.to_tensor(a) for a in batch)
-            loss = plain.loss_fn(model(x), y)
-            loss.backward()
-            if not doctor.check(loss, (x, y)):
-                raise RuntimeError("the in-loop check found a fault on a healthy workload")
-            optimizer.step()
-            optimizer.clear_grad()
-            losses.append(float(loss))
-            now, now_cpu = time.perf_counter(), time.process_time()
-            times.append(now - last)
-            cpu_times.append(now_cpu - last_cpu)
-            last, last_cpu = now, now_cpu
-    return {"loss": losses, "step_seconds": times, "step_cpu_seconds": cpu_times}
+    def step(self) -> float:
+        t = self.trainer
+        x, y = t.next_batch()
+        loss = t.loss_fn(t.model(x), y)
+        loss.backward()
+        if not self.doctor.check(loss, (x, y)):
+            raise RuntimeError("the in-loop check found a fault on a healthy workload")
+        t.optimizer.step()
+        t.optimizer.clear_grad()
+        return float(loss)
+
+    def close(self) -> None:
+        self.watch.__exit__(None, None, None)
 
 
 def mode_inloop(args: argparse.Namespace) -> dict[str, Any]:
-    from plain_loop import read_settings, train
+    """Watched steps against plain steps taken in turn in the same process, on two identical models."""
+    from plain_loop import PlainTrainer, read_settings
 
     plain = load_plain(args.plain)
     settings = read_settings(args.config)
-    pairs, cpu_pairs = [], []
+
+    def trainer() -> Any:
+        return PlainTrainer(settings, plain.build_model, plain.build_loader, plain.loss_fn, 0)
+
+    out: dict[str, list[float]] = {"inloop_ms": [], "plain_ms": [], "ratios": [], "cpu_ratios": []}
     for _ in range(args.runs):
-        watched = train_inloop(settings, plain, args.steps, 0)
-        bare = train(settings, plain.build_model, plain.build_loader, plain.loss_fn, args.steps, 0)
-        w, b = watched["step_seconds"][args.warmup + 1:], bare["step_seconds"][args.warmup + 1:]
-        wc, bc = watched["step_cpu_seconds"][args.warmup + 1:], bare["step_cpu_seconds"][args.warmup + 1:]
-        pairs.append((statistics.fmean(w), statistics.fmean(b)))  # the mean: stats steps must be paid for
-        cpu_pairs.append(statistics.fmean(wc) / statistics.fmean(bc))
-        if watched["loss"] != bare["loss"]:
+        gc.collect()
+        watched = WatchedTrainer(trainer())
+        steps = Interleaved(trainer())  # built from seed 0 again: the watched side starts from the same RNG
+        losses = []
+        try:
+            for _ in range(args.steps):
+                losses.append(watched.step())
+                steps.between()
+        finally:
+            watched.close()
+        if losses != steps.plain_loss:
             return {"error": "the watched loop trained differently from the plain one"}
-    return {"inloop_ms": [1000 * p for p, _ in pairs], "plain_ms": [1000 * q for _, q in pairs],
-            "ratios": [p / q for p, q in pairs], "cpu_ratios": cpu_pairs}
+        for key, value in zip(("inloop_ms", "plain_ms", "ratios", "cpu_ratios"), steps.ratios(args.warmup)):
+            out[key].append(value)
+    return out
 
 
 def main() -> None:

@@ -32,34 +32,52 @@ def read_settings(config: Path) -> Settings:
             "optimizer_args": opt.get("args") or {"learning_rate": 1e-3}}
 
 
+class PlainTrainer:
+    """The plain loop one step at a time, so a benchmark can interleave its steps with another loop's."""
+
+    def __init__(self, settings: Settings, build_model: Callable[..., Any],
+                 build_loader: Callable[..., Iterable[Any]], loss_fn: Callable[[Any, Any], Any], seed: int) -> None:
+        paddle.set_device("cpu")
+        paddle.seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        self.model = build_model(**settings["model"])
+        self.model.train()
+        self.optimizer = getattr(paddle.optimizer, settings["optimizer"])(parameters=self.model.parameters(),
+                                                                          **settings["optimizer_args"])
+        self._new_epoch = lambda: iter(build_loader(**settings["data"]))
+        self._batches = self._new_epoch()
+        self.loss_fn = loss_fn
+
+    def next_batch(self) -> tuple[Any, Any]:
+        try:
+            batch = next(self._batches)
+        except StopIteration:  # a new epoch, as the probe does
+            self._batches = self._new_epoch()
+            batch = next(self._batches)
+        x, y = (paddle.to_tensor(a) for a in batch)
+        return x, y
+
+    def step(self) -> float:
+        """Forward, loss, backward, optimizer step, clear_grad; the loss value read on the host."""
+        x, y = self.next_batch()
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.clear_grad()
+        return float(loss)
+
+
 def train(settings: Settings, build_model: Callable[..., Any], build_loader: Callable[..., Iterable[Any]],
           loss_fn: Callable[[Any, Any], Any], steps: int, seed: int) -> dict[str, list[float]]:
     """Train `steps` steps; returns each step's loss, wall time and process CPU time (end to end)."""
-    paddle.set_device("cpu")
-    paddle.seed(seed)
-    np.random.seed(seed)
-    random.seed(seed)
-    model = build_model(**settings["model"])
-    model.train()
-    optimizer = getattr(paddle.optimizer, settings["optimizer"])(parameters=model.parameters(),
-                                                                 **settings["optimizer_args"])
-    batches = iter(build_loader(**settings["data"]))
+    trainer = PlainTrainer(settings, build_model, build_loader, loss_fn, seed)
     losses: list[float] = []
     times: list[float] = []
     cpu_times: list[float] = []
     last, last_cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
-        try:
-            batch = next(batches)
-        except StopIteration:  # a new epoch, as the probe does
-            batches = iter(build_loader(**settings["data"]))
-            batch = next(batches)
-        x, y = (paddle.to_tensor(a) for a in batch)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.clear_grad()
-        losses.append(float(loss))
+        losses.append(trainer.step())
         now, now_cpu = time.perf_counter(), time.process_time()
         times.append(now - last)
         cpu_times.append(now_cpu - last_cpu)

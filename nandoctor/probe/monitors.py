@@ -196,8 +196,8 @@ class StepMonitor:
                            False) for idx, _ in self._groups]), [1])
         # Bare ops (~5 us each against ~30 us through the Python API): this runs after every update.
         f32 = paddle.float32
-        return _C_ops.add_n([_C_ops.sum(p if p.dtype == f32 else p.astype(f32), None, None, False)
-                             for p in self._sum_params]).reshape([1])
+        return _C_ops.reshape(_C_ops.add_n([_C_ops.sum(p if p.dtype == f32 else _C_ops.cast(p, f32), None, None, False)
+                                            for p in self._sum_params]), [1])
 
     def _grad_sq(self, per_param: bool) -> tuple[Any, list[int]]:
         """Squared gradient norms as one device tensor (per parameter, or only the global one for a large
@@ -230,9 +230,10 @@ class StepMonitor:
                 st = _C_ops.stack([grads_all[i] for i in idx], 0)
                 rows.append((st * st).sum(axis=list(range(1, nd + 1))) if nd else st * st)
             return _C_ops.concat(rows, 0), self._group_order
+        # squared_l2_norm gives shape [1]: one concat, and bare ops (83 -> 44 us for 10 tensors)
         f32 = paddle.float32
-        return paddle.concat([_C_ops.squared_l2_norm(g if g.dtype == f32 else g.astype(f32)).reshape([1])
-                              for g in grads_all]), self._all_idx
+        return _C_ops.concat([_C_ops.squared_l2_norm(g if g.dtype == f32 else _C_ops.cast(g, f32))
+                              for g in grads_all], 0), self._all_idx
 
     def read(self, loss: Any, data_checks: dict[str, Any], full: bool = True, scale: Any = None) -> StepStats:
         """The one host sync of a step: everything queued so far, as numbers. `scale`: AMP's loss-scale

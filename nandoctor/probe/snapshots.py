@@ -4,7 +4,7 @@ A divergence overflows many steps after it began; replaying only the failing ste
 learning rate or clipping there. The ring keeps the parameters and buffers, the optimizer's accumulators,
 the LR scheduler's state, the RNG states and the loader position (epoch, batch) every `every` steps, plus
 the state before the first step (pinned: warmup and re-initialisation restart from it). Snapshots are
-rare (the interval grows until their measured cost is <= 1% of the step time) and host-only; models
+rare (the interval grows until their measured cost is <= 0.5% of the step time) and host-only; models
 above `MAX_MODEL_BYTES` get no ring and a note instead.
 """
 
@@ -25,7 +25,7 @@ MAX_MODEL_BYTES = 256 * 2**20  # one snapshot (weights + optimizer state) above 
 MAX_RING_BYTES = 512 * 2**20  # all snapshots together
 MAX_SNAPSHOTS = 2  # besides the pinned first one: enough to reach 2 intervals (>= 8 steps) before a fault
 MIN_EVERY = 4
-COST_SHARE = 0.01  # the ring may cost this share of the step time on average
+COST_SHARE = 0.005  # the ring may cost this share of the step time on average
 
 
 @dataclass

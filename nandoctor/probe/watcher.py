@@ -196,7 +196,7 @@ class StepWatcher:
             return self._fault(FaultKind.LOSS, code=Code.LOSS_NOT_TENSOR, phase=Phase.LOSS,
                                evidence={"type": type(loss).__name__})
         shape = [int(d) for d in loss.shape]
-        if int(np.prod(shape)) != 1:
+        if math.prod(shape) != 1:
             return self._fault(FaultKind.LOSS, code=Code.LOSS_NOT_SCALAR, phase=Phase.LOSS,
                                evidence={"shape": shape, "dtype": str(loss.dtype).replace("paddle.", "")})
         if loss.stop_gradient:
