@@ -144,8 +144,9 @@ def inloop(s: Setting, scratch: Path) -> list[Row]:
     rows = []
     for name in s.workloads:
         w = workloads.load(name, s.quick, scratch)
-        say(f"row 7: {name}: watched vs plain loop in one process, {s.step_runs} pair(s) of {s.step_steps} steps")
-        res = worker("inloop", w, s, s.step_steps)
+        steps = s.step_steps if s.quick else (w.step_steps or s.step_steps)  # as row 2
+        say(f"row 7: {name}: watched vs plain loop in one process, {s.step_runs} pair(s) of {steps} steps")
+        res = worker("inloop", w, s, steps)
         setting = f"{w.describe}, steady state"
         if "error" in res:
             rows.append(Row("7 in-loop per step", name, setting, None, "x", "<= 1.05", res["error"][:100]))

@@ -13,11 +13,15 @@ parameter count; small models and very large ones take one reduction per tensor.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+_is_none = functools.partial(operator.is_, None)  # map()ped over ~300 gradients a step: no Python frame each
 
 # Above this many parameter elements, copying every gradient into one buffer costs more than it saves.
 _FUSED_MAX_NUMEL = 20_000_000
@@ -206,7 +210,7 @@ class StepMonitor:
         from paddle import _C_ops
 
         grads_all = [p.grad for p in self.params]
-        if any(g is None for g in grads_all):  # an unused parameter this step (rare): per-tensor ops
+        if any(map(_is_none, grads_all)):  # an unused parameter this step (rare): per-tensor ops
             present = [i for i, g in enumerate(grads_all) if g is not None]
             if not present:
                 return None, present
