@@ -176,7 +176,7 @@ def test_stats_schedule_spends_what_detection_leaves_of_the_budget():
 
     assert k_for(0.0) == 50  # 10 ms extra per stats step, 2% of a 10 ms step to spend
     assert k_for(0.0001) in (100, 101)  # detection takes 1%: 1% left for stats
-    assert k_for(0.005) in (200, 201)  # detection takes 50%: stats still get half a percent
+    assert k_for(0.005) in (400, 401)  # detection takes 50%: stats still get a quarter of a percent
     sched = StatsSchedule()
     sched.alert = True
     assert sched.want(57)  # after a warning sign, stats on every step

@@ -1,8 +1,14 @@
-"""Child processes timed from the outside: wall time and peak RSS of each, in paired alternating runs.
+"""Child processes measured from the outside: CPU time and peak RSS of each, in pairs that share a core.
 
-Absolute times on a shared 2-core machine are noise; the ratio of two runs made back to back is not, so
-every comparison here runs A and B alternately (A B A B ...) and keeps the per-pair ratios. Peak RSS
-comes from `os.wait4`, the kernel's own accounting of the child, so nothing runs inside the child.
+Absolute times on this shared 2-core machine are noise, and so were ratios of runs made one after the
+other: two runs of the same plain script, back to back, differed by up to 1.25x (also when started at
+the same time on two cores: the slow spells hit one vCPU at a time). Two processes started together
+*on the same core* are time-sliced by the kernel every few milliseconds, so a slow spell hits both
+alike: the same plain script against itself gave CPU-time ratios of 0.997-1.007 over four such pairs,
+while its absolute CPU time ranged from 7.5 to 9.8 s. So every pair here runs A and B at once on one
+core and compares their CPU time (`os.wait4`: the kernel's own accounting, user + system, every
+thread); when one ends first, a filler copy of it keeps the other company until it ends. Pairs run side
+by side, one per core. Peak RSS comes from the same `wait4`, so nothing runs inside the child.
 """
 
 from __future__ import annotations
@@ -10,9 +16,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,17 +68,89 @@ def run_timed(argv: list[str], *, timeout: float = 1200.0, cwd: Path | None = No
                       "\n".join(tail), stdout)
 
 
+class _Child:
+    """A child pinned to one core, its output in temporary files, reaped by pid alone (never another's)."""
+
+    def __init__(self, argv: list[str], core: int | None, quiet: bool = False) -> None:
+        self.out = tempfile.TemporaryFile()
+        self.err = tempfile.TemporaryFile()
+        pin = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
+        sink = subprocess.DEVNULL if quiet else None
+        self.proc = subprocess.Popen(argv, stdout=sink or self.out, stderr=sink or self.err,
+                                     stdin=subprocess.DEVNULL, preexec_fn=pin)
+        self.start = time.perf_counter()
+        self.result: ProcResult | None = None
+
+    def poll(self) -> ProcResult | None:
+        if self.result is None:
+            pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+            if pid:
+                self.proc.returncode = os.waitstatus_to_exitcode(status)
+                self.out.seek(0)
+                self.err.seek(0)
+                tail = self.err.read().decode("utf-8", "replace").strip().splitlines()[-6:]
+                # ru_maxrss is in kilobytes on Linux
+                self.result = ProcResult(time.perf_counter() - self.start, usage.ru_maxrss / 1024.0,
+                                         usage.ru_utime + usage.ru_stime, self.proc.returncode, "\n".join(tail),
+                                         self.out.read().decode("utf-8", "replace"))
+                self.out.close()
+                self.err.close()
+        return self.result
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            self.proc.kill()
+            while self.poll() is None:
+                time.sleep(0.01)
+
+
+def _tagged(argv: list[str], tag: str) -> list[str]:
+    return [x.replace("{run}", tag) for x in argv]
+
+
+def run_on_one_core(a: list[str], b: list[str], core: int | None, tag: str = "0", *,
+                    timeout: float = 1200.0) -> tuple[ProcResult, ProcResult]:
+    """A and B started together on `core`; whichever ends first is replaced by a filler copy of itself
+    (output discarded) until the other ends, so neither runs its last stretch alone on the core.
+    `{run}` in an argument becomes `tag` (`tag-filler` for fillers): runs side by side write apart."""
+    children = {"a": _Child(_tagged(a, tag), core), "b": _Child(_tagged(b, tag), core)}
+    argv = {"a": _tagged(a, f"{tag}-filler"), "b": _tagged(b, f"{tag}-filler")}
+    fillers: list[_Child] = []
+    deadline = time.perf_counter() + timeout
+    try:
+        while any(c.poll() is None for c in children.values()):
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"benchmark child ran over {timeout:.0f} s: {' '.join(a)}")
+            done = [k for k, c in children.items() if c.result is not None]
+            if len(done) == 1 and (not fillers or fillers[-1].poll() is not None):
+                fillers.append(_Child(argv[done[0]], core, quiet=True))
+            time.sleep(0.01)
+    finally:
+        for child in [*children.values(), *fillers]:
+            child.kill()
+    return children["a"].result, children["b"].result  # type: ignore[return-value]
+
+
+def cores() -> list[int]:
+    """The cores this process may use (pairs run side by side, one per core)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [None]  # type: ignore[list-item]
+
+
 def run_paired(a: list[str], b: list[str], runs: int, *, timeout: float = 1200.0) -> Paired:
-    """`runs` pairs in A B B A order (pair 2 runs B first), so neither side always runs first and slow
-    drift in the machine hits both sides alike."""
+    """`runs` pairs, each A and B at once on one core (`run_on_one_core`), as many pairs at a time as
+    there are cores. `{run}` in an argument becomes the pair's number, so that pairs running side by
+    side write different files."""
+    slots = cores()
+
+    def one(i: int) -> tuple[ProcResult, ProcResult]:
+        core = slots[i % len(slots)] if sys.platform.startswith("linux") else None
+        return run_on_one_core(a, b, core, str(i), timeout=timeout)
+
     paired = Paired()
-    for i in range(runs):
-        if i % 2 == 0:
-            paired.a.append(run_timed(a, timeout=timeout))
-            paired.b.append(run_timed(b, timeout=timeout))
-        else:
-            paired.b.append(run_timed(b, timeout=timeout))
-            paired.a.append(run_timed(a, timeout=timeout))
+    with ThreadPoolExecutor(max_workers=len(slots)) as pool:
+        for ra, rb in pool.map(one, range(runs)):
+            paired.a.append(ra)
+            paired.b.append(rb)
     return paired
 
 

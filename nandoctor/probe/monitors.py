@@ -21,7 +21,9 @@ from typing import Any
 
 import numpy as np
 
-_is_none = functools.partial(operator.is_, None)  # map()ped over ~300 gradients a step: no Python frame each
+# map()ped over ~300 gradients a step: no Python frame for each
+_is_none = functools.partial(operator.is_, None)
+_grad_of = operator.attrgetter("grad")
 
 # Above this many parameter elements, copying every gradient into one buffer costs more than it saves.
 _FUSED_MAX_NUMEL = 20_000_000
@@ -209,7 +211,7 @@ class StepMonitor:
         import paddle
         from paddle import _C_ops
 
-        grads_all = [p.grad for p in self.params]
+        grads_all = list(map(_grad_of, self.params))
         if any(map(_is_none, grads_all)):  # an unused parameter this step (rare): per-tensor ops
             present = [i for i, g in enumerate(grads_all) if g is not None]
             if not present:

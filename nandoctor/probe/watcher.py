@@ -28,11 +28,11 @@ from nandoctor.probe.monitors import StepMonitor, StepStats, float_dtypes
 
 # What the probe may add to a plain step on average (the target is 5%; keep a margin): the every-step
 # detection's measured share first (~3% on a model of 300 tiny tensors), the sampled per-layer stats
-# get the rest, but never less than half a percent. 2%: the loop's own bookkeeping and the snapshot
+# get the rest, but never less than a quarter of a percent. 2%: the loop's own bookkeeping and the snapshot
 # ring (~1% of a 16 ms step) are not in the measured share, and the stats fill whatever is left (with
 # steps of the probe and of a plain loop taken in turn, 3% put a 4-layer Transformer at 1.04x a step).
 _TOTAL_BUDGET = 0.02
-_MIN_STATS_BUDGET = 0.005
+_MIN_STATS_BUDGET = 0.0025
 
 
 class FaultKind(str, Enum):
