@@ -1,12 +1,13 @@
 """`make bench`: nandoctor's cost measured against plain Paddle, printed as ONE table of ratios.
 
-Every ratio comes from runs made side by side in the same invocation (paired, alternating), because
-absolute times on a shared 2-core machine are noise and ratios of back-to-back runs are not. What each
-row measures, on which workload and settings, is in benchmarks/README.md.
+Every ratio comes from runs made side by side in the same invocation, because absolute times on a
+shared 2-core machine are noise: processes are paired on one core and compared by CPU time, in-process
+loops take their steps in turn. What each row measures, on which workload and settings, and why it is
+measured so, is in benchmarks/README.md.
 
-    .venv/bin/python benchmarks/run.py            # full: about 10 minutes on 2 cores
+    .venv/bin/python benchmarks/run.py            # full: about 14 minutes on 2 cores
     .venv/bin/python benchmarks/run.py --quick    # tiny settings, every row, under a minute
-    .venv/bin/python benchmarks/run.py --runs 5   # more pairs per row, steadier medians
+    .venv/bin/python benchmarks/run.py --runs 8   # more pairs per row
 """
 
 from __future__ import annotations
