@@ -228,7 +228,8 @@ def main() -> int:
                                      "ratios (see benchmarks/README.md).")
     parser.add_argument("--quick", action="store_true", help="tiny models and few steps: checks that every "
                         "row runs, in well under a minute (numbers meaningless)")
-    parser.add_argument("--runs", type=int, default=None, help="pairs per row (default 4, and 6 in rows 2 and 7; 1 with --quick)")
+    parser.add_argument("--runs", type=int, default=None,
+                        help="pairs per row (default 4, and 6 in rows 2 and 7; 1 with --quick)")
     parser.add_argument("--rows", default="1,2,3,4,5,6,7",
                         help="comma-separated rows to run (6 comes with 1 and 5)")
     parser.add_argument("--workloads", default=None, help="comma-separated training workloads for rows 1, 2, 6, 7 "

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -39,51 +38,31 @@ class ProcResult:
 
 @dataclass
 class Paired:
-    """Alternating runs of two commands; `a` and `b` hold one result per run, in order."""
+    """Paired runs of two commands; `a` and `b` hold one result per pair, in order."""
 
     a: list[ProcResult] = field(default_factory=list)
     b: list[ProcResult] = field(default_factory=list)
 
 
-def run_timed(argv: list[str], *, timeout: float = 1200.0, cwd: Path | None = None) -> ProcResult:
-    """Run `argv` to the end; wall seconds from spawn to reap, peak RSS of that child alone (wait4)."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        start = time.perf_counter()
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=cwd)
-        # A hung child must not hang the whole benchmark: kill only this child, by its own pid.
-        timer = threading.Timer(timeout, proc.kill)
-        timer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            timer.cancel()
-        seconds = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        stdout = out.read().decode("utf-8", "replace")
-        tail = err.read().decode("utf-8", "replace").strip().splitlines()[-6:]
-    # ru_maxrss is in kilobytes on Linux
-    return ProcResult(seconds, usage.ru_maxrss / 1024.0, usage.ru_utime + usage.ru_stime, proc.returncode,
-                      "\n".join(tail), stdout)
-
-
 class _Child:
-    """A child pinned to one core, its output in temporary files, reaped by pid alone (never another's)."""
+    """A child (pinned to one core when `core` is given), its output in temporary files, reaped by pid
+    alone (never another's)."""
 
-    def __init__(self, argv: list[str], core: int | None, quiet: bool = False) -> None:
+    def __init__(self, argv: list[str], core: int | None = None, quiet: bool = False,
+                 cwd: Path | None = None) -> None:
         self.out = tempfile.TemporaryFile()
         self.err = tempfile.TemporaryFile()
         pin = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
         sink = subprocess.DEVNULL if quiet else None
         self.proc = subprocess.Popen(argv, stdout=sink or self.out, stderr=sink or self.err,
-                                     stdin=subprocess.DEVNULL, preexec_fn=pin)
+                                     stdin=subprocess.DEVNULL, preexec_fn=pin, cwd=cwd)
         self.start = time.perf_counter()
         self.result: ProcResult | None = None
 
-    def poll(self) -> ProcResult | None:
+    def poll(self, block: bool = False) -> ProcResult | None:
+        """The child's result once it has ended (`block`: wait for that), else None."""
         if self.result is None:
-            pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+            pid, status, usage = os.wait4(self.proc.pid, 0 if block else os.WNOHANG)
             if pid:
                 self.proc.returncode = os.waitstatus_to_exitcode(status)
                 self.out.seek(0)
@@ -102,6 +81,18 @@ class _Child:
             self.proc.kill()
             while self.poll() is None:
                 time.sleep(0.01)
+
+
+def run_timed(argv: list[str], *, timeout: float = 1200.0, cwd: Path | None = None) -> ProcResult:
+    """Run `argv` to the end; wall seconds from spawn to reap, peak RSS of that child alone (wait4)."""
+    child = _Child(argv, cwd=cwd)
+    # A hung child must not hang the whole benchmark: kill only this child, by its own pid.
+    timer = threading.Timer(timeout, child.proc.kill)
+    timer.start()
+    try:
+        return child.poll(block=True)  # type: ignore[return-value]
+    finally:
+        timer.cancel()
 
 
 def _tagged(argv: list[str], tag: str) -> list[str]:
@@ -131,9 +122,10 @@ def run_on_one_core(a: list[str], b: list[str], core: int | None, tag: str = "0"
     return children["a"].result, children["b"].result  # type: ignore[return-value]
 
 
-def cores() -> list[int]:
-    """The cores this process may use (pairs run side by side, one per core)."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [None]  # type: ignore[list-item]
+def cores() -> list[int | None]:
+    """The cores this process may use (pairs run side by side, one per core); [None] where a process
+    cannot be pinned (no `sched_getaffinity`: not Linux), and then pairs run one at a time, unpinned."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [None]
 
 
 def run_paired(a: list[str], b: list[str], runs: int, *, timeout: float = 1200.0) -> Paired:
@@ -143,8 +135,7 @@ def run_paired(a: list[str], b: list[str], runs: int, *, timeout: float = 1200.0
     slots = cores()
 
     def one(i: int) -> tuple[ProcResult, ProcResult]:
-        core = slots[i % len(slots)] if sys.platform.startswith("linux") else None
-        return run_on_one_core(a, b, core, str(i), timeout=timeout)
+        return run_on_one_core(a, b, slots[i % len(slots)], str(i), timeout=timeout)
 
     paired = Paired()
     with ThreadPoolExecutor(max_workers=len(slots)) as pool:

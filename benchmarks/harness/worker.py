@@ -256,15 +256,11 @@ class WatchedTrainer:
         self.doctor = self.watch.__enter__()
 
     def step(self) -> float:
-        t = self.trainer
-        x, y = t.next_batch()
-        loss = t.loss_fn(t.model(x), y)
-        loss.backward()
-        if not self.doctor.check(loss, (x, y)):
+        return self.trainer.step(after_backward=self._check)
+
+    def _check(self, loss: Any, batch: tuple[Any, Any]) -> None:
+        if not self.doctor.check(loss, batch):
             raise RuntimeError("the in-loop check found a fault on a healthy workload")
-        t.optimizer.step()
-        t.optimizer.clear_grad()
-        return float(loss)
 
     def close(self) -> None:
         self.watch.__exit__(None, None, None)

@@ -58,11 +58,14 @@ class PlainTrainer:
         x, y = (paddle.to_tensor(a) for a in batch)
         return x, y
 
-    def step(self) -> float:
-        """Forward, loss, backward, optimizer step, clear_grad; the loss value read on the host."""
+    def step(self, after_backward: Callable[[Any, tuple[Any, Any]], None] | None = None) -> float:
+        """Forward, loss, backward, optimizer step, clear_grad; the loss value read on the host.
+        `after_backward(loss, (x, y))` runs where a user adds a check (the in-loop benchmark)."""
         x, y = self.next_batch()
         loss = self.loss_fn(self.model(x), y)
         loss.backward()
+        if after_backward is not None:
+            after_backward(loss, (x, y))
         self.optimizer.step()
         self.optimizer.clear_grad()
         return float(loss)

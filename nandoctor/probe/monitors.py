@@ -95,7 +95,7 @@ class StepMonitor:
         # A parameter that already holds NaN/Inf (a resumed checkpoint with a bad embedding row) would make
         # every sum non-finite and hide the updates: it is left out of the sum (one check, at start).
         # The loop's exact check must not blame an update for these either (frozen ones and buffers included).
-        self.start_nonfinite = _start_nonfinite(self.model)
+        self.start_nonfinite = set(param_nonfinite(self.model))
         self._sum_params = [p for n, p in zip(self.param_names, self.params) if n not in self.start_nonfinite]
         if len(self._sum_params) == len(self.params):
             self._sum_params = self.params  # the grouped sum needs every parameter
@@ -335,11 +335,6 @@ def float_dtypes() -> tuple[Any, ...]:
 
         _FLOATS = (paddle.float32, paddle.float16, paddle.bfloat16, paddle.float64)
     return _FLOATS
-
-
-def _start_nonfinite(model: Any) -> set[str]:
-    """Names of parameters and buffers non-finite before training."""
-    return set(param_nonfinite(model))
 
 
 def param_nonfinite(model: Any) -> list[str]:
