@@ -238,3 +238,37 @@ def bn_classifier(nan_variance: bool = True):
     if nan_variance:
         model[1]._variance.set_value(np.full([16], np.nan, dtype="float32"))
     return model
+
+
+class DeepDist(nn.Layer):
+    """`Dist` in front of a deep Linear + Tanh stack: a backward fault (sqrt at 0) in a model of more tensors
+    than the monitor's small-model limit, whose gradients the probe reads only one step in a few."""
+
+    def __init__(self, depth: int, width: int):
+        super().__init__()
+        self.dist = Dist()
+        self.stack = nn.Sequential(nn.Linear(1, width), *[m for _ in range(depth) for m in (nn.Linear(width, width),
+                                                                                            nn.Tanh())])
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        return self.head(self.stack(self.dist(x)))
+
+
+def deep_dist(depth: int = 50, width: int = 8):
+    paddle.seed(0)
+    return DeepDist(depth, width)
+
+
+class _NanRateAt(paddle.optimizer.lr.LRScheduler):
+    def __init__(self, learning_rate: float, at: int):
+        self.at = at
+        super().__init__(learning_rate)
+
+    def get_lr(self):
+        return float("nan") if self.last_epoch == self.at else self.base_lr
+
+
+def nan_rate_at(at: int = 6, learning_rate: float = 0.01):
+    """A scheduler whose rate is NaN for the update of step `at` only: finite gradients, a NaN update."""
+    return _NanRateAt(learning_rate, at)

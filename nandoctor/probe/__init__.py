@@ -122,7 +122,7 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
     loop: ProbeLoop | None = None
     try:
         loop = ProbeLoop(workload, optimizer, options.steps, progress, scaler=scaler, fp16=fp16,
-                         amp=spec.amp.enabled)
+                         amp=spec.amp.enabled, start_nonfinite=found_causes.nonfinite)
         if options.try_fixes:
             from nandoctor.probe.snapshots import SnapshotRing
 
@@ -130,6 +130,11 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
         res = loop.run()
         if loop.snapshots is not None:
             report.details["snapshots"] = loop.snapshots.summary()
+        if res.fault is not None and res.fault.unread:  # gradients went unread where the fault began
+            from nandoctor.probe import rollback
+
+            if rollback.needs_rollback(res.fault, loop.snapshots):
+                report.details["rollback"] = rollback.rollback(res, workload, optimizer, loop.snapshots)
         _timeline(report, res)
         _details(report, res, loop)
         _handle_fault(report, res, workload, optimizer, loop)

@@ -26,13 +26,14 @@ class Causes:
 
     bad: list[nan_params.BadParam] = field(default_factory=list)
     stop: bool = False
+    nonfinite: list[str] = field(default_factory=list)  # parameters and buffers holding NaN/Inf at the start
 
 
 def before_training(report: Report, model: Any, optimizer: Any) -> Causes:
     """Findings about the starting parameters; `.stop` when the probe must not train at all."""
     out = Causes()
     report.findings += init_scale_findings(model)
-    names = param_nonfinite(model)
+    names = out.nonfinite = param_nonfinite(model)
     if names:
         out.bad = nan_params.inspect(model, optimizer, names)
         out.stop = nan_params.before_training(report, out.bad)

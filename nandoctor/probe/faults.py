@@ -6,13 +6,14 @@ advice text itself comes from `nandoctor.advice`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nandoctor.advice import advice_for
 from nandoctor.findings import Code, Finding, FirstFault, Location, Phase, Report, Severity
-from nandoctor.probe.localize import Localization
 from nandoctor.probe.loop import Fault
-from nandoctor.probe.samples import EVERY_SAMPLE, WHOLE_BATCH
+
+if TYPE_CHECKING:  # localize.py and its tracing modules load only when a fault needs them (5 ms at start)
+    from nandoctor.probe.localize import Localization
 
 # Paddle optimizer class -> the in-place update op the tensor checker names (checked on 3.3.1: Adam's
 # update is `adam_`; the others follow the same `<name>_` pattern).
@@ -79,6 +80,8 @@ def update_fault(report: Report, fault: Fault, optimizer: Any) -> None:
 
 def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: list[int] | None,
                     sample_notes: list[str], scope: str | None = None) -> None:
+    from nandoctor.probe.samples import EVERY_SAMPLE, WHOLE_BATCH
+
     st = fault.stats
     phase = loc_.phase
     code = {Phase.FORWARD: Code.ACTIVATION_NONFINITE, Phase.LOSS: Code.LOSS_NONFINITE,

@@ -15,11 +15,17 @@ from typing import Any, Callable
 from nandoctor.errors import NandoctorError, UserCodeError
 from nandoctor.findings import Phase
 from nandoctor.interrupt import reassert, stop_loader
+from nandoctor.probe.snapshots import MIN_EVERY
 from nandoctor.probe.watcher import Fault, FaultKind, StatsSchedule, StepRecord, StepWatcher
 from nandoctor.schedulers import lr_scheduler
 from nandoctor.workload import Workload
 
 __all__ = ["Fault", "FaultKind", "LoopResult", "ProbeLoop", "StatsSchedule", "StepRecord"]
+
+# With a snapshot ring, a many-tensor model's gradients are read one step in this many. No more than the
+# ring's shortest interval: a fault on an unread step is then always after a snapshot the ring still holds
+# (it keeps the last two), so the rollback can replay it.
+DEFER_EVERY = MIN_EVERY
 
 
 @dataclass
@@ -58,12 +64,13 @@ class ProbeLoop:
     """Runs up to `steps` steps of the user's training; stops at the first fault, crash or Ctrl-C."""
 
     def __init__(self, workload: Workload, optimizer: Any, steps: int, progress: Any, *, scaler: Any = None,
-                 fp16: bool = False, amp: bool = False) -> None:
+                 fp16: bool = False, amp: bool = False, start_nonfinite: list[str] | None = None) -> None:
         self.w = workload
         self.opt = optimizer
         self.steps = steps
         self.progress = progress
-        self.watcher = StepWatcher(workload.model, optimizer, scaler=scaler, fp16=fp16, amp=amp)
+        self.watcher = StepWatcher(workload.model, optimizer, scaler=scaler, fp16=fp16, amp=amp,
+                                   start_nonfinite=start_nonfinite)
         opt_spec = workload.spec.optimizer
         # One optimizer step per `accumulate` batches; a probe step stays one batch, so steps name batches.
         self.accumulate = opt_spec.accumulate_steps
@@ -83,6 +90,9 @@ class ProbeLoop:
         epoch, batch_index, step = 0, 0, 0
         it: Any = None
         fields: dict[str, Any] | None = None
+        if self.snapshots is not None and self.snapshots.disabled is None:
+            # a fault on a step whose gradients went unread can be replayed from the ring (rollback.py)
+            watch.defer_grads(DEFER_EVERY)
         try:
             while step < self.steps:
                 fields = None

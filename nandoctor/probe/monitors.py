@@ -67,6 +67,7 @@ class StepMonitor:
     _act_val: list[Any] = field(default_factory=list)
     _pending_params: Any = None
     _fused_ok: bool = True
+    known_nonfinite: list[str] | None = None  # the start's param_nonfinite(), when the caller already has it
 
     def __post_init__(self) -> None:
         import paddle
@@ -95,7 +96,8 @@ class StepMonitor:
         # A parameter that already holds NaN/Inf (a resumed checkpoint with a bad embedding row) would make
         # every sum non-finite and hide the updates: it is left out of the sum (one check, at start).
         # The loop's exact check must not blame an update for these either (frozen ones and buffers included).
-        self.start_nonfinite = set(param_nonfinite(self.model))
+        known = self.known_nonfinite
+        self.start_nonfinite = set(param_nonfinite(self.model) if known is None else known)
         self._sum_params = [p for n, p in zip(self.param_names, self.params) if n not in self.start_nonfinite]
         if len(self._sum_params) == len(self.params):
             self._sum_params = self.params  # the grouped sum needs every parameter
@@ -241,9 +243,11 @@ class StepMonitor:
         return _C_ops.concat([_C_ops.squared_l2_norm(g if g.dtype == f32 else _C_ops.cast(g, f32))
                               for g in grads_all], 0), self._all_idx
 
-    def read(self, loss: Any, data_checks: dict[str, Any], full: bool = True, scale: Any = None) -> StepStats:
+    def read(self, loss: Any, data_checks: dict[str, Any], full: bool = True, scale: Any = None,
+             grads: bool = True) -> StepStats:
         """The one host sync of a step: everything queued so far, as numbers. `scale`: AMP's loss-scale
-        tensor, read in the same sync; the gradients it multiplied are divided back out."""
+        tensor, read in the same sync; the gradients it multiplied are divided back out. `grads=False`:
+        the gradients are left unread this step (grad_norm None; see StepWatcher.defer_grads)."""
         import paddle
         from paddle import _C_ops
 
@@ -266,7 +270,7 @@ class StepMonitor:
             if has_params:
                 parts.append(self._pending_params)
             parts += [_C_ops.reshape(_C_ops.cast(data_checks[k], f32), [1]) for k in data_names]
-            grad_sq, present = self._grad_sq(per_param)
+            grad_sq, present = self._grad_sq(per_param) if grads else (None, [])
             if grad_sq is not None:
                 parts.append(grad_sq)
             if acts:
@@ -339,7 +343,8 @@ def float_dtypes() -> tuple[Any, ...]:
 
 def param_nonfinite(model: Any) -> list[str]:
     """Dotted names of parameters and buffers holding NaN/Inf, in registration order, in one host sync
-    (not one per tensor: ~500 syncs cost 15-25 ms on a deep model, at every start and end of a probe)."""
+    and a few ops (not one sync per tensor: ~500 syncs cost 15-25 ms on a deep model, at every start and
+    end of a probe; nor two ops per tensor: grouped.py)."""
     import paddle
 
     floats = float_dtypes()
@@ -347,6 +352,8 @@ def param_nonfinite(model: Any) -> list[str]:
              if isinstance(t, paddle.Tensor) and t.dtype in floats and 0 not in t.shape]
     if not items:
         return []
+    from nandoctor.grouped import all_finite_rows, per_tensor
+
     with paddle.no_grad():
-        ok = paddle.stack([paddle.isfinite(t).all() for _, t in items]).numpy()
-    return [k for (k, _), good in zip(items, ok) if not good]
+        ok = per_tensor([t for _, t in items], all_finite_rows)
+    return [k for (k, _), good in zip(items, ok) if good < 0.5]

@@ -42,6 +42,21 @@ class Change:
 
 
 @dataclass
+class FailedStep:
+    """The step a replay stopped at, as the probe's loop would have seen it (kept with `record=True`):
+    what went non-finite first (`loss`, `grad` or `update`), the batch and the RNG state before its forward."""
+
+    kind: str
+    step: int
+    epoch: int
+    batch_index: int
+    fields: dict[str, Any]
+    rng: Any
+    loss: float
+    params: list[str] = field(default_factory=list)  # update: the parameters it turned non-finite
+
+
+@dataclass
 class Replay:
     start_step: int
     steps_run: int = 0
@@ -56,11 +71,14 @@ class Replay:
     still_nonfinite: dict[str, int] = field(default_factory=dict)  # parameter -> NaN/Inf values at the end
     ended: bool = False  # the data ran out (a loader that cannot be re-made)
     dropped: list[tuple[int, int | None, int, list[int]]] = field(default_factory=list)  # (epoch, batch, step, rows)
+    failed: FailedStep | None = None  # with record=True: the step it stopped at
 
 
 def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change,
-           deadline: float) -> Replay:
-    """Train from `snap` to `end_step` with `change`; never raises for the user's errors (they go in `.error`)."""
+           deadline: float, record: bool = False) -> Replay:
+    """Train from `snap` to `end_step` with `change`; never raises for the user's errors (they go in `.error`).
+    `record`: keep the failing step's batch and RNG state (`.failed`) and check the weights after every
+    update too, so the step that went non-finite first is named exactly (the rollback's replay)."""
     t0 = time.perf_counter()
     out = Replay(snap.step)
     restore(snap, workload.model, optimizer)
@@ -68,7 +86,7 @@ def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, en
     _reinit_rows(workload.model, change.reinit_rows)
     try:
         with _optimizer_changed(optimizer, change) as set_factor, _guard(change) as hits:
-            _run(workload, optimizer, ring, snap, end_step, change, deadline, set_factor, out)
+            _run(workload, optimizer, ring, snap, end_step, change, deadline, set_factor, out, record)
             if hits is not None:
                 out.guard_calls, out.guard_sites = hits["calls"], dict(hits["sites"])
         out.still_nonfinite = _held(workload.model)
@@ -86,7 +104,7 @@ def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, en
 
 
 def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change, deadline: float,
-         set_factor: Any, out: Replay) -> None:
+         set_factor: Any, out: Replay, record: bool = False) -> None:
     import paddle
 
     from nandoctor.schedulers import lr_scheduler
@@ -116,15 +134,22 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
                 continue
             fields = _changed_fields(w.layout.fields(batch, batch_index), change, epoch, batch_index, step, out)
             set_factor(step)
+            rng = paddle.get_rng_state() if record else None
+
+            def failed(kind: str, value: float, bad: list[str] | None = None) -> None:
+                out.finite, out.failed_at = False, step
+                if record:
+                    out.failed = FailedStep(kind, step, epoch, batch_index, fields, rng, value, bad or [])
+
             loss = w.compute_loss(w.model, fields)
             value = float(loss.detach().astype("float32").reshape([]))
             if not math.isfinite(value):
-                out.finite, out.failed_at = False, step
+                failed("loss", value)
                 return
             (loss / accumulate if accumulate > 1 else loss).backward()
             grads = [p.grad for p in params if p.grad is not None]
             if grads and not bool(paddle.stack([paddle.isfinite(g).all() for g in grads]).all()):
-                out.finite, out.failed_at = False, step  # (not a norm: a finite 1e24 gradient squares to inf)
+                failed("grad", value)  # (not a norm: a finite 1e24 gradient squares to inf)
                 return
             out.losses.append(value)
             if (step + 1) % accumulate == 0:
@@ -132,6 +157,12 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
                 opt.clear_grad()
                 if sched is not None and by == "step":
                     sched.step()
+                if record:
+                    now = _nonfinite_counts(params)
+                    if any(n > b for n, b in zip(now, before)):
+                        names = [n for n, p in w.model.named_parameters() if not p.stop_gradient]
+                        failed("update", value, [n for n, c, b in zip(names, now, before) if c > b])
+                        return
             step += 1
             batch_index += 1
             out.steps_run += 1

@@ -63,6 +63,7 @@ class Fault:
     grad_norm: float | None = None  # update: the norm of the step whose update did it
     update_range: tuple[int, int] | None = None  # update: the first and last step that may have done it
     code: Code | None = None  # loss: which problem (loss.not_tensor, loss.not_scalar, loss.no_grad)
+    unread: list[int] = field(default_factory=list)  # update: candidate steps whose gradients were not read
     evidence: dict[str, Any] = field(default_factory=dict)  # loss: the shape, the dtype
 
 
@@ -113,7 +114,9 @@ class StatsSchedule:
             # min: one slow plain step (first calls, load) must not make the stats look free; statistics'
             # median costs 4 us a step where numpy's cost 47 us
             plain = min(self.plain[-20:])
-            detect = statistics.median(self.detect[-20:]) / max(plain, 1e-9)
+            # the mean, not the median: with the gradient reads spaced out (defer_grads), most plain steps
+            # read no gradients and the median would hide the steps that do
+            detect = statistics.fmean(self.detect[-20:]) / max(plain, 1e-9)
             budget = max(_MIN_STATS_BUDGET, _TOTAL_BUDGET - detect)
             extra = max(0.0, statistics.median(self.stats[-20:]) - plain)
             self.k = max(1, math.ceil(extra / max(budget * plain, 1e-9)))
@@ -133,13 +136,13 @@ class StepWatcher:
     """
 
     def __init__(self, model: Any, optimizer: Any = None, *, scaler: Any = None, fp16: bool = False,
-                 amp: bool = False) -> None:
+                 amp: bool = False, start_nonfinite: list[str] | None = None) -> None:
         from nandoctor.probe.warnings import WarningTracker
 
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler  # paddle.amp.GradScaler on a GPU with amp enabled; inert (None) on CPU
-        self.monitor = StepMonitor(model)
+        self.monitor = StepMonitor(model, known_nonfinite=start_nonfinite)
         self.schedule = StatsSchedule()
         self.tracker = WarningTracker(self.monitor.layer_names, self.monitor.param_names, fp16=fp16, amp=amp,
                                       learning_rate=current_lr(optimizer))
@@ -159,6 +162,22 @@ class StepWatcher:
         self._t_read = 0.0
         self._seen_backward = False
         self._last_norm: float | None = None
+        self.defer_every = 1  # read the gradients on every step (defer_grads() may space the reads out)
+        self.unread: set[int] = set()  # steps whose gradients were left unread
+        self._read_grads = True
+
+    def defer_grads(self, every: int) -> bool:
+        """Read the gradients only every `every`-th step (and on stats, alert and the first steps), for a
+        model of hundreds of tensors, where fetching and reducing them is most of the probe's per-step cost.
+        Only for a driver that can roll back: a NaN gradient on an unread step writes NaN into the weights,
+        which the next loss or parameter check sees, and the update fault then names unread steps that
+        the driver replays from a snapshot with every check on (probe/rollback.py). Not under AMP (a
+        skipped overflow step needs its gradients read) nor on small models (their read is cheap).
+        Returns whether the reads are spaced out."""
+        if self.monitor.small or self.scaler is not None or every <= 1:
+            return False
+        self.defer_every = every
+        return True
 
     # ---- the stages of a step ----------------------------------------------------------------------
     def begin_step(self, step: int, fields: dict[str, Any], *, batch_index: int | None = None,
@@ -174,6 +193,9 @@ class StepWatcher:
         self._rng = paddle.get_rng_state()
         self._stats_step = self.schedule.want(step) if self._next_stats is None else self._next_stats
         self._next_stats = None
+        every = self.defer_every
+        self._read_grads = (every == 1 or self._stats_step or self.schedule.alert or step < 3
+                            or step % every == 0)
         self._t0 = time.perf_counter()
         self.monitor.begin_step(self._stats_step)
         return None
@@ -215,8 +237,11 @@ class StepWatcher:
                                    evidence={"reason": "no_gradient", "trainable": len(mon.params)})
         scaler = self.scaler
         t_read = time.perf_counter()
-        st = mon.read(loss, self._device_checks, full=self._stats_step, scale=getattr(scaler, "_scale", None))
+        st = mon.read(loss, self._device_checks, full=self._stats_step, scale=getattr(scaler, "_scale", None),
+                      grads=self._read_grads)
         self._t_read = time.perf_counter() - t_read
+        if not self._read_grads:
+            self.unread.add(self._step)
         mon.active = False
         step = self._step
         if st.params_sum is not None:
@@ -302,8 +327,10 @@ class StepWatcher:
         if not names or not history:
             return None
         first, batch_index, epoch, grad_norm, fields = history[-1] if latest else history[0]
+        last = history[-1][0]
+        unread = sorted(s for s in self.unread if first <= s <= last)
         return Fault(FaultKind.UPDATE, first, batch_index, epoch, fields, bad_params=names, grad_norm=grad_norm,
-                     update_range=(first, history[-1][0]))
+                     update_range=(first, last), unread=unread)
 
 
 def current_lr(optimizer: Any) -> float | None:

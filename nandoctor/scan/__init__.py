@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from nandoctor import env
 from nandoctor.advice import advice_for
@@ -23,11 +23,13 @@ from nandoctor.errors import UserCodeError
 from nandoctor.findings import Code, Finding, FirstFault, Location, Phase, Report, Severity
 from nandoctor.interrupt import interrupted_finding, reassert, stop_loader
 from nandoctor.progress import ProgressFn, no_progress
-from nandoctor.scan.data import DataLimits, DataScanner
 from nandoctor.scan.model_facts import infer_num_classes, position_tables
 from nandoctor.scan.params import scan_params
 from nandoctor.spec import Spec
 from nandoctor.workload import build_workload, loader_factory, scan_outputs
+
+if TYPE_CHECKING:  # the data checks load when a scan runs, not when the probe imports scan.params (5 ms)
+    from nandoctor.scan.data import DataLimits, DataScanner
 
 __all__ = ["ScanOptions", "run_scan"]
 
@@ -86,6 +88,8 @@ def _scan(spec: Spec, options: ScanOptions, progress: ProgressFn, report: Report
         found, summary = scan_params(model)
         report.findings += found
         report.details["parameters"] = summary
+    from nandoctor.scan.data import DataScanner
+
     scanner = DataScanner(_limits(spec, model))
     try:
         _scan_loader(spec, layout, make_loader, model, uses_step, scanner, options.batches, progress, report)
@@ -103,6 +107,8 @@ def _scan(spec: Spec, options: ScanOptions, progress: ProgressFn, report: Report
 
 def _limits(spec: Spec, model: Any) -> DataLimits:
     checks = spec.checks
+    from nandoctor.scan.data import DataLimits
+
     limits = DataLimits(value_range=checks.value_range, max_seq_len=checks.max_seq_len)
     limits.inputs_to_model = spec.step is None  # a step may tokenize text fields itself
     bounds = checks.label_bounds()

@@ -130,20 +130,19 @@ def init_scale_findings(model: Any) -> list[Finding]:
     weight lives (no host copy of a large model); NaN/Inf and all-zero weights are left to other checks."""
     import paddle
 
-    weights, stds = [], []
-    with paddle.no_grad():
-        for name, param in model.named_parameters():
-            shape = [int(s) for s in param.shape]
-            if param.dtype not in (paddle.float32, paddle.float16, paddle.bfloat16, paddle.float64) or \
-                    len([s for s in shape if s != 1]) < 2 or math.prod(shape) < MIN_NUMEL:
-                continue
-            w = param.detach().astype("float32")
-            # Not Tensor.std(): it divides by an int64 count, which makes Paddle log a type-promotion warning.
-            stds.append(((w - w.mean()) ** 2).mean().sqrt().reshape([1]))
-            weights.append((name, shape, param))
+    from nandoctor.grouped import per_tensor, std_rows
+
+    weights = []
+    for name, param in model.named_parameters():
+        shape = [int(s) for s in param.shape]
+        if param.dtype not in (paddle.float32, paddle.float16, paddle.bfloat16, paddle.float64) or \
+                len([s for s in shape if s != 1]) < 2 or math.prod(shape) < MIN_NUMEL:
+            continue
+        weights.append((name, shape, param))
     if not weights:
         return []
-    values = paddle.concat(stds).numpy().astype(np.float64)  # one host sync for every weight, not one each
+    with paddle.no_grad():  # one host sync for every weight, and a few ops per shape (grouped.py)
+        values = per_tensor([p.detach() for _, _, p in weights], std_rows)
     owners_ = _owners(model)
     out: list[Finding] = []
     for (name, shape, param), std in zip(weights, values):

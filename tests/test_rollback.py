@@ -1,0 +1,94 @@
+"""Spaced-out gradient reads and the rollback: a fault on a step whose gradients went unread is named as if
+caught live (same step, phase, layer, op and samples), against a plain Paddle loop's ground truth."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from probe_spec import probe
+
+from nandoctor.findings import Phase
+
+ZERO_BATCH, ZERO_ROW = 6, 3  # sqrt(0) in the backward of `dist` for this sample of this batch
+DATA = {"zero_batch": ZERO_BATCH, "zero_rows": [ZERO_ROW], "batches": 12}
+
+
+def _first_nonfinite_gradient_step() -> int | None:
+    """Ground truth without nandoctor: the model, data, loss and optimizer of the spec, in a plain loop,
+    each step's gradients checked on the host in float64."""
+    import paddle
+    import probe_models as pm
+
+    paddle.seed(0)
+    model = pm.deep_dist()
+    opt = paddle.optimizer.Adam(parameters=model.parameters(), learning_rate=0.01)
+    for step, (x, y) in enumerate(pm.loader(**DATA)):
+        loss = paddle.nn.functional.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y).unsqueeze(-1))
+        loss.backward()
+        if not all(np.isfinite(np.asarray(p.grad.numpy(), "float64")).all() for p in model.parameters()
+                   if p.grad is not None):
+            return step
+        opt.step()
+        opt.clear_grad()
+    return None
+
+
+@pytest.fixture
+def no_stats_steps():
+    """Per-layer stats (which also read the gradients) only at step 0, so step 6 is an unread step."""
+    from nandoctor.probe.watcher import StatsSchedule
+
+    orig = StatsSchedule.want
+    StatsSchedule.want = lambda self, step: step == 0  # type: ignore[method-assign]
+    yield
+    StatsSchedule.want = orig  # type: ignore[method-assign]
+
+
+def test_a_nan_gradient_on_an_unread_step_is_named_as_if_caught_live(tmp_path, no_stats_steps):
+    assert _first_nonfinite_gradient_step() == ZERO_BATCH
+    report = probe(tmp_path, model="deep_dist", data_args=DATA, steps=12)
+    rollback = report.details["rollback"]
+    assert ZERO_BATCH in rollback["unread_steps"]
+    assert rollback["found"] == {"step": ZERO_BATCH, "kind": "grad"}
+    assert rollback["replayed_from_step"] <= ZERO_BATCH
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.layer, ff.op) == (ZERO_BATCH, Phase.BACKWARD, "dist", "sqrt_grad")
+    assert ff.sample_indices == [ZERO_ROW]
+    assert [f.code.value for f in report.findings if f.severity.value == "error"] == ["grad.nonfinite"]
+    assert report.timeline[-1].step == ZERO_BATCH  # nothing after the fault: those steps trained on NaN
+
+
+def test_the_same_fault_caught_live_without_a_ring_reads_every_step(tmp_path, no_stats_steps):
+    """--no-try-fixes keeps no snapshots, so nothing to roll back to: every step's gradients are read."""
+    from nandoctor.probe import ProbeOptions, run_probe
+    from nandoctor.spec import load_spec
+
+    probe(tmp_path, model="deep_dist", data_args=DATA, steps=1)  # writes the spec
+    spec = load_spec(tmp_path / "config.yaml")
+    report = run_probe(spec, ProbeOptions(steps=12, seed=0, device="cpu", try_fixes=False))
+    assert "rollback" not in report.details
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.layer, ff.op) == (ZERO_BATCH, Phase.BACKWARD, "dist", "sqrt_grad")
+    assert all(p.grad_norm is not None for p in report.timeline)
+
+
+def test_healthy_run_leaves_gradient_norms_on_read_steps_only(tmp_path, no_stats_steps):
+    report = probe(tmp_path, model="deep_dist", data_args={"batches": 12}, steps=12)
+    assert report.first_fault is None and "rollback" not in report.details
+    read = [p.step for p in report.timeline if p.grad_norm is not None]
+    assert read == [0, 1, 2, 4, 8]  # the first steps, then one in four
+
+
+def test_an_update_on_an_unread_step_that_writes_nan_from_finite_gradients_stays_an_update_fault(
+        tmp_path, no_stats_steps):
+    """The rollback must not invent a gradient fault: with the learning rate NaN for step 6's update only,
+    the replay sees finite gradients at step 6 and NaN weights right after its update."""
+    from probe_spec import MODELS
+
+    sched = {"entry": f"{MODELS}:nan_rate_at", "args": {"at": ZERO_BATCH}, "by": "step"}
+    report = probe(tmp_path, model="deep_dist", data_args={"batches": 12}, steps=12,
+                   optimizer={"name": "Adam", "args": {"learning_rate": 0.01}, "lr_scheduler": sched})
+    assert report.details["rollback"]["found"] == {"step": ZERO_BATCH, "kind": "update"}
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.op) == (ZERO_BATCH, Phase.OPTIMIZER, "adam_")
+    assert [f.code.value for f in report.findings if f.severity.value == "error"] == ["update.nonfinite"]
