@@ -134,22 +134,16 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
                 continue
             fields = _changed_fields(w.layout.fields(batch, batch_index), change, epoch, batch_index, step, out)
             set_factor(step)
-            rng = paddle.get_rng_state() if record else None
-
-            def failed(kind: str, value: float, bad: list[str] | None = None) -> None:
-                out.finite, out.failed_at = False, step
-                if record:
-                    out.failed = FailedStep(kind, step, epoch, batch_index, fields, rng, value, bad or [])
-
+            here = (step, epoch, batch_index, fields, paddle.get_rng_state()) if record else None
             loss = w.compute_loss(w.model, fields)
             value = float(loss.detach().astype("float32").reshape([]))
             if not math.isfinite(value):
-                failed("loss", value)
+                _failed(out, step, "loss", here, value)
                 return
             (loss / accumulate if accumulate > 1 else loss).backward()
             grads = [p.grad for p in params if p.grad is not None]
             if grads and not bool(paddle.stack([paddle.isfinite(g).all() for g in grads]).all()):
-                failed("grad", value)  # (not a norm: a finite 1e24 gradient squares to inf)
+                _failed(out, step, "grad", here, value)  # (not a norm: a finite 1e24 gradient squares to inf)
                 return
             out.losses.append(value)
             if (step + 1) % accumulate == 0:
@@ -161,7 +155,7 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
                     now = _nonfinite_counts(params)
                     if any(n > b for n, b in zip(now, before)):
                         names = [n for n, p in w.model.named_parameters() if not p.stop_gradient]
-                        failed("update", value, [n for n, c, b in zip(names, now, before) if c > b])
+                        _failed(out, step, "update", here, value, [n for n, c, b in zip(names, now, before) if c > b])
                         return
             step += 1
             batch_index += 1
@@ -171,6 +165,14 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
             out.finite, out.failed_at = False, step  # the last update wrote (more) NaN/Inf
     finally:
         stop_loader(it)  # a DataLoader's worker processes end with the replay
+
+
+def _failed(out: Replay, step: int, kind: str, here: tuple[Any, ...] | None, loss: float,
+            params: list[str] | None = None) -> None:
+    """The replay stops at `step`; `here` (step, epoch, batch, fields, RNG state) when it records the failure."""
+    out.finite, out.failed_at = False, step
+    if here is not None:
+        out.failed = FailedStep(kind, *here, loss, params or [])
 
 
 def _changed_fields(fields: dict[str, Any], change: Change, epoch: int, batch_index: int, step: int,
