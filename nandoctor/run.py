@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from nandoctor import interrupt
 from nandoctor.errors import OutputError, SpecError
@@ -241,6 +240,9 @@ def progress_bar(console: Console, quiet: bool) -> Iterator[ProgressFn]:
     if quiet or not console.is_terminal:
         yield no_progress
         return
+    # imported here: a run without a terminal (CI, a scheduler, a benchmark) never draws one (13 ms)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
     bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), console=console, transient=True)
     task = bar.add_task("starting", total=None)

@@ -6,7 +6,6 @@ the key path, and never echoes a huge value back.
 
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,8 @@ def short(value: Any, limit: int = 80) -> str:
 
 
 def did_you_mean(word: str, choices: Any) -> str:
+    import difflib  # on a typo only: 2.8 ms at every start otherwise
+
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 

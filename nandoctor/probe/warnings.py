@@ -90,7 +90,7 @@ class WarningTracker:
         start_step, start_norm = self.norms[start_i]
         now = self.norms[-1][1]
         before = [n for s, n in self.norms if s < start_step] or [early]
-        typical = float(np.median(before[-10:]))
+        typical = float(statistics.median(before[-10:]))
         clip = typical * CLIP_FACTOR
         lr = self.lrs.get(start_step)
         lr = lr if lr is not None else self.learning_rate

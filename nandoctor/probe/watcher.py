@@ -33,6 +33,10 @@ from nandoctor.probe.monitors import StepMonitor, StepStats, float_dtypes
 # steps of the probe and of a plain loop taken in turn, 3% put a 4-layer Transformer at 1.04x a step).
 _TOTAL_BUDGET = 0.02
 _MIN_STATS_BUDGET = 0.0025
+# A many-tensor model's global gradient norm (the timeline's, the explosion warning's) is read on the first
+# steps, on stats steps and one step in this many; on the others its gradients are only checked for
+# NaN/Inf (a fifth of the cost), or left unread where the driver can roll back (defer_grads).
+NORM_EVERY = 4
 
 
 class FaultKind(str, Enum):
@@ -162,9 +166,9 @@ class StepWatcher:
         self._t_read = 0.0
         self._seen_backward = False
         self._last_norm: float | None = None
-        self.defer_every = 1  # read the gradients on every step (defer_grads() may space the reads out)
+        self.defer_every = 1  # check the gradients on every step (defer_grads() may space the reads out)
         self.unread: set[int] = set()  # steps whose gradients were left unread
-        self._read_grads = True
+        self._grad_mode: str | None = "norm"  # this step's gradient read: "norm", "finite" or None (unread)
 
     def defer_grads(self, every: int) -> bool:
         """Read the gradients only every `every`-th step (and on stats, alert and the first steps), for a
@@ -193,9 +197,12 @@ class StepWatcher:
         self._rng = paddle.get_rng_state()
         self._stats_step = self.schedule.want(step) if self._next_stats is None else self._next_stats
         self._next_stats = None
-        every = self.defer_every
-        self._read_grads = (every == 1 or self._stats_step or self.schedule.alert or step < 3
-                            or step % every == 0)
+        every = self.defer_every if self.defer_every > 1 else NORM_EVERY
+        if (self.monitor.small or self.scaler is not None or self._stats_step or self.schedule.alert or step < 3
+                or step % every == 0):
+            self._grad_mode = "norm"
+        else:
+            self._grad_mode = None if self.defer_every > 1 else "finite"
         self._t0 = time.perf_counter()
         self.monitor.begin_step(self._stats_step)
         return None
@@ -238,9 +245,9 @@ class StepWatcher:
         scaler = self.scaler
         t_read = time.perf_counter()
         st = mon.read(loss, self._device_checks, full=self._stats_step, scale=getattr(scaler, "_scale", None),
-                      grads=self._read_grads)
+                      grads=self._grad_mode)
         self._t_read = time.perf_counter() - t_read
-        if not self._read_grads:
+        if self._grad_mode is None:
             self.unread.add(self._step)
         mon.active = False
         step = self._step
