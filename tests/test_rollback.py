@@ -94,3 +94,18 @@ def test_an_update_on_an_unread_step_that_writes_nan_from_finite_gradients_stays
     ff = report.first_fault
     assert (ff.step, ff.phase, ff.op) == (ZERO_BATCH, Phase.OPTIMIZER, "adam_")
     assert [f.code.value for f in report.findings if f.severity.value == "error"] == ["update.nonfinite"]
+
+
+def test_without_a_snapshot_to_replay_the_update_fault_says_which_gradients_went_unread(
+        tmp_path, no_stats_steps, monkeypatch):
+    """Never the claim that the gradients were finite when they were not read: the message names the
+    unread steps and the flag that checks every step."""
+    from nandoctor.probe.snapshots import SnapshotRing
+
+    monkeypatch.setattr(SnapshotRing, "latest", lambda self, at_most: None)
+    report = probe(tmp_path, model="deep_dist", data_args=DATA, steps=12)
+    assert "no sound snapshot" in report.details["rollback"]["note"]
+    finding = next(f for f in report.findings if f.code.value == "update.nonfinite")
+    assert ZERO_BATCH in finding.evidence["unread_gradient_steps"]
+    assert "were not read" in finding.message and "--no-try-fixes" in finding.message
+    assert "the gradients were finite" not in finding.message

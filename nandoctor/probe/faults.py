@@ -67,13 +67,20 @@ def update_fault(report: Report, fault: Fault, optimizer: Any) -> None:
                    batch_index=fault.batch_index)
     shown = ", ".join(fault.bad_params[:8]) + ("…" if len(fault.bad_params) > 8 else "")
     norm = f" (gradient norm {fault.grad_norm:.3g}, finite)" if fault.grad_norm is not None else ""
+    if fault.unread:  # the rollback could not replay them (its note is in details.rollback)
+        unread = ", ".join(str(s) for s in fault.unread[:8])
+        why = (f"; the gradients of step(s) {unread} were not read (a deep model's are read one step in four) "
+               "and could not be replayed, so a NaN gradient there may have done it: run `nandoctor probe "
+               "--no-try-fixes` to check every step's gradients")
+    else:
+        why = "; the gradients were finite, so the optimizer's own arithmetic did it"
     report.findings.append(Finding(
         Code.UPDATE_NONFINITE, Severity.ERROR,
         f"The {type(optimizer).__name__} update at step {fault.step}{norm} wrote NaN/Inf into {fault.bad_params[0]}"
-        f" ({len(fault.bad_params)} parameter(s): {shown}); the gradients were finite, so the optimizer's own "
-        "arithmetic did it.",
+        f" ({len(fault.bad_params)} parameter(s): {shown}){why}.",
         loc, {"parameters": fault.bad_params, "grad_norm": fault.grad_norm, "epoch": fault.epoch,
-              "update_steps": list(fault.update_range) if fault.update_range else None},
+              "update_steps": list(fault.update_range) if fault.update_range else None,
+              "unread_gradient_steps": fault.unread or None},
         advice_for(Code.UPDATE_NONFINITE.value, op=op)))
     set_first(report, loc)
 
