@@ -69,23 +69,7 @@ def test_grouped_read_matches_float64_norms_and_sees_a_nan_in_any_gradient():
             g.set_value(bad)
             st = mon.read(loss, {}, full=False)
             assert not st.grads_finite, mon.param_names[i]
-            for value in (np.inf, -np.inf):  # the finiteness-only read (a sum of every gradient), too
-                bad.reshape(-1)[0] = value
-                g.set_value(bad)
-                st = mon.read(loss, {}, full=False, grads="finite")
-                assert st.grad_norm is None and st.grads_ok is False and not st.grads_finite, mon.param_names[i]
             g.set_value(saved)
         assert mon.read(loss, {}, full=False).grads_finite
-        ok = mon.read(loss, {}, full=False, grads="finite")
-        assert ok.grads_ok is True and ok.grads_finite and np.isclose(ok.loss, float(loss), rtol=1e-6)
-        # finite but huge gradients whose sum overflows float32: flagged, and the float64 recheck clears them
-        big = [mon.params[0].grad, mon.params[2].grad]  # two weights of one shape: summed by one add_n
-        saved = [g.numpy().copy() for g in big]
-        for g in big:
-            g.set_value(np.full(g.shape, 3.0e38, dtype="float32"))
-        st = mon.read(loss, {}, full=False, grads="finite")
-        assert st.grads_ok is False and mon.recheck_grads(st) and np.isfinite(st.grad_norm)
-        for g, v in zip(big, saved):
-            g.set_value(v)
     finally:
         mon.close()

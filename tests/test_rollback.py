@@ -58,9 +58,9 @@ def test_a_nan_gradient_on_an_unread_step_is_named_as_if_caught_live(tmp_path, n
     assert report.timeline[-1].step == ZERO_BATCH  # nothing after the fault: those steps trained on NaN
 
 
-def test_the_same_fault_caught_live_without_a_ring_checks_every_step(tmp_path, no_stats_steps):
-    """--no-try-fixes keeps no snapshots, so nothing to roll back to: every step's gradients are checked
-    for NaN/Inf (the norm one step in four), and the fault is caught at its own step."""
+def test_the_same_fault_caught_live_without_a_ring_reads_every_step(tmp_path, no_stats_steps):
+    """--no-try-fixes keeps no snapshots, so nothing to roll back to: every step's gradients are read, and
+    the fault is caught at its own step."""
     from nandoctor.probe import ProbeOptions, run_probe
     from nandoctor.spec import load_spec
 
@@ -71,7 +71,7 @@ def test_the_same_fault_caught_live_without_a_ring_checks_every_step(tmp_path, n
     ff = report.first_fault
     assert (ff.step, ff.phase, ff.layer, ff.op) == (ZERO_BATCH, Phase.BACKWARD, "dist", "sqrt_grad")
     assert [p.step for p in report.timeline] == list(range(ZERO_BATCH + 1))
-    assert [p.step for p in report.timeline if p.grad_norm is not None] == [0, 1, 2, 4]
+    assert all(p.grad_norm is not None for p in report.timeline[:-1])
 
 
 def test_healthy_run_leaves_gradient_norms_on_read_steps_only(tmp_path, no_stats_steps):

@@ -96,6 +96,34 @@ def test_watcher_sees_nan_tensor_data_in_the_same_sync():
     assert fault.kind is FaultKind.DATA and fault.bad_fields == {"x": [1]}
 
 
+@pytest.mark.parametrize("rows", [3, 2000])  # 12 values go into the read as they are, 8000 as their sum
+def test_watcher_tensor_data_check_small_and_large_fields(rows):
+    """A NaN or Inf anywhere in a tensor field is found (and named by row) whether the read carries the
+    field's values or only its sum; finite values whose float32 sum overflows are not a fault."""
+    paddle.seed(0)
+    model = paddle.nn.Linear(4, 1)
+    opt = paddle.optimizer.SGD(learning_rate=0.0, parameters=model.parameters())
+
+    def step(x: np.ndarray) -> Any:
+        watch = StepWatcher(model, opt)
+        xt = paddle.to_tensor(x)
+        try:
+            assert watch.begin_step(0, {"x": xt}) is None
+            loss = model(paddle.nan_to_num(xt, posinf=0.0, neginf=0.0).clip(-1, 1)).mean()
+            loss.backward()
+            return watch.after_backward(loss)
+        finally:
+            watch.close()
+            opt.clear_grad()
+
+    for value in (np.nan, np.inf, -np.inf):
+        x = np.ones((rows, 4), "float32")
+        x[rows - 1, 3] = value
+        fault = step(x)
+        assert fault is not None and fault.kind is FaultKind.DATA and fault.bad_fields == {"x": [rows - 1]}
+    assert step(np.full((rows, 4), 3.0e38, "float32")) is None  # the sum overflows; every value is finite
+
+
 # --- nandoctor's own failures are not the user's -------------------------------------------------------
 
 def test_internal_failure_in_the_watcher_propagates_and_is_not_blamed_on_the_user(tmp_path, monkeypatch):

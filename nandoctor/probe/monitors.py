@@ -25,6 +25,10 @@ import numpy as np
 _is_none = functools.partial(operator.is_, None)
 _grad_of = operator.attrgetter("grad")
 
+# A float data field up to this many values goes into the step's read as it is (one reshape, checked on the
+# host); a larger one as its sum (NaN/Inf propagate; a sum that overflows is told apart on the host).
+_RAW_FIELD_NUMEL = 4096
+
 # Above this many parameter elements, copying every gradient into one buffer costs more than it saves.
 _FUSED_MAX_NUMEL = 20_000_000
 # Up to this many parameter tensors, one reduction per tensor is cheap next to a step: per-parameter
@@ -45,13 +49,10 @@ class StepStats:
     data_finite: dict[str, bool]
     act_max: np.ndarray | None  # per hooked layer, NaN for layers that did not run this step
     loss_scale: float | None = None  # AMP's loss scale (GPU only); gradients above are already unscaled
-    grads_ok: bool | None = None  # a finiteness-only read (no norm): whether every gradient was finite
 
     @property
     def grads_finite(self) -> bool:
-        if self.grad_norm is None:
-            return self.grads_ok is not False
-        return bool(np.isfinite(self.grad_norm))
+        return self.grad_norm is None or bool(np.isfinite(self.grad_norm))
 
 
 @dataclass
@@ -210,12 +211,9 @@ class StepMonitor:
         return _C_ops.reshape(_C_ops.add_n([_C_ops.sum(p if p.dtype == f32 else _C_ops.cast(p, f32), None, None, False)
                                             for p in self._sum_params]), [1])
 
-    def _grad_sq(self, per_param: bool, finite_only: bool = False) -> tuple[Any, list[int]]:
+    def _grad_sq(self, per_param: bool) -> tuple[Any, list[int]]:
         """Squared gradient norms as one device tensor (per parameter, or only the global one for a large
-        model on a non-stats step), and the parameter index of each value. `finite_only` (a large model):
-        the sum of every gradient instead, NaN/Inf exactly when some gradient holds one (or when the sum
-        overflows, which `recheck_grads` then tells apart); `add_n` over each shape's gradients costs a
-        fifth of stacking them for a norm."""
+        model on a non-stats step), and the parameter index of each value."""
         import paddle
         from paddle import _C_ops
 
@@ -227,10 +225,6 @@ class StepMonitor:
             sq = paddle.concat([_C_ops.squared_l2_norm(grads_all[i].astype("float32")).reshape([1])
                                 for i in present])
             return (sq if per_param else sq.sum().reshape([1])), present
-        if self._grouped and finite_only:
-            return _C_ops.reshape(_C_ops.add_n([
-                _C_ops.sum(grads_all[idx[0]] if len(idx) == 1 else _C_ops.add_n([grads_all[i] for i in idx]),
-                           None, None, False) for idx, _ in self._groups]), [1]), []
         if self._grouped:
             # One stack per distinct shape (a deep stack of equal blocks has a handful): ~0.7 ms for 400
             # tensors where one reduction per tensor costs ~5 ms and a fused copy ~1.5 ms.
@@ -254,11 +248,10 @@ class StepMonitor:
                               for g in grads_all], 0), self._all_idx
 
     def read(self, loss: Any, data_checks: dict[str, Any], full: bool = True, scale: Any = None,
-             grads: str | None = "norm") -> StepStats:
+             grads: bool = True) -> StepStats:
         """The one host sync of a step: everything queued so far, as numbers. `scale`: AMP's loss-scale
-        tensor, read in the same sync; the gradients it multiplied are divided back out. `grads`: "norm"
-        (the global norm, per parameter when `full`), "finite" (only whether every gradient is finite:
-        grad_norm None, `grads_ok` set) or None (left unread this step: see StepWatcher.defer_grads)."""
+        tensor, read in the same sync; the gradients it multiplied are divided back out. `grads=False`:
+        the gradients are left unread this step (grad_norm None; see StepWatcher.defer_grads)."""
         import paddle
         from paddle import _C_ops
 
@@ -280,9 +273,15 @@ class StepMonitor:
                 parts.append(_C_ops.reshape(_C_ops.cast(scale, f32), [1]))
             if has_params:
                 parts.append(self._pending_params)
-            parts += [_C_ops.reshape(_C_ops.cast(data_checks[k], f32), [1]) for k in data_names]
-            finite_only = grads == "finite" and not per_param
-            grad_sq, present = self._grad_sq(per_param, finite_only) if grads else (None, [])
+            # one or two ops a field (the values, or their sum), not the four of isfinite, all, cast, reshape
+            widths = []
+            for k in data_names:
+                v = data_checks[k]
+                v = v if v.dtype == f32 else _C_ops.cast(v, f32)
+                raw = math.prod(v.shape) <= _RAW_FIELD_NUMEL
+                parts.append(_C_ops.reshape(v if raw else _C_ops.sum(v, None, None, False), [-1]))
+                widths.append(math.prod(v.shape) if raw else 1)
+            grad_sq, present = self._grad_sq(per_param) if grads else (None, [])
             if grad_sq is not None:
                 parts.append(grad_sq)
             if acts:
@@ -300,15 +299,13 @@ class StepMonitor:
             params_sum = float(vec[pos])
             pos += 1
             self._pending_params = None
-        data_finite = {k: bool(vec[pos + i] > 0.5) for i, k in enumerate(data_names)}
-        pos += len(data_names)
+        data_finite = {}
+        for k, width in zip(data_names, widths):
+            data_finite[k] = bool(np.isfinite(vec[pos:pos + width]).all())
+            pos += width
         g_full = None
         g_norm = None
-        grads_ok = None
-        if grad_sq is not None and finite_only and not present:  # the one sum of every gradient
-            grads_ok = bool(np.isfinite(vec[pos]))
-            pos += 1
-        elif grad_sq is not None:
+        if grad_sq is not None:
             width = len(present) if per_param else 1
             g = vec[pos:pos + width]
             pos += width
@@ -328,7 +325,7 @@ class StepMonitor:
                 bad = ~np.isfinite(vals)
                 if bad.any():
                     act_max[np.asarray(act_idx)[bad]] = np.inf
-        return StepStats(loss_v, g_full, g_norm, params_sum, data_finite, act_max, loss_scale, grads_ok)
+        return StepStats(loss_v, g_full, g_norm, params_sum, data_finite, act_max, loss_scale)
 
 
 def _first_float_tensor(outputs: Any) -> Any:

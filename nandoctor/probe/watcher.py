@@ -33,10 +33,6 @@ from nandoctor.probe.monitors import StepMonitor, StepStats, float_dtypes
 # steps of the probe and of a plain loop taken in turn, 3% put a 4-layer Transformer at 1.04x a step).
 _TOTAL_BUDGET = 0.02
 _MIN_STATS_BUDGET = 0.0025
-# A many-tensor model's global gradient norm (the timeline's, the explosion warning's) is read on the first
-# steps, on stats steps and one step in this many; on the others its gradients are only checked for
-# NaN/Inf (a fifth of the cost), or left unread where the driver can roll back (defer_grads).
-NORM_EVERY = 4
 
 
 class FaultKind(str, Enum):
@@ -166,9 +162,9 @@ class StepWatcher:
         self._t_read = 0.0
         self._seen_backward = False
         self._last_norm: float | None = None
-        self.defer_every = 1  # check the gradients on every step (defer_grads() may space the reads out)
+        self.defer_every = 1  # read the gradients on every step (defer_grads() may space the reads out)
         self.unread: set[int] = set()  # steps whose gradients were left unread
-        self._grad_mode: str | None = "norm"  # this step's gradient read: "norm", "finite" or None (unread)
+        self._read_grads = True
 
     def defer_grads(self, every: int) -> bool:
         """Read the gradients only every `every`-th step (and on stats, alert and the first steps), for a
@@ -197,12 +193,9 @@ class StepWatcher:
         self._rng = paddle.get_rng_state()
         self._stats_step = self.schedule.want(step) if self._next_stats is None else self._next_stats
         self._next_stats = None
-        every = self.defer_every if self.defer_every > 1 else NORM_EVERY
-        if (self.monitor.small or self.scaler is not None or self._stats_step or self.schedule.alert or step < 3
-                or step % every == 0):
-            self._grad_mode = "norm"
-        else:
-            self._grad_mode = None if self.defer_every > 1 else "finite"
+        every = self.defer_every
+        self._read_grads = (every == 1 or self._stats_step or self.schedule.alert or step < 3
+                            or step % every == 0)
         self._t0 = time.perf_counter()
         self.monitor.begin_step(self._stats_step)
         return None
@@ -245,9 +238,9 @@ class StepWatcher:
         scaler = self.scaler
         t_read = time.perf_counter()
         st = mon.read(loss, self._device_checks, full=self._stats_step, scale=getattr(scaler, "_scale", None),
-                      grads=self._grad_mode)
+                      grads=self._read_grads)
         self._t_read = time.perf_counter() - t_read
-        if self._grad_mode is None:
+        if not self._read_grads:
             self.unread.add(self._step)
         mon.active = False
         step = self._step
@@ -261,7 +254,10 @@ class StepWatcher:
         bad_data = [k for k, ok in st.data_finite.items() if not ok]
         if bad_data:
             fields = self._fields or {}
-            return self._fault(FaultKind.DATA, bad_fields={k: nonfinite_rows(fields[k]) for k in bad_data})
+            rows = {k: nonfinite_rows(fields[k]) for k in bad_data}
+            rows = {k: r for k, r in rows.items() if r}  # none: a large field's sum overflowed, values finite
+            if rows:
+                return self._fault(FaultKind.DATA, bad_fields=rows)
         lr = current_lr(self.optimizer)
         record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, st.loss_scale, lr=lr)
         skipped = scaler is not None and math.isfinite(st.loss) and not st.grads_finite
@@ -369,11 +365,9 @@ def _host_nonfinite(fields: dict[str, Any]) -> dict[str, list[int]]:
 
 
 def _device_checks(fields: dict[str, Any]) -> dict[str, Any]:
-    """Tensor fields: a finiteness flag each, read with the step's vector."""
+    """Float tensor fields, checked for NaN/Inf in the step's read (StepMonitor.read)."""
     import paddle
-    from paddle import _C_ops
 
-    # bare ops and `0 not in shape` (Tensor.size costs ~5 us): this runs on every step
+    # `0 not in shape` (Tensor.size costs ~5 us): this runs on every step
     floats = float_dtypes()
-    return {k: _C_ops.all(_C_ops.isfinite(v), [], False) for k, v in fields.items()
-            if isinstance(v, paddle.Tensor) and v.dtype in floats and 0 not in v.shape}
+    return {k: v for k, v in fields.items() if isinstance(v, paddle.Tensor) and v.dtype in floats and 0 not in v.shape}
