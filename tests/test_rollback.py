@@ -109,3 +109,18 @@ def test_without_a_snapshot_to_replay_the_update_fault_says_which_gradients_went
     assert ZERO_BATCH in finding.evidence["unread_gradient_steps"]
     assert "were not read" in finding.message and "--no-try-fixes" in finding.message
     assert "the gradients were finite" not in finding.message
+
+
+def test_a_signal_during_the_rollback_keeps_the_update_fault_in_a_partial_report(
+        tmp_path, no_stats_steps, monkeypatch):
+    from nandoctor.probe import rollback
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rollback, "replay", interrupted)
+    report = probe(tmp_path, model="deep_dist", data_args=DATA, steps=12)
+    assert report.partial and "interrupted" in report.details["rollback"]["note"]
+    codes = {f.code.value for f in report.findings}
+    assert {"update.nonfinite", "run.interrupted"} <= codes
+    assert report.remedies == []

@@ -43,7 +43,12 @@ def rollback(res: Any, workload: Any, optimizer: Any, ring: SnapshotRing) -> dic
         info["note"] = "no sound snapshot before the candidate steps: the update fault stands"
         return info
     t0 = time.perf_counter()
-    rep = replay(workload, optimizer, ring, snap, last + 1, Change(), t0 + ROLLBACK_SECONDS, record=True)
+    try:
+        rep = replay(workload, optimizer, ring, snap, last + 1, Change(), t0 + ROLLBACK_SECONDS, record=True)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the partial report keeps the update fault as it stands
+        res.interrupted = True
+        info["note"] = "interrupted during the replay: the update fault stands"
+        return info
     info.update(replayed_from_step=snap.step, steps_replayed=rep.steps_run + (rep.failed is not None),
                 seconds=round(time.perf_counter() - t0, 3))
     failed = rep.failed
