@@ -17,6 +17,14 @@ import numpy as np
 STACK_MAX_NUMEL = 1 << 22  # 4M values: 16 MB of float32 for one group's stacked copy
 
 
+def by_shape(tensors: list[Any]) -> dict[tuple[Any, ...], list[int]]:
+    """(shape, dtype) -> the indices of the tensors of that shape and dtype, in order of first appearance."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((tuple(t.shape), t.dtype), []).append(i)
+    return groups
+
+
 def per_tensor(tensors: list[Any], reduce_rows: Callable[[Any], Any]) -> np.ndarray:
     """`reduce_rows(x)` maps an [n, k] tensor to n float32 values (one per row); returns one float64 per
     tensor, in order. Call it under `paddle.no_grad()`."""
@@ -24,19 +32,15 @@ def per_tensor(tensors: list[Any], reduce_rows: Callable[[Any], Any]) -> np.ndar
 
     if not tensors:
         return np.zeros(0)
-    groups: dict[tuple[Any, ...], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((tuple(t.shape), t.dtype), []).append(i)
     parts: list[Any] = []
     order: list[int] = []
-    for idx in groups.values():
+    for idx in by_shape(tensors).values():
         numel = math.prod(tensors[idx[0]].shape)
         if len(idx) > 1 and numel * len(idx) <= STACK_MAX_NUMEL:
             parts.append(reduce_rows(paddle.stack([tensors[i] for i in idx]).reshape([len(idx), -1])))
-            order += idx
         else:
             parts += [reduce_rows(tensors[i].reshape([1, -1])) for i in idx]
-            order += idx
+        order += idx
     out = np.empty(len(tensors))
     out[order] = paddle.concat([p.astype("float32").reshape([-1]) for p in parts]).numpy().astype(np.float64)
     return out

@@ -86,10 +86,9 @@ class StepMonitor:
                           and all(p.dtype == paddle.float32 for p in self.params))
         self.small = len(self.params) <= SMALL_MODEL_TENSORS
         self._all_idx = list(range(len(self.params)))
-        groups: dict[tuple[Any, ...], list[int]] = {}
-        for i, p in enumerate(self.params):
-            groups.setdefault((tuple(p.shape), p.dtype), []).append(i)
-        self._groups = [(idx, len(key[0])) for key, idx in groups.items()]
+        from nandoctor.grouped import by_shape
+
+        self._groups = [(idx, len(key[0])) for key, idx in by_shape(self.params).items()]
         self._group_order = [i for idx, _ in self._groups for i in idx]
         self._grouped = self._fused_ok and not self.small
         self._layers = []
@@ -278,9 +277,10 @@ class StepMonitor:
             for k in data_names:
                 v = data_checks[k]
                 v = v if v.dtype == f32 else _C_ops.cast(v, f32)
-                raw = math.prod(v.shape) <= _RAW_FIELD_NUMEL
+                numel = math.prod(v.shape)
+                raw = numel <= _RAW_FIELD_NUMEL
                 parts.append(_C_ops.reshape(v if raw else _C_ops.sum(v, None, None, False), [-1]))
-                widths.append(math.prod(v.shape) if raw else 1)
+                widths.append(numel if raw else 1)
             grad_sq, present = self._grad_sq(per_param) if grads else (None, [])
             if grad_sq is not None:
                 parts.append(grad_sq)

@@ -112,7 +112,8 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
     accumulate = w.spec.optimizer.accumulate_steps
     sched = lr_scheduler(opt)
     by = w.spec.optimizer.scheduler_by
-    params = [p for p in w.model.parameters() if not p.stop_gradient]
+    named = [(n, p) for n, p in w.model.named_parameters() if not p.stop_gradient]
+    params = [p for _, p in named]
     epoch, batch_index, step = snap.epoch, snap.batch_index, snap.step
     before = _nonfinite_counts(params)  # NaN the weights already held (a corrupt checkpoint) is not new
     it = _loader_at(w, ring, snap)
@@ -154,8 +155,8 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
                 if record:
                     now = _nonfinite_counts(params)
                     if any(n > b for n, b in zip(now, before)):
-                        names = [n for n, p in w.model.named_parameters() if not p.stop_gradient]
-                        _failed(out, step, "update", here, value, [n for n, c, b in zip(names, now, before) if c > b])
+                        _failed(out, step, "update", here, value,
+                                [n for (n, _), c, b in zip(named, now, before) if c > b])
                         return
             step += 1
             batch_index += 1

@@ -166,18 +166,15 @@ class StepWatcher:
         self.unread: set[int] = set()  # steps whose gradients were left unread
         self._read_grads = True
 
-    def defer_grads(self, every: int) -> bool:
+    def defer_grads(self, every: int) -> None:
         """Read the gradients only every `every`-th step (and on stats, alert and the first steps), for a
         model of hundreds of tensors, where fetching and reducing them is most of the probe's per-step cost.
         Only for a driver that can roll back: a NaN gradient on an unread step writes NaN into the weights,
         which the next loss or parameter check sees, and the update fault then names unread steps that
         the driver replays from a snapshot with every check on (probe/rollback.py). Not under AMP (a
-        skipped overflow step needs its gradients read) nor on small models (their read is cheap).
-        Returns whether the reads are spaced out."""
-        if self.monitor.small or self.scaler is not None or every <= 1:
-            return False
-        self.defer_every = every
-        return True
+        skipped overflow step needs its gradients read) nor on small models (their read is cheap)."""
+        if not self.monitor.small and self.scaler is None:
+            self.defer_every = max(1, every)
 
     # ---- the stages of a step ----------------------------------------------------------------------
     def begin_step(self, step: int, fields: dict[str, Any], *, batch_index: int | None = None,
