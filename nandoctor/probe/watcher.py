@@ -284,7 +284,14 @@ class StepWatcher:
             # since it costs ~7% of a 500-layer MLP's step; a NaN weight shows in the next step's loss
             # anyway, and then an exact check names the update that wrote it (`_update_fault`).
             self.monitor.after_update(check=self._next_stats or self.monitor.small)
-            self.history.append((step, self._batch_index, self._epoch, self._last_norm, self._fields))
+            history = self.history
+            if len(history) > 1:
+                # Only the first and the newest entries' batches are ever named (`_update_fault`). Kept for
+                # the entries between, every batch since the last parameter check stays alive: 16 MB
+                # batches on a 124-tensor model held 1.9 GB after 200 steps.
+                s, b, e, n, _ = history[-1]
+                history[-1] = (s, b, e, n, None)
+            history.append((step, self._batch_index, self._epoch, self._last_norm, self._fields))
         self.stats_every.append(self.schedule.k)
 
     def finish(self) -> Fault | None:
