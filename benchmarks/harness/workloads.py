@@ -25,6 +25,7 @@ QUICK: dict[str, dict[str, dict[str, Any]]] = {
     "lstm": {"model": {"hidden": 8}, "data": {"batches": 40, "batch_size": 4, "seq_len": 6}},
     "deep_mlp": {"model": {"depth": 8}, "data": {"batches": 40, "batch_size": 8}},
     "narrow_mlp": {"model": {"depth": 8}, "data": {"batches": 40, "batch_size": 8}},
+    "wide_batch": {"model": {"features": 64, "depth": 4}, "data": {"batches": 40, "batch_size": 8, "features": 64}},
     "scan_data": {"data": {"samples": 4000}},
 }
 # The fault of config_fault.yaml (step 50) moved early enough for the quick run.
@@ -37,7 +38,7 @@ class Workload:
     config: Path  # the config nandoctor runs (the committed one, or a quick copy)
     plain: Path  # plain_<name>.py
     describe: str  # a short description of the setting for the table
-    steps: int  # row 1's whole-process steps: the config's `probe.steps` (60; 600 for narrow_mlp)
+    steps: int  # row 1's whole-process steps: the config's `probe.steps` (60; 600 for narrow_mlp, 200 wide_batch)
     step_steps: int | None = None  # row 2's steps per run, where the default is too short to be steady
 
     @property
@@ -57,6 +58,10 @@ def _describe(name: str, raw: dict[str, Any]) -> str:
         return f"{m['depth']} blocks, {4 * m['depth'] + 3} sublayers b{d['batch_size']}"
     if name == "narrow_mlp":
         return f"{m['depth']} Linear+Tanh, {2 * m['depth'] + 1} sublayers w{m['width']} b{d['batch_size']}"
+    if name == "wide_batch":
+        mb = d["batch_size"] * m["features"] * 4 / 2**20
+        return (f"Linear {m['features']}->{m['width']} + {m['depth']} Linear, {2 * m['depth'] + 4} tensors, "
+                f"b{d['batch_size']} ({mb:.0f} MB)")
     if name == "scan_data":
         return f"{d['samples'] // 1000}k x {d['features']} f32 b{d['batch_size']}"
     return name
@@ -86,7 +91,7 @@ def load(name: str, quick: bool, scratch: Path, *, fault: bool = False) -> Workl
                     int((raw.get("probe") or {}).get("steps", 60)), STEP_STEPS.get(name))
 
 
-TRAINING = ("transformer", "cnn", "lstm", "deep_mlp", "narrow_mlp")
+TRAINING = ("transformer", "cnn", "lstm", "deep_mlp", "narrow_mlp", "wide_batch")
 # Row 2 runs 30 steps a run; the cheap narrow_mlp step gets more, so that a probe sampling per-layer
 # stats every k-th step pays for several of them in the mean (100 steps are still only ~3 s a run).
 STEP_STEPS = {"narrow_mlp": 100}
