@@ -5,6 +5,7 @@ Kept small on purpose; helpers add fixtures here with small edits.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import sys
@@ -49,6 +50,9 @@ def golden(request: pytest.FixtureRequest):
 # left in it but pytest's tmp_path tree is a leak and fails the session; then the folder goes, so
 # `make test` leaves $TMPDIR as it found it (pytest's tmp_path folders included).
 _SESSION_TMP = tempfile.mkdtemp(prefix="nandoctor-tests-", dir=tempfile.gettempdir())
+# The fixture below removes it, but only when some test ran: a `-k` that selects nothing, a collection
+# error or an interrupted session would leave it behind. atexit removes it in every case.
+atexit.register(shutil.rmtree, _SESSION_TMP, ignore_errors=True)
 os.environ["TMPDIR"] = _SESSION_TMP
 tempfile.tempdir = _SESSION_TMP
 
