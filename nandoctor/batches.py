@@ -159,6 +159,28 @@ def nonfinite_rows(value: Any) -> list[int]:
     return [int(i) for i in np.where(bad)[0]]
 
 
+def harmful_rows(value: Any) -> list[int]:
+    """Like `nonfinite_rows`, but an additive attention mask's intended -inf does not count: in a field
+    whose finite values are all 0 or <= -1e30 (the rule `probe.origin.kind` applies to a model's own
+    masks), only NaN and +inf are harmful. A user's batch may carry such a mask on purpose."""
+    arr = to_numpy(value)
+    if arr is None or arr.dtype.kind != "f" or arr.ndim == 0:
+        return nonfinite_rows(arr)
+    flat = arr.reshape(arr.shape[0], -1)
+    finite = np.isfinite(flat)
+    if finite.all():
+        return []
+    bad = ~finite
+    if mask_values(flat[finite]):
+        bad &= flat != -np.inf
+    return [int(i) for i in np.where(bad.any(axis=1))[0]]
+
+
+def mask_values(finite_values: np.ndarray) -> bool:
+    """The finite values of an additive attention mask: all 0, or <= -1e30 (finfo.min-style fills)."""
+    return bool(((finite_values == 0) | (finite_values <= -1e30)).all())
+
+
 def to_tensor(value: Any) -> Any:
     """Numpy arrays and Python numbers -> Paddle tensors on the current device; tensors pass through."""
     import paddle

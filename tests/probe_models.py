@@ -99,6 +99,10 @@ class Classifier(nn.Layer):
             self.spare = nn.Linear(hidden, hidden)
 
     def forward(self, x):
+        if self.kind == "clean":  # the user's own NaN handling: the batch's NaN never reaches the loss
+            x = paddle.nan_to_num(x)
+        if self.kind == "guard" and bool(paddle.isnan(x).any()):
+            raise ValueError("the input holds NaN")
         if self.kind == "log":
             x = self.feat(x)
         if self.kind == "dist":
@@ -106,6 +110,38 @@ class Classifier(nn.Layer):
         if self.crash_at_batch_size and x.shape[0] == self.crash_at_batch_size:
             x = x.reshape([self.crash_at_batch_size + 1, -1])  # the user's bug: a wrong reshape
         return self.head(self.body(x))
+
+
+class MaskedAttention(nn.Layer):
+    """Self-attention over a batch's additive mask (0 / -inf), as a Llama-style collator hands it in."""
+
+    def __init__(self, classes: int = 3):
+        super().__init__()
+        self.q = nn.Linear(FEATURES, FEATURES)
+        self.head = nn.Linear(FEATURES, classes)
+
+    def forward(self, x, mask):
+        att = paddle.nn.functional.softmax(self.q(x) @ x.transpose([0, 2, 1]) + mask, axis=-1)
+        return self.head((att @ x).mean(1))
+
+
+def masked_attention():
+    paddle.seed(0)
+    return MaskedAttention()
+
+
+def mask_loader(batches: int = 6, batch_size: int = 4, tokens: int = 5, nan_batch: int = -1, nan_row: int = 0):
+    """{x, mask, label} batches; `mask` is causal (-inf above the diagonal); `nan_batch` plants a NaN in x."""
+    rng = _rng()
+    mask = np.triu(np.full((tokens, tokens), -np.inf, "float32"), 1)
+    out = []
+    for b in range(batches):
+        x = rng.normal(size=(batch_size, tokens, FEATURES)).astype("float32")
+        if b == nan_batch:
+            x[nan_row, 1, 2] = np.nan
+        out.append({"x": x, "mask": np.repeat(mask[None], batch_size, 0),
+                    "label": rng.integers(0, 3, size=(batch_size,)).astype("int64")})
+    return out
 
 
 def classifier(kind: str = "plain", classes: int = 3, nan_param: str = "", crash_at_batch_size: int = 0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from probe_spec import codes, probe
+from probe_spec import MODELS, codes, probe
 
 from nandoctor.findings import Phase
 
@@ -34,13 +34,39 @@ def test_loader_shorter_than_steps_starts_a_new_epoch(tmp_path):
     assert report.details["steps_run"] == 7 and report.details["epochs"] == 3
 
 
-def test_nan_in_data_stops_before_the_model(tmp_path):
+def test_nan_in_data_is_named_as_data_before_its_update(tmp_path):
     report = probe(tmp_path, data_args={"nan_batch": 2, "nan_rows": [1, 4]})
     ff = report.first_fault
     assert (ff.step, ff.phase, ff.batch_index, ff.sample_indices) == (2, Phase.DATA, 2, [1, 4])
     [f] = report.findings
     assert f.code.value == "data.nonfinite" and f.location.field == "x"
-    assert len(report.timeline) == 2  # steps 0 and 1 trained, step 2 never ran
+    assert "loss or gradients NaN/Inf" in f.message and "before the update" in f.message
+    assert len(report.timeline) == 2  # steps 0 and 1 trained, step 2 was not applied
+
+
+def test_nan_the_model_replaces_is_not_a_fault(tmp_path):
+    """The batch is judged by what it did: a NaN the user's model turns into a number trains fine."""
+    report = probe(tmp_path, model_args={"kind": "clean"}, data_args={"nan_batch": 2, "nan_rows": [1, 4]})
+    assert report.findings == [] and report.verdict.value == "healthy"
+
+
+def test_nan_in_data_that_makes_the_model_raise_is_named_as_data(tmp_path):
+    report = probe(tmp_path, model_args={"kind": "guard"}, data_args={"nan_batch": 2, "nan_rows": [3]})
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.batch_index, ff.sample_indices) == (2, Phase.DATA, 2, [3])
+    [f] = report.findings
+    assert f.code.value == "data.nonfinite" and "raised ValueError: the input holds NaN" in f.message
+
+
+def test_an_additive_mask_in_the_batch_is_not_a_fault_and_a_nan_beside_it_is(tmp_path):
+    data = {"entry": f"{MODELS}:mask_loader", "inputs": ["x", "mask"], "label": "label"}
+    report = probe(tmp_path, model="masked_attention", extra={"data": data})
+    assert report.findings == [] and report.verdict.value == "healthy"
+    data["args"] = {"nan_batch": 3, "nan_row": 2}
+    report = probe(tmp_path, model="masked_attention", extra={"data": data})
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.sample_indices) == (3, Phase.DATA, [2])
+    assert [f.location.field for f in report.findings] == ["x"]  # not the mask
 
 
 def test_nan_in_tensor_data_is_caught_on_the_device(tmp_path):
@@ -158,7 +184,7 @@ def test_grouped_gradient_norms_match_numpy():
         assert not mon.small
         loss = model(paddle.randn([4, probe_models.FEATURES])).sum()
         loss.backward()
-        full, light = mon.read(loss, {}, full=True), mon.read(loss, {}, full=False)
+        full, light = mon.read(loss, full=True), mon.read(loss, full=False)
         expect = np.array([float((p.grad.numpy().astype("float64") ** 2).sum()) for p in mon.params])
         assert np.allclose(full.grad_sq, expect, rtol=1e-4)
         assert math.isclose(full.grad_norm, math.sqrt(expect.sum()), rel_tol=1e-4)
@@ -207,7 +233,7 @@ def test_many_tensor_model_checks_parameters_after_every_update():
                 p = mon.params[57]
                 paddle.assign(paddle.full(p.shape, float("nan"), p.dtype), p)
             mon.after_update()  # as the loop calls it after every optimizer.step()
-            stats = mon.read(loss, {}, full=False)
+            stats = mon.read(loss, full=False)
             assert stats.params_sum is not None
             assert np.isfinite(stats.params_sum) != poisoned
             model.clear_gradients()

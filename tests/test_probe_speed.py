@@ -56,8 +56,8 @@ def test_grouped_read_matches_float64_norms_and_sees_a_nan_in_any_gradient():
         loss = paddle.nn.functional.cross_entropy(model(paddle.randn([8, 16])), paddle.randint(0, 10, [8, 1]))
         loss.backward()
         want = np.array([float(np.sum(np.asarray(p.grad.numpy(), "float64") ** 2)) for p in mon.params])
-        light = mon.read(loss, {}, full=False)
-        full = mon.read(loss, {}, full=True)
+        light = mon.read(loss, full=False)
+        full = mon.read(loss, full=True)
         assert light.grad_sq is None and np.isclose(light.grad_norm, np.sqrt(want.sum()), rtol=1e-4)
         assert np.allclose(full.grad_sq, want, rtol=1e-4, atol=1e-12)
         assert np.isclose(light.loss, float(loss), rtol=1e-6)
@@ -67,9 +67,9 @@ def test_grouped_read_matches_float64_norms_and_sees_a_nan_in_any_gradient():
             bad = saved.copy()
             bad.reshape(-1)[0] = np.nan
             g.set_value(bad)
-            st = mon.read(loss, {}, full=False)
+            st = mon.read(loss, full=False)
             assert not st.grads_finite, mon.param_names[i]
             g.set_value(saved)
-        assert mon.read(loss, {}, full=False).grads_finite
+        assert mon.read(loss, full=False).grads_finite
     finally:
         mon.close()

@@ -142,9 +142,8 @@ class Doctor:
             self._begin()
         fields, rebuild = to_fields(batch, self.names)
         watcher = self.watcher
-        fault = watcher.attach_batch(fields, batch_index=self.step)
-        if fault is None:
-            fault = watcher.observe_loss(loss)
+        watcher.attach_batch(fields, batch_index=self.step)
+        fault = watcher.observe_loss(loss)
         if fault is None:
             fault = watcher.after_backward(loss)
         if self.sync is not None:

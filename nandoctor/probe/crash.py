@@ -77,7 +77,7 @@ def crash_findings(exc: BaseException, ctx: CrashContext, base_dir: Path, model:
     findings.append(Finding(
         Code.USER_CODE_ERROR, Severity.ERROR,
         f"{ctx.what[:1].upper()}{ctx.what[1:]} raised {type(exc).__name__}{where}{in_layer} at step {ctx.step}"
-        f"{_batch_text(ctx)}: {_first_line(text)}. Training stopped there; open "
+        f"{_batch_text(ctx)}: {first_line(text)}. Training stopped there; open "
         f"{origin or 'the traceback in the evidence'} and fix it.",
         Location(step=ctx.step, phase=phase, layer=layer, batch_index=ctx.batch_index),
         {"exception": type(exc).__name__, "error": text[:2000], "origin": origin, "what": ctx.what,
@@ -92,7 +92,7 @@ def _batch_text(ctx: CrashContext) -> str:
     return f" (batch {ctx.batch_index} of epoch {ctx.epoch})"
 
 
-def _first_line(text: str) -> str:
+def first_line(text: str) -> str:
     line = text.strip().splitlines()[0] if text.strip() else "(no message)"
     return line[:300].rstrip(". ")
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from nandoctor.advice import advice_for
 from nandoctor.findings import Code, Finding, FirstFault, Location, Phase, Report, Severity
+from nandoctor.probe.crash import first_line
 from nandoctor.probe.loop import Fault
 
 if TYPE_CHECKING:  # localize.py and its tracing modules load only when a fault needs them (5 ms at start)
@@ -55,10 +56,18 @@ def data_fault(report: Report, fault: Fault) -> None:
         report.findings.append(Finding(
             Code.DATA_NONFINITE, Severity.ERROR,
             f"Field '{name}' of batch {fault.batch_index} (step {fault.step}, epoch {fault.epoch}) holds NaN/Inf "
-            f"in sample(s) {shown}. The probe stopped before the model saw it.",
+            f"in sample(s) {shown}. {_data_consequence(fault)}",
             loc, {"epoch": fault.epoch, "rows": rows[:100]}, advice_for(Code.DATA_NONFINITE.value)))
         if i == 0:
             set_first(report, loc)
+
+
+def _data_consequence(fault: Fault) -> str:
+    """What the batch's NaN/Inf did: the probe judges a batch by that (a mask's -inf does not count)."""
+    if fault.exc is not None:
+        return (f"The model's code then raised {type(fault.exc).__name__}: {first_line(str(fault.exc))}. "
+                "Clean the data first; the error may go with it.")
+    return "It made the step's loss or gradients NaN/Inf; nandoctor stopped before the update."
 
 
 def update_fault(report: Report, fault: Fault, optimizer: Any) -> None:

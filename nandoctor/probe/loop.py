@@ -113,9 +113,7 @@ class ProbeLoop:
                 fields = self.w.layout.fields(batch, batch_index)
                 if self.snapshots is not None:
                     self.snapshots.on_batch(step, epoch, batch_index)
-                res.fault = watch.begin_step(step, fields, batch_index=batch_index, epoch=epoch)
-                if res.fault is not None:
-                    break
+                watch.begin_step(step, fields, batch_index=batch_index, epoch=epoch)
                 loss = _user(Phase.FORWARD, self.w.compute_loss, model, fields)
                 res.fault = watch.observe_loss(loss)
                 if res.fault is not None:
@@ -142,8 +140,11 @@ class ProbeLoop:
             if res.fault is None:
                 res.fault = watch.finish()
         except _Raised as raised:
-            res.fault = Fault(FaultKind.CRASH, step, batch_index, epoch,
-                              fields if raised.phase != Phase.DATA else None, exc=raised.exc, phase=raised.phase)
+            # a NaN in the batch that made the model's code raise is the data's fault, named as such
+            bad_data = watch.data_fault(raised.exc) if fields is not None and raised.phase in _STEP_PHASES else None
+            res.fault = bad_data or Fault(FaultKind.CRASH, step, batch_index, epoch,
+                                          fields if raised.phase != Phase.DATA else None, exc=raised.exc,
+                                          phase=raised.phase)
         except KeyboardInterrupt:
             res.interrupted = True
         finally:
@@ -165,6 +166,7 @@ class ProbeLoop:
 
 
 _END = object()
+_STEP_PHASES = (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD)
 _SCHEDULER = "the LR scheduler's step()"
 
 

@@ -25,10 +25,6 @@ import numpy as np
 _is_none = functools.partial(operator.is_, None)
 _grad_of = operator.attrgetter("grad")
 
-# A float data field up to this many values goes into the step's read as it is (one reshape, checked on the
-# host); a larger one as its sum (NaN/Inf propagate; a sum that overflows is told apart on the host).
-_RAW_FIELD_NUMEL = 4096
-
 # Above this many parameter elements, copying every gradient into one buffer costs more than it saves.
 _FUSED_MAX_NUMEL = 20_000_000
 # Up to this many parameter tensors, one reduction per tensor is cheap next to a step: per-parameter
@@ -46,7 +42,6 @@ class StepStats:
     grad_sq: np.ndarray | None  # per trainable parameter (NaN where it has no gradient this step)
     grad_norm: float | None
     params_sum: float | None  # sum of all parameters after the previous update (non-finite => bad update)
-    data_finite: dict[str, bool]
     act_max: np.ndarray | None  # per hooked layer, NaN for layers that did not run this step
     loss_scale: float | None = None  # AMP's loss scale (GPU only); gradients above are already unscaled
 
@@ -246,8 +241,7 @@ class StepMonitor:
         return _C_ops.concat([_C_ops.squared_l2_norm(g if g.dtype == f32 else _C_ops.cast(g, f32))
                               for g in grads_all], 0), self._all_idx
 
-    def read(self, loss: Any, data_checks: dict[str, Any], full: bool = True, scale: Any = None,
-             grads: bool = True) -> StepStats:
+    def read(self, loss: Any, full: bool = True, scale: Any = None, grads: bool = True) -> StepStats:
         """The one host sync of a step: everything queued so far, as numbers. `scale`: AMP's loss-scale
         tensor, read in the same sync; the gradients it multiplied are divided back out. `grads=False`:
         the gradients are left unread this step (grad_norm None; see StepWatcher.defer_grads)."""
@@ -256,7 +250,6 @@ class StepMonitor:
 
         f32 = paddle.float32
         has_params = self._pending_params is not None
-        data_names = list(data_checks)
         per_param = full or self.small
         acts = list(self._act_val)
         act_idx = list(self._act_idx)
@@ -272,15 +265,6 @@ class StepMonitor:
                 parts.append(_C_ops.reshape(_C_ops.cast(scale, f32), [1]))
             if has_params:
                 parts.append(self._pending_params)
-            # one or two ops a field (the values, or their sum), not the four of isfinite, all, cast, reshape
-            widths = []
-            for k in data_names:
-                v = data_checks[k]
-                v = v if v.dtype == f32 else _C_ops.cast(v, f32)
-                numel = math.prod(v.shape)
-                raw = numel <= _RAW_FIELD_NUMEL
-                parts.append(_C_ops.reshape(v if raw else _C_ops.sum(v, None, None, False), [-1]))
-                widths.append(numel if raw else 1)
             grad_sq, present = self._grad_sq(per_param) if grads else (None, [])
             if grad_sq is not None:
                 parts.append(grad_sq)
@@ -299,10 +283,6 @@ class StepMonitor:
             params_sum = float(vec[pos])
             pos += 1
             self._pending_params = None
-        data_finite = {}
-        for k, width in zip(data_names, widths):
-            data_finite[k] = bool(np.isfinite(vec[pos:pos + width]).all())
-            pos += width
         g_full = None
         g_norm = None
         if grad_sq is not None:
@@ -325,7 +305,7 @@ class StepMonitor:
                 bad = ~np.isfinite(vals)
                 if bad.any():
                     act_max[np.asarray(act_idx)[bad]] = np.inf
-        return StepStats(loss_v, g_full, g_norm, params_sum, data_finite, act_max, loss_scale)
+        return StepStats(loss_v, g_full, g_norm, params_sum, act_max, loss_scale)
 
 
 def _first_float_tensor(outputs: Any) -> Any:

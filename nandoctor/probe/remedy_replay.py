@@ -303,11 +303,12 @@ def _reinit_rows(model: Any, rows: dict[str, list[int]]) -> None:
 
 
 def _nonfinite_rows(fields: dict[str, Any]) -> set[int]:
-    from nandoctor.batches import nonfinite_rows, to_numpy
+    """The samples a loader filter would drop: those holding a harmful NaN/Inf (a mask's -inf is kept)."""
+    from nandoctor.batches import harmful_rows, to_numpy
 
     n = _rows(fields)
     arrays = [to_numpy(v) for v in fields.values()]
-    return {i for arr in arrays if arr is not None and arr.ndim > 0 and arr.shape[0] == n for i in nonfinite_rows(arr)}
+    return {i for arr in arrays if arr is not None and arr.ndim > 0 and arr.shape[0] == n for i in harmful_rows(arr)}
 
 
 def _rows(fields: dict[str, Any]) -> int:

@@ -63,7 +63,7 @@ def rollback(res: Any, workload: Any, optimizer: Any, ring: SnapshotRing) -> dic
         res.records = [r for r in res.records if r.step <= failed.step]
         return info
     grad_norm = math.nan if failed.kind == "grad" else None
-    stats = StepStats(failed.loss, None, grad_norm, None, {}, None)
+    stats = StepStats(failed.loss, None, grad_norm, None, None)
     res.fault = Fault(FaultKind.NONFINITE, failed.step, failed.batch_index, failed.epoch, failed.fields,
                       rng=failed.rng, stats=stats)
     res.records = [r for r in res.records if r.step < failed.step]

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from nandoctor.batches import nonfinite_rows, to_numpy
+from nandoctor.batches import harmful_rows
 from nandoctor.findings import Code, Phase
-from nandoctor.probe.monitors import StepMonitor, StepStats, float_dtypes
+from nandoctor.probe.monitors import StepMonitor, StepStats
 
 # What the probe may add to a plain step on average (the target is 5%; keep a margin): the every-step
 # detection's measured share first (~3% on a model of 300 tiny tensors), the sampled per-layer stats
@@ -38,7 +38,7 @@ _MIN_STATS_BUDGET = 0.0025
 class FaultKind(str, Enum):
     """What stopped the training; a str so `fault.kind == "crash"` reads as before."""
 
-    DATA = "data"  # a non-finite input value, before the model saw it
+    DATA = "data"  # a non-finite input value that made the step non-finite (or the model's code raise)
     NONFINITE = "nonfinite"  # a non-finite loss or gradient: localised by replay
     UPDATE = "update"  # an optimizer update wrote NaN/Inf into the parameters
     CRASH = "crash"  # the user's code raised (or called sys.exit)
@@ -156,7 +156,6 @@ class StepWatcher:
         self._epoch = 0
         self._fields: dict[str, Any] | None = None
         self._rng: Any = None
-        self._device_checks: dict[str, Any] = {}
         self._stats_step = False
         self._t0 = 0.0
         self._t_read = 0.0
@@ -178,15 +177,14 @@ class StepWatcher:
 
     # ---- the stages of a step ----------------------------------------------------------------------
     def begin_step(self, step: int, fields: dict[str, Any], *, batch_index: int | None = None,
-                   epoch: int = 0) -> Fault | None:
-        """A batch is about to go through the model: host-side data check, RNG capture, stats hooks."""
+                   epoch: int = 0) -> None:
+        """A batch is about to go through the model: RNG capture, stats hooks. The batch itself is judged
+        only if the step goes non-finite (`data_fault`), by what it did, not by what it holds: a mask's
+        intended -inf, or a NaN the model replaces, trains fine; and checking a 16 MB batch every step
+        cost ~1.5% of a step, which detection on the loss and gradients already pays for."""
         import paddle
 
         self._step, self._batch_index, self._epoch, self._fields = step, batch_index, epoch, fields
-        bad = _host_nonfinite(fields)
-        if bad:
-            return Fault(FaultKind.DATA, step, batch_index, epoch, fields, bad_fields=bad)
-        self._device_checks = _device_checks(fields)
         self._rng = paddle.get_rng_state()
         self._stats_step = self.schedule.want(step) if self._next_stats is None else self._next_stats
         self._next_stats = None
@@ -195,18 +193,19 @@ class StepWatcher:
                             or step % every == 0)
         self._t0 = time.perf_counter()
         self.monitor.begin_step(self._stats_step)
-        return None
 
-    def attach_batch(self, fields: dict[str, Any], *, batch_index: int | None = None,
-                     epoch: int = 0) -> Fault | None:
+    def attach_batch(self, fields: dict[str, Any], *, batch_index: int | None = None, epoch: int = 0) -> None:
         """The batch of a step begun without one (`begin_step(step, {})` before the forward of a user's
-        own loop, the batch known only after backward): the same data checks, read by `after_backward`."""
+        own loop, the batch known only after backward)."""
         self._batch_index, self._epoch, self._fields = batch_index, epoch, fields
-        bad = _host_nonfinite(fields)
-        if bad:
-            return Fault(FaultKind.DATA, self._step, batch_index, epoch, fields, bad_fields=bad)
-        self._device_checks = _device_checks(fields)
-        return None
+
+    def data_fault(self, exc: BaseException | None = None) -> Fault | None:
+        """The step's batch, if it holds a harmful NaN/Inf (not a mask's -inf): the first cause of a step
+        that went non-finite, or of the model's code raising (`exc`). Exact, on the host: a fault's cost."""
+        fields = self._fields or {}
+        rows = {k: harmful_rows(v) for k, v in fields.items()}
+        rows = {k: r for k, r in rows.items() if r}
+        return self._fault(FaultKind.DATA, bad_fields=rows, exc=exc) if rows else None
 
     def observe_loss(self, loss: Any) -> Fault | None:
         """Before backward: a loss that cannot train (metadata only, no device work, no sync)."""
@@ -234,7 +233,7 @@ class StepWatcher:
                                    evidence={"reason": "no_gradient", "trainable": len(mon.params)})
         scaler = self.scaler
         t_read = time.perf_counter()
-        st = mon.read(loss, self._device_checks, full=self._stats_step, scale=getattr(scaler, "_scale", None),
+        st = mon.read(loss, full=self._stats_step, scale=getattr(scaler, "_scale", None),
                       grads=self._read_grads)
         self._t_read = time.perf_counter() - t_read
         if not self._read_grads:
@@ -248,13 +247,6 @@ class StepWatcher:
                     return fault
             else:
                 self.history = []
-        bad_data = [k for k, ok in st.data_finite.items() if not ok]
-        if bad_data:
-            fields = self._fields or {}
-            rows = {k: nonfinite_rows(fields[k]) for k in bad_data}
-            rows = {k: r for k, r in rows.items() if r}  # none: a large field's sum overflowed, values finite
-            if rows:
-                return self._fault(FaultKind.DATA, bad_fields=rows)
         lr = current_lr(self.optimizer)
         record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, st.loss_scale, lr=lr)
         skipped = scaler is not None and math.isfinite(st.loss) and not st.grads_finite
@@ -263,6 +255,9 @@ class StepWatcher:
         elif math.isfinite(st.loss) and not st.grads_finite and mon.recheck_grads(st):
             record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, lr=lr)
         if not skipped and (not math.isfinite(st.loss) or not st.grads_finite):
+            fault = self.data_fault()
+            if fault is not None:
+                return fault
             # NaN weights written by the last update make the loss NaN too: blame the update
             fault = self._update_fault(step, latest=True) if self.history else None
             if fault is not None:
@@ -348,30 +343,3 @@ def current_lr(optimizer: Any) -> float | None:
         return float(optimizer.get_lr())
     except Exception:  # noqa: BLE001 - an optimizer without get_lr: no lr in the timeline
         return None
-
-
-def _is_float(arr: np.ndarray) -> bool:
-    return arr.dtype.kind in "fc"
-
-
-def _host_nonfinite(fields: dict[str, Any]) -> dict[str, list[int]]:
-    """Numpy fields are on the host already: check them there, no device work, no sync."""
-    import paddle
-
-    out: dict[str, list[int]] = {}
-    for k, v in fields.items():
-        if isinstance(v, paddle.Tensor):
-            continue
-        arr = to_numpy(v)
-        if arr is not None and _is_float(arr) and arr.size and not np.isfinite(arr).all():
-            out[k] = nonfinite_rows(arr)
-    return out
-
-
-def _device_checks(fields: dict[str, Any]) -> dict[str, Any]:
-    """Float tensor fields, checked for NaN/Inf in the step's read (StepMonitor.read)."""
-    import paddle
-
-    # `0 not in shape` (Tensor.size costs ~5 us): this runs on every step
-    floats = float_dtypes()
-    return {k: v for k, v in fields.items() if isinstance(v, paddle.Tensor) and v.dtype in floats and 0 not in v.shape}

@@ -163,13 +163,17 @@ def load_arrays(file: Path) -> dict[str, np.ndarray]:
 
 def check_data(batch: dict[str, np.ndarray] | None, spec: dict[str, Any], expected: dict[str, Any]
                ) -> dict[str, Any] | None:
-    """The first field (in loader order) holding NaN/Inf, and the samples that hold it."""
+    """The first field (in loader order) holding a harmful NaN/Inf, and the samples that hold it. As in
+    the probe, an additive mask's -inf (a field whose finite values are all 0 or <= -1e30) is not one."""
     if batch is None:
         raise BundleError("this bundle holds no batch.npz, so there is no data to re-check.")
     for name, array in batch.items():
         if not np.issubdtype(array.dtype, np.floating) and not np.issubdtype(array.dtype, np.complexfloating):
             continue
         bad = ~np.isfinite(array)
+        values = array[~bad]
+        if np.issubdtype(array.dtype, np.floating) and ((values == 0) | (values <= -1e30)).all():
+            bad &= array != -np.inf
         if bad.any():
             samples = np.nonzero(bad.reshape(len(array), -1).any(axis=1))[0].tolist() if array.ndim else []
             return {"op": None, "phase": "data", "layer": None, "field": name,
