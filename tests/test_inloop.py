@@ -219,3 +219,28 @@ def test_grad_scaler_loop(tmp_path: Path) -> None:
             opt.clear_grad()
     ff = fault_of(doctor.report)
     assert (ff["step"], ff["layer"], ff["op"], ff["sample_indices"]) == (6, "head.distance", "sqrt_grad", [3])
+
+
+def test_an_additive_mask_in_the_checked_batch_trains_on_and_a_nan_in_x_is_named(tmp_path: Path) -> None:
+    """A Llama-style batch carries its causal mask as 0 / -inf on purpose: that is no fault (it used to stop
+    training at step 0). A NaN planted in x at step 3 still is, named as data, by its sample."""
+    from probe_models import mask_loader, masked_attention
+
+    for nan_batch, expected in ((-1, None), (3, {"step": 3, "phase": "data", "sample_indices": [2]})):
+        model = masked_attention()
+        opt = paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters())
+        with nandoctor.watch(model, opt, report_dir=tmp_path / f"r{nan_batch}") as doctor:
+            for batch in mask_loader(nan_batch=nan_batch, nan_row=2):
+                x, mask, y = (paddle.to_tensor(batch[k]) for k in ("x", "mask", "label"))
+                loss = F.cross_entropy(model(x, mask), y)
+                loss.backward()
+                if not doctor.check(loss, batch):
+                    break
+                opt.step()
+                opt.clear_grad()
+        if expected is None:
+            assert doctor.report is None and doctor.step == 6
+        else:
+            ff = doctor.report.to_dict()["first_fault"]
+            assert {k: ff[k] for k in expected} == expected
+            assert [f.location.field for f in doctor.report.findings if f.code.value == "data.nonfinite"] == ["x"]
