@@ -86,6 +86,23 @@ def test_nonfinite_one_finding_per_field_located_at_first_batch():
     assert "batch 1" in f.message and "sample" in f.message and "'x'" in f.message
 
 
+def test_an_additive_mask_is_info_not_an_error_and_a_nan_in_it_is_an_error():
+    """-inf where the other values are 0 (or finfo.min-style fills) is an attention mask, as the probe
+    takes it; a NaN in the same field, or -inf in a field of real values, is still an error."""
+    causal = np.triu(np.full((4, 4), -np.inf, "float32"), 1)
+    batches = normal_batches(4, size=3)
+    for b in batches:
+        b["mask"] = np.repeat(causal[None], 3, 0)
+    batches[2]["mask"][1, 0, 0] = -3.4e38
+    [f] = feed(batches, inputs=("x", "mask")).findings()
+    assert (f.code, f.severity, f.location.field) == (Code.DATA_NONFINITE, Severity.INFO, "mask")
+    assert "attention mask" in f.message and f.evidence["mask"] is True and "Nothing to do" in f.advice[0]
+    batches[3]["mask"][2, 3, 3] = np.nan
+    [f] = feed(batches, inputs=("x", "mask")).findings()
+    assert (f.severity, f.location.batch_index, f.location.sample_indices) == (Severity.ERROR, 3, [2])
+    assert f.evidence["first_positions"][0] == [2, 3, 3]
+
+
 def test_nonfinite_in_paddle_tensor_batches():
     x = paddle.randn([8, 4])
     x[2, 1] = float("nan")

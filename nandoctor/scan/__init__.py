@@ -270,7 +270,7 @@ def _first_fault(report: Report) -> FirstFault | None:
     order = {Phase.PARAMS: 0, Phase.DATA: 1, Phase.FORWARD: 1}
     crash = report.crashed
     candidates = [f for f in report.findings
-                  if f.code in (Code.PARAM_NONFINITE, Code.DATA_NONFINITE)
+                  if (f.code in (Code.PARAM_NONFINITE, Code.DATA_NONFINITE) and f.severity != Severity.INFO)
                   or (crash and f.code == Code.USER_CODE_ERROR and f.location.phase != Phase.FORWARD)]
     if not candidates:
         return None

@@ -25,7 +25,7 @@ import numpy as np
 
 from nandoctor.advice import advice_for
 from nandoctor.batches import batch_size as common_batch_size
-from nandoctor.batches import not_a_tensor, to_numpy
+from nandoctor.batches import mask_values, not_a_tensor, to_numpy
 from nandoctor.findings import Code, Finding, Location, Phase, Severity
 from nandoctor.scan.chunks import MAX_BYTES, MAX_ROWS, Chunk, ChunkBuffer, lone_chunk
 from nandoctor.scan.stats import MAX_SAMPLES, FieldStats, LogHistogram, Occurrences, TopK
@@ -54,6 +54,7 @@ class DataLimits:
 class _FieldState:
     stats: FieldStats
     nonfinite: Occurrences = field(default_factory=Occurrences)
+    masked: Occurrences = field(default_factory=Occurrences)  # batches whose only NaN/Inf is a mask's -inf
     out_of_range: Occurrences = field(default_factory=Occurrences)
     bad_labels: Occurrences = field(default_factory=Occurrences)
     too_long: dict[str, Occurrences] = field(default_factory=dict)  # per limit source
@@ -63,8 +64,8 @@ class _FieldState:
     not_tensor: tuple[int, str] | None = None  # (first batch, why) for a text or ragged model input
 
     def state_size(self) -> int:
-        parts = [self.stats, self.nonfinite, self.out_of_range, self.bad_labels, self.scales, self.candidates,
-                 *self.too_long.values()]
+        parts = [self.stats, self.nonfinite, self.masked, self.out_of_range, self.bad_labels, self.scales,
+                 self.candidates, *self.too_long.values()]
         return sum(p.state_size() for p in parts)
 
 
@@ -199,9 +200,14 @@ class DataScanner:
         st.stats.n_nan += nan
         st.stats.n_inf += bad - nan
         scalar = chunk.trailing[name] is None
-        samples = [] if scalar else np.flatnonzero(~fin.all(axis=1)).tolist()
-        positions = [] if scalar else np.argwhere(~np.isfinite(chunk.batch(name, i)))[:5].tolist()
-        st.nonfinite.add(chunk.ids[i], samples, bad, positions)
+        harm = ~fin
+        if not scalar and mask_values(rows[fin]):  # an additive mask's -inf is intended, as in the probe
+            harm &= rows != -np.inf
+        harmful = bool(harm.any())
+        where = harm if harmful else ~fin
+        samples = [] if scalar else np.flatnonzero(where.any(axis=1)).tolist()
+        positions = [] if scalar else np.argwhere(where.reshape((len(where), *chunk.trailing[name])))[:5].tolist()
+        (st.nonfinite if harmful else st.masked).add(chunk.ids[i], samples, bad, positions)
 
     def _check_range(self, st: _FieldState, chunk: Chunk, name: str, rmin: np.ndarray, rmax: np.ndarray,
                      finite: np.ndarray | None) -> None:
@@ -286,6 +292,16 @@ class DataScanner:
                 f"{_samples(o.first_samples)}{_pos(o.first_positions)}. A NaN input makes that step's loss "
                 "and gradients NaN: drop or clean these samples in the loader.",
                 {"nan": stats.n_nan, "inf": stats.n_inf}))
+        if st.masked and not st.nonfinite:
+            o = st.masked
+            mask = _finding(
+                Code.DATA_NONFINITE, Severity.INFO, o, name,
+                f"Field '{name}' holds -inf in {o.n_samples} sample(s) of {o.n_batches} batch(es) (the first is "
+                f"batch {o.first_batch}) and otherwise only 0 (or <= -1e30): an additive attention mask, whose "
+                "-inf is intended. The probe does not count it as a fault.", {"mask": True, "inf": o.n_values})
+            mask.advice = [f"Nothing to do if '{name}' is a mask. If it is not, clean it in the loader; if a "
+                           "fully masked row gives NaN (a hand-written softmax does), fill with -1e9 instead."]
+            out.append(mask)
         if st.out_of_range:
             o = st.out_of_range
             lo, hi = self.limits.value_range  # type: ignore[misc]
