@@ -296,6 +296,27 @@ def deep_dist(depth: int = 50, width: int = 8):
     return DeepDist(depth, width)
 
 
+class NanMaskingMLP(nn.Layer):
+    """The user zeroes NaN activations after the first layer: a NaN input row leaves the loss finite, but
+    the first layer's weight gradient is NaN (x^T @ dout, with NaN * 0 = NaN). 102 tensors: "many"."""
+
+    def __init__(self, depth: int, width: int):
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, width)
+        self.body = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = paddle.where(paddle.isnan(h), paddle.zeros_like(h), h)
+        return self.head(self.body(h))
+
+
+def nan_masking_mlp(depth: int = 49, width: int = 8):
+    paddle.seed(0)
+    return NanMaskingMLP(depth, width)
+
+
 class _NanRateAt(paddle.optimizer.lr.LRScheduler):
     def __init__(self, learning_rate: float, at: int):
         self.at = at

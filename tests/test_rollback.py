@@ -58,6 +58,25 @@ def test_a_nan_gradient_on_an_unread_step_is_named_as_if_caught_live(tmp_path, n
     assert report.timeline[-1].step == ZERO_BATCH  # nothing after the fault: those steps trained on NaN
 
 
+def test_a_nan_in_the_batch_seen_only_in_the_gradients_of_an_unread_step_is_named_as_data(tmp_path, no_stats_steps):
+    """The loss stays finite (the model zeroes NaN activations) but the first layer's gradient is NaN, on
+    a step whose gradients went unread: the rollback's replay finds the step, and its batch is the cause."""
+    import paddle
+    import probe_models as pm
+
+    data = {"nan_batch": ZERO_BATCH, "nan_rows": [ZERO_ROW], "batches": 12}
+    model = pm.nan_masking_mlp()
+    x, y = pm.loader(**data)[ZERO_BATCH]
+    loss = paddle.nn.functional.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y).unsqueeze(-1))
+    loss.backward()
+    assert np.isfinite(float(loss)) and not np.isfinite(model.inp.weight.grad.numpy().astype("float64")).all()
+    report = probe(tmp_path, model="nan_masking_mlp", data_args=data, steps=12)
+    assert ZERO_BATCH in report.details["rollback"]["unread_steps"]
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.batch_index, ff.sample_indices) == (ZERO_BATCH, Phase.DATA, ZERO_BATCH, [ZERO_ROW])
+    assert [f.code.value for f in report.findings if f.severity.value == "error"] == ["data.nonfinite"]
+
+
 def test_the_same_fault_caught_live_without_a_ring_reads_every_step(tmp_path, no_stats_steps):
     """--no-try-fixes keeps no snapshots, so nothing to roll back to: every step's gradients are read, and
     the fault is caught at its own step."""

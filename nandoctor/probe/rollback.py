@@ -19,7 +19,7 @@ from typing import Any
 from nandoctor.probe.monitors import StepStats
 from nandoctor.probe.remedy_replay import Change, replay
 from nandoctor.probe.snapshots import SnapshotRing
-from nandoctor.probe.watcher import Fault, FaultKind, StepRecord
+from nandoctor.probe.watcher import Fault, FaultKind, StepRecord, harmful_fields
 
 ROLLBACK_SECONDS = 300.0  # a replay slower than this keeps the update fault (with a note) rather than hang
 
@@ -61,6 +61,12 @@ def rollback(res: Any, workload: Any, optimizer: Any, ring: SnapshotRing) -> dic
         res.fault = Fault(FaultKind.UPDATE, failed.step, failed.batch_index, failed.epoch, failed.fields,
                           bad_params=failed.params or fault.bad_params, update_range=(failed.step, failed.step))
         res.records = [r for r in res.records if r.step <= failed.step]
+        return info
+    bad_data = harmful_fields(failed.fields)
+    if bad_data:  # a NaN in that step's batch made its gradients non-finite (its loss stayed finite)
+        res.fault = Fault(FaultKind.DATA, failed.step, failed.batch_index, failed.epoch, failed.fields,
+                          bad_fields=bad_data)
+        res.records = [r for r in res.records if r.step < failed.step]
         return info
     grad_norm = math.nan if failed.kind == "grad" else None
     stats = StepStats(failed.loss, None, grad_norm, None, None)

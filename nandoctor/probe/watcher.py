@@ -202,9 +202,7 @@ class StepWatcher:
     def data_fault(self, exc: BaseException | None = None) -> Fault | None:
         """The step's batch, if it holds a harmful NaN/Inf (not a mask's -inf): the first cause of a step
         that went non-finite, or of the model's code raising (`exc`). Exact, on the host: a fault's cost."""
-        fields = self._fields or {}
-        rows = {k: harmful_rows(v) for k, v in fields.items()}
-        rows = {k: r for k, r in rows.items() if r}
+        rows = harmful_fields(self._fields)
         return self._fault(FaultKind.DATA, bad_fields=rows, exc=exc) if rows else None
 
     def observe_loss(self, loss: Any) -> Fault | None:
@@ -251,6 +249,9 @@ class StepWatcher:
         record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, st.loss_scale, lr=lr)
         skipped = scaler is not None and math.isfinite(st.loss) and not st.grads_finite
         if skipped:  # AMP overflow: the scaler skips this update and lowers the scale; not a fault
+            fault = self.data_fault()  # unless a NaN in the batch did it
+            if fault is not None:
+                return fault
             record.skipped = True
         elif math.isfinite(st.loss) and not st.grads_finite and mon.recheck_grads(st):
             record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, lr=lr)
@@ -333,6 +334,12 @@ class StepWatcher:
         unread = sorted(s for s in self.unread if first <= s <= last)
         return Fault(FaultKind.UPDATE, first, batch_index, epoch, fields, bad_params=names, grad_norm=grad_norm,
                      update_range=(first, last), unread=unread)
+
+
+def harmful_fields(fields: dict[str, Any] | None) -> dict[str, list[int]]:
+    """Field -> the samples holding a harmful NaN/Inf (`batches.harmful_rows`), for the fields that have any."""
+    rows = {k: harmful_rows(v) for k, v in (fields or {}).items()}
+    return {k: r for k, r in rows.items() if r}
 
 
 def current_lr(optimizer: Any) -> float | None:
