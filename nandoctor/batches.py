@@ -138,6 +138,8 @@ def to_numpy(value: Any) -> np.ndarray | None:
     if isinstance(value, np.ndarray):
         return value
     if hasattr(value, "numpy") and callable(value.numpy):
+        if str(getattr(value, "dtype", "")) == "paddle.bfloat16":  # its numpy() is raw uint16 bits
+            value = value.astype("float32")
         return np.asarray(value.numpy())
     if isinstance(value, (int, float, bool, list, tuple)):
         try:

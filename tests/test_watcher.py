@@ -105,6 +105,16 @@ def test_watcher_names_the_data_rows_whose_nan_or_inf_made_the_step_nonfinite(va
     assert fault is not None and fault.kind is FaultKind.DATA and fault.bad_fields == {"x": [7, 1999]}
 
 
+def test_watcher_reads_a_bfloat16_field_as_numbers_not_as_its_raw_bits():
+    paddle.seed(0)
+    model = paddle.nn.Linear(4, 1)
+    x = np.ones((5, 4), "float32")
+    x[3, 0] = np.nan
+    xb = paddle.to_tensor(x).astype("bfloat16")  # its numpy() is uint16: a NaN there is just a number
+    fault = _one_step(model, {"x": xb}, lambda f: model(f["x"].astype("float32")).mean())
+    assert fault is not None and fault.kind is FaultKind.DATA and fault.bad_fields == {"x": [3]}
+
+
 def test_watcher_judges_a_batch_by_what_it_did_not_by_what_it_holds():
     """A NaN the model replaces, or an additive mask's intended -inf, trains fine: not a fault (it used to
     stop a healthy run at step 0). When such a step does go NaN for another reason, the mask is not
