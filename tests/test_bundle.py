@@ -473,3 +473,23 @@ def test_ctrl_c_inside_the_model_during_scan_still_writes_a_partial_report(inter
                   str(tmp_path / "r.md"), "--bundle", str(out), "--quiet")
     assert result.exit_code == 130, result.output  # Ctrl-C: 130 (contract), the partial report written
     _check_partial_outputs(tmp_path, out)
+
+
+def test_reproduce_of_a_batch_with_a_mask_names_the_nan_field_not_the_mask(tmp_path: Path,
+                                                                          capfd: pytest.CaptureFixture[str]):
+    """The bundle's own re-check judges a batch as the probe does: a causal mask's -inf is not a fault."""
+    models = ROOT / "tests" / "probe_models.py"
+    spec = tmp_path / "config.yaml"
+    spec.write_text(
+        "version: 1\n"
+        f"model: {{entry: '{models}:masked_attention'}}\n"
+        f"data: {{entry: '{models}:mask_loader', args: {{nan_batch: 3, nan_row: 2}}, inputs: [x, mask], "
+        "label: label}\n"
+        "loss: {builtin: cross_entropy}\n"
+        "optimizer: {name: Adam, args: {learning_rate: 0.01}}\n", encoding="utf-8")
+    out = tmp_path / "b"
+    result = _cli("probe", str(spec), "--steps", "6", "--bundle", str(out), "--quiet")
+    assert result.exit_code == 1, result.output
+    code, stdout = _reproduce_here(out, capfd)
+    assert code == 1, stdout
+    assert _first_fault_line(stdout) == "first fault: phase=data field=x batch=3 samples=2"
