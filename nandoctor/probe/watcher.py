@@ -131,8 +131,9 @@ class StepWatcher:
     """Detection for one model and optimizer; call the stages in order each step, `close()` at the end.
 
     `begin_step(step, fields)` -> `observe_loss(loss)` -> (the user's backward) -> `after_backward(loss)`
-    -> (the user's optimizer step, maybe) -> `after_update(stepped)`. Each stage returns a Fault or None;
-    with a Fault the step is over and the optimizer must not step.
+    -> (the user's optimizer step, maybe) -> `after_update(stepped)`. `observe_loss` and `after_backward`
+    return a Fault or None; with a Fault the step is over and the optimizer must not step. When the
+    user's code raises mid-step, `data_fault(exc)` says whether the batch was to blame.
     """
 
     def __init__(self, model: Any, optimizer: Any = None, *, scaler: Any = None, fp16: bool = False,
