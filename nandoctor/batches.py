@@ -172,15 +172,24 @@ def harmful_rows(value: Any) -> list[int]:
     finite = np.isfinite(flat)
     if finite.all():
         return []
+    return [int(i) for i in np.where(harmful_values(flat, finite).any(axis=1))[0]]
+
+
+def harmful_values(values: np.ndarray, finite: np.ndarray) -> np.ndarray:
+    """Where float `values` (with `finite = np.isfinite(values)`) hold a harmful NaN/Inf: every non-finite
+    value, but -inf only when the finite ones are not an additive mask's (all 0, or <= -1e30 as
+    finfo.min-style fills are)."""
     bad = ~finite
-    if mask_values(flat[finite]):
-        bad &= flat != -np.inf
-    return [int(i) for i in np.where(bad.any(axis=1))[0]]
+    kept = values[finite]
+    if ((kept == 0) | (kept <= -1e30)).all():
+        bad &= values != -np.inf
+    return bad
 
 
-def mask_values(finite_values: np.ndarray) -> bool:
-    """The finite values of an additive attention mask: all 0, or <= -1e30 (finfo.min-style fills)."""
-    return bool(((finite_values == 0) | (finite_values <= -1e30)).all())
+def harmful_fields(fields: dict[str, Any] | None) -> dict[str, list[int]]:
+    """Field -> the samples holding a harmful NaN/Inf (`harmful_rows`), for the fields that have any."""
+    rows = {k: harmful_rows(v) for k, v in (fields or {}).items()}
+    return {k: r for k, r in rows.items() if r}
 
 
 def to_tensor(value: Any) -> Any:

@@ -16,10 +16,11 @@ import math
 import time
 from typing import Any
 
+from nandoctor.batches import harmful_fields
 from nandoctor.probe.monitors import StepStats
 from nandoctor.probe.remedy_replay import Change, replay
 from nandoctor.probe.snapshots import SnapshotRing
-from nandoctor.probe.watcher import Fault, FaultKind, StepRecord, harmful_fields
+from nandoctor.probe.watcher import Fault, FaultKind, StepRecord
 
 ROLLBACK_SECONDS = 300.0  # a replay slower than this keeps the update fault (with a note) rather than hang
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from nandoctor.batches import harmful_rows
+from nandoctor.batches import harmful_fields
 from nandoctor.findings import Code, Phase
 from nandoctor.probe.monitors import StepMonitor, StepStats
 
@@ -335,12 +335,6 @@ class StepWatcher:
         unread = sorted(s for s in self.unread if first <= s <= last)
         return Fault(FaultKind.UPDATE, first, batch_index, epoch, fields, bad_params=names, grad_norm=grad_norm,
                      update_range=(first, last), unread=unread)
-
-
-def harmful_fields(fields: dict[str, Any] | None) -> dict[str, list[int]]:
-    """Field -> the samples holding a harmful NaN/Inf (`batches.harmful_rows`), for the fields that have any."""
-    rows = {k: harmful_rows(v) for k, v in (fields or {}).items()}
-    return {k: r for k, r in rows.items() if r}
 
 
 def current_lr(optimizer: Any) -> float | None:

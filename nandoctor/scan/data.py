@@ -25,7 +25,7 @@ import numpy as np
 
 from nandoctor.advice import advice_for
 from nandoctor.batches import batch_size as common_batch_size
-from nandoctor.batches import mask_values, not_a_tensor, to_numpy
+from nandoctor.batches import harmful_values, not_a_tensor, to_numpy
 from nandoctor.findings import Code, Finding, Location, Phase, Severity
 from nandoctor.scan.chunks import MAX_BYTES, MAX_ROWS, Chunk, ChunkBuffer, lone_chunk
 from nandoctor.scan.stats import MAX_SAMPLES, FieldStats, LogHistogram, Occurrences, TopK
@@ -200,9 +200,7 @@ class DataScanner:
         st.stats.n_nan += nan
         st.stats.n_inf += bad - nan
         scalar = chunk.trailing[name] is None
-        harm = ~fin
-        if not scalar and mask_values(rows[fin]):  # an additive mask's -inf is intended, as in the probe
-            harm &= rows != -np.inf
+        harm = ~fin if scalar else harmful_values(rows, fin)  # a mask's -inf is intended, as in the probe
         harmful = bool(harm.any())
         where = harm if harmful else ~fin
         samples = [] if scalar else np.flatnonzero(where.any(axis=1)).tolist()
