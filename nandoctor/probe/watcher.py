@@ -249,23 +249,21 @@ class StepWatcher:
         lr = current_lr(self.optimizer)
         record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, st.loss_scale, lr=lr)
         skipped = scaler is not None and math.isfinite(st.loss) and not st.grads_finite
-        if skipped:  # AMP overflow: the scaler skips this update and lowers the scale; not a fault
-            fault = self.data_fault()  # unless a NaN in the batch did it
+        if not skipped and math.isfinite(st.loss) and not st.grads_finite and mon.recheck_grads(st):
+            record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, lr=lr)  # a norm overflow
+        if not math.isfinite(st.loss) or not st.grads_finite:
+            fault = self.data_fault()  # a NaN in the batch did it (also what AMP would take for an overflow)
             if fault is not None:
                 return fault
-            record.skipped = True
-        elif math.isfinite(st.loss) and not st.grads_finite and mon.recheck_grads(st):
-            record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, lr=lr)
-        if not skipped and (not math.isfinite(st.loss) or not st.grads_finite):
-            fault = self.data_fault()
-            if fault is not None:
-                return fault
-            # NaN weights written by the last update make the loss NaN too: blame the update
-            fault = self._update_fault(step, latest=True) if self.history else None
-            if fault is not None:
-                return fault
-            self.records.append(record)
-            return self._fault(FaultKind.NONFINITE, rng=self._rng, stats=st)
+            if skipped:  # AMP overflow: the scaler skips this update and lowers the scale; not a fault
+                record.skipped = True
+            else:
+                # NaN weights written by the last update make the loss NaN too: blame the update
+                fault = self._update_fault(step, latest=True) if self.history else None
+                if fault is not None:
+                    return fault
+                self.records.append(record)
+                return self._fault(FaultKind.NONFINITE, rng=self._rng, stats=st)
         self.records.append(record)
         self.schedule.alert = bool(self.tracker.update(record))
         self._last_norm = st.grad_norm
