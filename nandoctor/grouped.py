@@ -46,6 +46,26 @@ def per_tensor(tensors: list[Any], reduce_rows: Callable[[Any], Any]) -> np.ndar
     return out
 
 
+def host_copies(tensors: list[Any], groups: dict[tuple[Any, ...], list[int]] | None = None) -> list[np.ndarray]:
+    """Host copies of many tensors in one device-to-host copy per shape and dtype (each `.numpy()` costs
+    ~3-5 us: a snapshot of a 300-tensor model and its Adam state, 1500 tensors, took 4-6 ms one by one).
+    `groups`: `by_shape(tensors)` from an earlier call on the same tensors (reading 1500 shapes costs ~2 ms)."""
+    import paddle
+
+    out: list[Any] = [None] * len(tensors)
+    with paddle.no_grad():
+        for idx in (groups if groups is not None else by_shape(tensors)).values():
+            numel = math.prod(tensors[idx[0]].shape)
+            if len(idx) > 1 and numel * len(idx) <= STACK_MAX_NUMEL:
+                rows = paddle.stack([tensors[i] for i in idx]).numpy()
+                for row, i in enumerate(idx):
+                    out[i] = rows[row]
+            else:
+                for i in idx:
+                    out[i] = np.array(tensors[i].numpy(), copy=True)
+    return out
+
+
 def all_finite_rows(x: Any) -> Any:
     """1.0 for a row with no NaN/Inf, else 0.0."""
     import paddle

@@ -11,6 +11,7 @@ above `MAX_MODEL_BYTES` get no ring and a note instead.
 from __future__ import annotations
 
 import math
+import operator
 import random
 import statistics
 import time
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from nandoctor.grouped import by_shape, host_copies
 from nandoctor.schedulers import lr_scheduler
 
 MAX_MODEL_BYTES = 256 * 2**20  # one snapshot (weights + optimizer state) above this: no ring
@@ -70,6 +72,7 @@ class SnapshotRing:
     optimizer: Any
     every: int = MIN_EVERY
     disabled: str | None = None  # why there is no ring (a note for the report)
+    max_every: int = 10**6  # the longest interval (the in-loop watch keeps every batch in between)
     first: Snapshot | None = None
     ring: deque[Snapshot] = field(default_factory=lambda: deque(maxlen=MAX_SNAPSHOTS))
     epoch_rng: dict[int, RngState] = field(default_factory=dict)  # the RNG as each epoch's loader was made
@@ -79,6 +82,7 @@ class SnapshotRing:
     _last_saved: int = 0
     _last_took: float | None = None  # seconds the newest snapshot took
     _step_times: list[float] = field(default_factory=list)
+    _groups: tuple[list[Any], dict[tuple[Any, ...], list[int]]] | None = None  # the last tensors, their groups
 
     @classmethod
     def for_model(cls, model: Any, optimizer: Any) -> SnapshotRing:
@@ -133,12 +137,21 @@ class SnapshotRing:
     def _interval(self, took: float) -> int:
         """Steps between snapshots so that one costing `took` seconds stays within COST_SHARE of the steps."""
         per_step = statistics.median(self._step_times[-20:])
-        return max(MIN_EVERY, min(math.ceil(took / max(COST_SHARE * per_step, 1e-9)), 10**6))
+        return max(MIN_EVERY, min(math.ceil(took / max(COST_SHARE * per_step, 1e-9)), self.max_every))
 
     def take(self, step: int, epoch: int, batch_index: int) -> Snapshot:
-        model = {k: _host(v) for k, v in self.model.state_dict().items()}
-        accs = {name: {p: _host(t) for p, t in per.items()}
-                for name, per in getattr(self.optimizer, "_accumulators", {}).items()}
+        state = self.model.state_dict()
+        per_acc = getattr(self.optimizer, "_accumulators", {})
+        keys = [("model", k) for k in state] + [(name, p) for name, per in per_acc.items() for p in per]
+        tensors = [*state.values(), *(t for per in per_acc.values() for t in per.values())]
+        last = self._groups  # the same tensors as last time (the usual case): the same groups
+        if last is None or len(last[0]) != len(tensors) or not all(map(operator.is_, last[0], tensors)):
+            self._groups = (tensors, by_shape(tensors))
+        arrays = host_copies(tensors, self._groups[1])
+        model: dict[str, np.ndarray] = {}
+        accs: dict[str, dict[str, np.ndarray]] = {name: {} for name in per_acc}
+        for (kind, key), arr in zip(keys, arrays):
+            (model if kind == "model" else accs[kind])[key] = arr
         sched = lr_scheduler(self.optimizer)
         nbytes = sum(a.nbytes for a in model.values()) + sum(a.nbytes for per in accs.values() for a in per.values())
         bad = sum(int((~np.isfinite(a)).sum()) for a in model.values() if a.dtype.kind == "f")
@@ -185,10 +198,6 @@ def restore(snap: Snapshot, model: Any, optimizer: Any) -> None:
     sched = lr_scheduler(optimizer)
     if sched is not None and snap.scheduler is not None:
         sched.set_state_dict(dict(snap.scheduler))
-
-
-def _host(t: Any) -> np.ndarray:
-    return np.array(t.numpy(), copy=True)
 
 
 def _nbytes(t: Any) -> int:
