@@ -252,11 +252,17 @@ class WatchedTrainer:
         import nandoctor
 
         self.trainer = trainer
-        self.watch = nandoctor.watch(trainer.model, trainer.optimizer, report_dir=None)
+        # with step_fn, as the README shows it: a fault is replayed, and a many-tensor model's gradients
+        # are read one step in four (inloop/history.py)
+        self.watch = nandoctor.watch(trainer.model, trainer.optimizer, step_fn=self._step_fn, report_dir=None)
         self.doctor = self.watch.__enter__()
 
     def step(self) -> float:
         return self.trainer.step(after_backward=self._check)
+
+    def _step_fn(self, model: Any, batch: tuple[Any, Any]) -> Any:
+        x, y = batch
+        return self.trainer.loss_fn(model(x), y)
 
     def _check(self, loss: Any, batch: tuple[Any, Any]) -> None:
         if not self.doctor.check(loss, batch):

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from nandoctor.findings import Report
 from nandoctor.inloop.batch import to_fields
+from nandoctor.inloop.history import StepHistory
 from nandoctor.probe.watcher import Fault, FaultKind, StepWatcher
 
 log = logging.getLogger("nandoctor")
@@ -62,7 +63,7 @@ class Doctor:
     def __init__(self, model: Any, optimizer: Any, *, step_fn: Callable[[Any, Any], Any] | None = None,
                  report_dir: str | Path | None = "nandoctor-report", on_fault: str = "stop", scaler: Any = None,
                  fields: list[str] | None = None, fp16: bool = False, sync: Any = None,
-                 wrap_step: bool = True) -> None:
+                 wrap_step: bool = True, defer_reads: bool = False) -> None:
         import paddle
 
         if on_fault not in ON_FAULT:
@@ -81,6 +82,11 @@ class Doctor:
         if scaler is not None and not _enabled(scaler):
             scaler = None
         self.watcher = StepWatcher(self.model, optimizer, scaler=scaler, fp16=fp16, amp=scaler is not None)
+        # Gradients read one step in four on a many-tensor model, where a rollback can replay (history.py)
+        self.history: StepHistory | None = None
+        if (defer_reads and step_fn is not None and optimizer is not None and on_fault != "skip_step"
+                and sync is None and scaler is None and not self.watcher.monitor.small):
+            self.history = StepHistory(self.model, optimizer, self.watcher)
         self.step = 0  # steps checked so far = the next step's index
         self.fault: Fault | None = None
         self.report: Report | None = None
@@ -104,10 +110,14 @@ class Doctor:
             return  # an evaluation pass between steps is not a training step
         if self._checked:  # accumulation: no optimizer step since the last check
             self._end_step(stepped=False)
+            if self.history is not None:  # a replay steps once a batch: it could not stand in for the check
+                self.history.off("gradient accumulation")
         if not self._open:
             self._begin()
 
     def _begin(self) -> None:
+        if self.history is not None:
+            self.history.begin(self.step)
         self.watcher.begin_step(self.step, {}, batch_index=self.step)
         self._open = True
 
@@ -153,6 +163,8 @@ class Doctor:
         self.step += 1
         if fault is None:
             self._checked = True
+            if self.history is not None:
+                self.history.keep(step, fields, rebuild)
             return True
         self._end_step(stepped=False)
         if self.fault is not None:  # skip_step: a later fault is counted, not localised again
@@ -217,14 +229,7 @@ class Doctor:
         self.watcher.monitor.begin_step(False)  # stats hooks off before any replay
         device = str(paddle.get_device())
         report = outcome.new_report(device, "watch")
-        compute = None
-        if self.step_fn is not None and fault is not None and fault.kind == FaultKind.NONFINITE:
-            step_fn = self.step_fn
-
-            def compute(model: Any, fields: dict[str, Any]) -> Any:
-                return step_fn(model, rebuild(fields))
-
-        workload = _Workload(self.model, compute, SimpleNamespace(base_dir=_base_dir(self.step_fn, self.model),
+        workload = _Workload(self.model, None, SimpleNamespace(base_dir=_base_dir(self.step_fn, self.model),
                                                                   step=None,
                                                                   loss=None, data=SimpleNamespace(entry="the loop")))
         peer = fault is not None and fault.evidence.get("peer")
@@ -232,6 +237,11 @@ class Doctor:
         self._busy = True
         try:
             with _no_sync(self.wrapper):  # a replay on one rank must not wait for the others' gradients
+                rolled = None
+                if self.history is not None and fault is not None:  # a fault that began on an unread step
+                    fault, rolled = self.history.rollback(fault, self.step_fn, rebuild, self.step)
+                    self.fault = fault
+                workload.compute_loss = self._replay_loss(fault, rebuild)
                 try:
                     outcome.fill_report(report, self.watcher, None if peer else fault, self.step,
                                         workload=workload, optimizer=self.optimizer)
@@ -241,6 +251,8 @@ class Doctor:
                     workload.compute_loss = None
                     outcome.fill_report(report, self.watcher, None if peer else fault, self.step,
                                         workload=workload, optimizer=self.optimizer)
+                if rolled is not None:
+                    report.details["rollback"] = rolled
         finally:
             self._busy = False
             if not was_training:
@@ -256,6 +268,18 @@ class Doctor:
             log.error("nandoctor: report written to %s", written)
         if self.sync is not None:
             self.sync.barrier()  # no rank exits (and gets the launcher to kill the others) before rank 0 wrote
+
+    def _replay_loss(self, fault: Fault | None, rebuild: Callable[[dict], Any]) -> Any:
+        """The replay's loss: the user's step_fn on the batch rebuilt in the user's shape (None: no replay)."""
+        if self.step_fn is None or fault is None or fault.kind != FaultKind.NONFINITE:
+            return None
+        step_fn = self.step_fn
+        rebuilds = self.history.rebuilds if self.history is not None else {}
+
+        def compute(model: Any, fields: dict[str, Any]) -> Any:
+            return step_fn(model, rebuilds.get(id(fields), rebuild)(fields))
+
+        return compute
 
     def _warn(self) -> None:
         """Warnings through `logging` as they appear (explosion, float16 headroom): host-side only."""
@@ -287,7 +311,7 @@ def watch(model: Any, optimizer: Any = None, step_fn: Callable[[Any, Any], Any] 
     if distributed or (distributed is None and world_size() > 1):
         sync = RankSync()
     return Doctor(model, optimizer, step_fn=step_fn, report_dir=report_dir, on_fault=on_fault, scaler=scaler,
-                  fields=fields, fp16=fp16, sync=sync)
+                  fields=fields, fp16=fp16, sync=sync, defer_reads=True)
 
 
 def _base_dir(fn: Any, model: Any) -> Path:

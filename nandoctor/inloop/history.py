@@ -1,0 +1,157 @@
+"""Spaced-out gradient reads for `nandoctor.watch`, as the probe has them: a snapshot ring, the batches
+since its older snapshot, and the rollback that replays them when a fault began on an unread step.
+
+On a model of hundreds of tensors, fetching and reducing every gradient is most of the watch's per-step
+cost (~2.5% of a 20 ms step on a 300-tensor MLP). Read one step in four, a NaN gradient on an unread step
+goes into the weights and shows one step later, as NaN weights or the NaN loss they cause. The probe
+then restores a snapshot and replays the steps from its loader (probe/rollback.py); a user's loop has no
+loader nandoctor could remake, so this keeps the checked batches since the ring's older snapshot (host
+references, no copies) and replays them through the user's `step_fn`. It is only switched on where such a
+replay can stand in for the live check: a `step_fn` to replay with, one optimizer step per batch (no
+gradient accumulation), no AMP scaler, no ranks to agree with, and `on_fault` other than "skip_step"
+(which promises that no faulty update is ever applied), and only while the kept batches stay small.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from nandoctor.probe.loop import DEFER_EVERY
+from nandoctor.probe.snapshots import MIN_EVERY, SnapshotRing
+from nandoctor.probe.watcher import Fault, StepWatcher
+from nandoctor.schedulers import lr_scheduler
+
+log = logging.getLogger("nandoctor")
+
+KEPT_BYTES = 64 * 2**20  # the batches kept for a replay, all together (on the device for device tensors)
+MIN_INTERVAL = 16  # snapshots needed more often than this (large batches): read every step instead
+
+
+@dataclass
+class _Kept:
+    fields: dict[str, Any]
+    rebuild: Callable[[dict], Any]
+
+
+class StepHistory:
+    """The ring, the kept batches and the rollback for one watch; `None` of it costs anything when off."""
+
+    def __init__(self, model: Any, optimizer: Any, watcher: StepWatcher) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.watcher = watcher
+        self.ring: SnapshotRing | None = SnapshotRing.for_model(model, optimizer)
+        if self.ring.disabled is not None:
+            self.ring = None
+        self.kept: dict[int, _Kept] = {}
+        self.rebuilds: dict[int, Callable[[dict], Any]] = {}  # id(fields) -> that batch's rebuild
+        self._sched_start: tuple[int, int] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.ring is not None
+
+    def off(self, why: str) -> None:
+        """Back to reading every step, for good (no unread step can come after this)."""
+        if self.ring is not None:
+            log.debug("nandoctor: gradients read every step: %s", why)
+        self.ring = None
+        self.kept.clear()
+        self.rebuilds.clear()
+        self.watcher.defer_every = 1
+
+    def begin(self, step: int) -> None:
+        """Before step `step`'s forward: the ring's snapshot when one is due, then the batches it frees."""
+        ring = self.ring
+        if ring is None:
+            return
+        sched = lr_scheduler(self.optimizer)
+        if self._sched_start is None and sched is not None:
+            self._sched_start = (step, int(sched.last_epoch))
+        saves = ring.saves
+        ring.on_batch(step, 0, step)
+        if ring.saves != saves and len(ring.ring) == ring.ring.maxlen:
+            oldest = ring.ring[0].step  # the older ring snapshot: a rollback replays from it at the earliest
+            for s in [s for s in self.kept if s < oldest]:
+                self.rebuilds.pop(id(self.kept.pop(s).fields), None)
+
+    def keep(self, step: int, fields: dict[str, Any], rebuild: Callable[[dict], Any]) -> None:
+        """A checked step's batch, for a replay; on the first, whether batches this size may be kept."""
+        if self.ring is None:
+            return
+        if not self.kept and step == 0:
+            size = _nbytes(fields)
+            if size and KEPT_BYTES // (2 * size) < MIN_INTERVAL:
+                self.off(f"batches of {size / 2**20:.1f} MB are too large to keep for a replay")
+                return
+            self.ring.max_every = max(MIN_EVERY, KEPT_BYTES // (2 * max(size, 1)))
+            self.watcher.defer_grads(DEFER_EVERY)
+        self.kept[step] = _Kept(fields, rebuild)
+        self.rebuilds[id(fields)] = rebuild
+
+    def rollback(self, fault: Fault, step_fn: Callable[[Any, Any], Any], default_rebuild: Callable[[dict], Any],
+                 steps_run: int) -> tuple[Fault, dict[str, Any] | None]:
+        """The fault the replay of the kept steps finds first, and what the report's details say about it;
+        `fault` itself when there is nothing to replay (the watcher's records are trimmed to match)."""
+        from nandoctor.probe import rollback
+
+        if not rollback.needs_rollback(fault, self.ring):
+            return fault, None
+        res = SimpleNamespace(fault=fault, records=self.watcher.records, steps_run=steps_run, interrupted=False)
+        info = rollback.rollback(res, self.replay_workload(step_fn, default_rebuild, steps_run), self.optimizer,
+                                  self.ring)
+        self.watcher.records = res.records  # (Ctrl-C during the replay: the update fault stands, noted in info)
+        return res.fault, info
+
+    def replay_workload(self, step_fn: Callable[[Any, Any], Any], default_rebuild: Callable[[dict], Any],
+                        steps_run: int) -> Any:
+        """What the probe's replay drives: the kept batches as a loader (its position is the step), the
+        user's `step_fn` as the loss, and the user's scheduler stepped per step when the loop did so."""
+        kept = self.kept
+        rebuilds = self.rebuilds
+
+        def make_loader() -> Iterator[Any]:
+            return iter([kept[s].fields if s in kept else None for s in range(max(kept, default=-1) + 1)])
+
+        def fields(batch: Any, index: int) -> dict[str, Any]:
+            if batch is None:
+                raise LookupError(f"the batch of step {index} was not kept for a replay")
+            return batch
+
+        def compute_loss(model: Any, f: dict[str, Any]) -> Any:
+            return step_fn(model, rebuilds.get(id(f), default_rebuild)(f))
+
+        by = self._scheduler_by(steps_run)
+        spec = SimpleNamespace(optimizer=SimpleNamespace(accumulate_steps=1, scheduler_by=by))
+        return SimpleNamespace(model=self.model, compute_loss=compute_loss, make_loader=make_loader,
+                               layout=SimpleNamespace(fields=fields), spec=spec)
+
+    def _scheduler_by(self, steps_run: int) -> str | None:
+        """"step" when the loop's LR scheduler advanced once per step since the first (a replay then
+        steps it too), else None (an epoch scheduler holds still over the few steps a replay covers)."""
+        sched = lr_scheduler(self.optimizer)
+        if sched is None or self._sched_start is None:
+            return None
+        first, epoch0 = self._sched_start
+        steps = steps_run - first
+        return "step" if steps > 0 and int(sched.last_epoch) - epoch0 >= steps else None
+
+
+def _nbytes(fields: dict[str, Any]) -> int:
+    """The batch's arrays and tensors in bytes (metadata only: no copy, no sync)."""
+    import paddle
+
+    total = 0
+    for value in fields.values():
+        if isinstance(value, np.ndarray):
+            total += int(value.nbytes)
+        elif isinstance(value, paddle.Tensor):
+            total += int(value.element_size()) * math.prod(int(d) for d in value.shape)
+    return total

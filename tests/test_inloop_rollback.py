@@ -1,0 +1,133 @@
+"""nandoctor.watch on a many-tensor model reads the gradients one step in four (inloop/history.py); a NaN
+gradient on an unread step is still named as if caught live, against a plain Paddle loop's ground truth.
+Where a replay could not stand in for the live check, every step is read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+import probe_models as pm
+import pytest
+
+import nandoctor
+from nandoctor.findings import Phase
+
+ZERO_BATCH, ZERO_ROW = 6, 3  # sqrt(0) in the backward of `dist` for this sample of this batch
+DATA = {"zero_batch": ZERO_BATCH, "zero_rows": [ZERO_ROW], "batches": 12}
+
+
+def _step(model: Any, batch: Any) -> Any:
+    x, y = (paddle.to_tensor(v) for v in batch)
+    return F.cross_entropy(model(x), y.unsqueeze(-1))
+
+
+@pytest.fixture
+def no_stats_steps():
+    """Per-layer stats (which also read the gradients) only at step 0, so step 6 is an unread step."""
+    from nandoctor.probe.watcher import StatsSchedule
+
+    orig = StatsSchedule.want
+    StatsSchedule.want = lambda self, step: step == 0  # type: ignore[method-assign]
+    yield
+    StatsSchedule.want = orig  # type: ignore[method-assign]
+
+
+def _loop(tmp_path: Path, *, step_fn: Any = _step, on_fault: str = "stop", accumulate: int = 1,
+          batches: list | None = None, model: Any = None) -> tuple[Any, list[int]]:
+    """The user's own loop on deep_dist; returns the doctor and the steps whose update was applied."""
+    model = model or pm.deep_dist()
+    opt = paddle.optimizer.Adam(parameters=model.parameters(), learning_rate=0.01)
+    stepped: list[int] = []
+    with nandoctor.watch(model, opt, step_fn=step_fn, report_dir=tmp_path / "report", on_fault=on_fault,
+                         fields=["x", "label"]) as doctor:
+        for i, batch in enumerate(batches if batches is not None else pm.loader(**DATA)):
+            loss = _step(model, batch)
+            (loss / accumulate).backward()
+            if not doctor.check(loss, batch):
+                if on_fault == "stop":
+                    break
+            if (i + 1) % accumulate == 0:
+                opt.step()
+                opt.clear_grad()
+                stepped.append(i)
+    return doctor, stepped
+
+
+def _ground_truth() -> int | None:
+    """Without nandoctor: the first step whose gradients hold NaN/Inf, checked on the host in float64."""
+    model = pm.deep_dist()
+    opt = paddle.optimizer.Adam(parameters=model.parameters(), learning_rate=0.01)
+    for step, batch in enumerate(pm.loader(**DATA)):
+        _step(model, batch).backward()
+        if not all(np.isfinite(np.asarray(p.grad.numpy(), "float64")).all() for p in model.parameters()
+                   if p.grad is not None):
+            return step
+        opt.step()
+        opt.clear_grad()
+    return None
+
+
+def test_a_nan_gradient_on_an_unread_step_of_the_users_loop_is_named_as_if_caught_live(tmp_path, no_stats_steps):
+    assert _ground_truth() == ZERO_BATCH
+    doctor, _ = _loop(tmp_path)
+    assert ZERO_BATCH in doctor.watcher.unread  # the fault's step really went unread
+    rollback = doctor.report.details["rollback"]
+    assert rollback["found"] == {"step": ZERO_BATCH, "kind": "grad"}
+    assert rollback["replayed_from_step"] <= ZERO_BATCH
+    ff = doctor.report.first_fault
+    assert (ff.step, ff.phase, ff.layer, ff.op) == (ZERO_BATCH, Phase.BACKWARD, "dist", "sqrt_grad")
+    assert ff.sample_indices == [ZERO_ROW]
+    assert [f.code.value for f in doctor.report.findings if f.severity.value == "error"] == ["grad.nonfinite"]
+    assert doctor.report.timeline[-1].step == ZERO_BATCH  # the step after it trained on NaN weights: not shown
+    assert (tmp_path / "report" / "report.json").is_file()
+
+
+def test_the_same_loop_without_step_fn_reads_every_step_and_names_the_step(tmp_path, no_stats_steps):
+    doctor, stepped = _loop(tmp_path, step_fn=None)
+    assert not doctor.watcher.unread
+    assert "rollback" not in doctor.report.details
+    ff = doctor.report.first_fault
+    assert (ff.step, ff.phase) == (ZERO_BATCH, Phase.BACKWARD)
+    assert stepped == list(range(ZERO_BATCH))  # stopped before the faulty update
+
+
+def test_skip_step_reads_every_step_so_no_faulty_update_is_applied(tmp_path, no_stats_steps):
+    doctor, stepped = _loop(tmp_path, on_fault="skip_step")
+    assert not doctor.watcher.unread
+    assert doctor.skipped == [ZERO_BATCH]
+    assert all(np.isfinite(p.numpy()).all() for p in doctor.model.parameters())
+
+
+def test_gradient_accumulation_switches_the_spaced_reads_off(tmp_path, no_stats_steps):
+    healthy = pm.loader(batches=12)
+    doctor, _ = _loop(tmp_path, accumulate=2, batches=healthy)
+    assert doctor.report is None
+    assert not doctor.watcher.unread and doctor.history.ring is None
+
+
+def test_a_healthy_deep_loop_reads_one_step_in_four_and_keeps_only_the_batches_a_replay_needs(tmp_path, no_stats_steps,
+                                                                                             monkeypatch):
+    import nandoctor.inloop.history as history
+
+    size = 8 * 6 * 4 + 8 * 8  # one batch of pm.loader: x float32 (8, 6) and the int64 labels
+    monkeypatch.setattr(history, "KEPT_BYTES", 2 * size * history.MIN_INTERVAL)  # snapshots every <= 16 steps
+    doctor, _ = _loop(tmp_path, batches=pm.loader(batches=80))
+    assert doctor.report is None
+    unread = doctor.watcher.unread
+    assert len(unread) >= 50 and not unread & {0, 1, 2} and not any(s % 4 == 0 for s in unread)
+    ring = doctor.history.ring
+    assert ring.every <= history.MIN_INTERVAL and len(ring.ring) == 2
+    assert min(doctor.history.kept) == ring.ring[0].step  # nothing older than the older snapshot
+    assert len(doctor.history.kept) <= 2 * history.MIN_INTERVAL + 1
+
+
+def test_large_batches_are_not_kept_and_every_step_is_read(tmp_path, no_stats_steps, monkeypatch):
+    import nandoctor.inloop.history as history
+
+    monkeypatch.setattr(history, "KEPT_BYTES", 1024)  # a batch here is 256 bytes: 2 x 16 of them are more
+    doctor, _ = _loop(tmp_path, batches=pm.loader(batches=12))
+    assert doctor.report is None and not doctor.watcher.unread and doctor.history.ring is None
