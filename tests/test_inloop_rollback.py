@@ -131,3 +131,15 @@ def test_large_batches_are_not_kept_and_every_step_is_read(tmp_path, no_stats_st
     monkeypatch.setattr(history, "KEPT_BYTES", 1024)  # a batch here is 256 bytes: 2 x 16 of them are more
     doctor, _ = _loop(tmp_path, batches=pm.loader(batches=12))
     assert doctor.report is None and not doctor.watcher.unread and doctor.history.ring is None
+
+
+def test_a_check_without_the_batch_reads_every_step(tmp_path, no_stats_steps):
+    model = pm.deep_dist()
+    opt = paddle.optimizer.Adam(parameters=model.parameters(), learning_rate=0.01)
+    with nandoctor.watch(model, opt, step_fn=_step, report_dir=tmp_path / "report") as doctor:
+        for batch in pm.loader(batches=12):
+            _step(model, batch).backward()
+            assert doctor.check(_step(model, batch))
+            opt.step()
+            opt.clear_grad()
+    assert not doctor.watcher.unread and doctor.history.ring is None

@@ -88,6 +88,9 @@ class StepHistory:
             return
         if not self.kept and step == 0:
             size = _nbytes(fields)
+            if not fields:
+                self.off("check() was given no batch, so there is none to replay")
+                return
             if size and KEPT_BYTES // (2 * size) < MIN_INTERVAL:
                 self.off(f"batches of {size / 2**20:.1f} MB are too large to keep for a replay")
                 return
