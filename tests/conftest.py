@@ -64,3 +64,15 @@ def tmpdir_left_clean():
     leftovers = sorted(name for name in os.listdir(_SESSION_TMP) if not name.startswith("pytest-of-"))
     shutil.rmtree(_SESSION_TMP, ignore_errors=True)
     assert not leftovers, f"files left in $TMPDIR by this test session: {leftovers}"
+
+
+@pytest.fixture
+def no_stats_steps():
+    """Per-layer stats (which also read the gradients) only at step 0, so later steps of a many-tensor
+    model go unread but one in four (the rollback tests)."""
+    from nandoctor.probe.watcher import StatsSchedule
+
+    orig = StatsSchedule.want
+    StatsSchedule.want = lambda self, step: step == 0  # type: ignore[method-assign]
+    yield
+    StatsSchedule.want = orig  # type: ignore[method-assign]

@@ -297,6 +297,22 @@ def deep_dist(depth: int = 50, width: int = 8):
     return DeepDist(depth, width)
 
 
+def deep_dist_first_nonfinite_gradient_step(data: dict) -> int | None:
+    """Ground truth without nandoctor for `deep_dist` on `loader(**data)` with Adam (lr 0.01): the first step
+    whose gradients hold NaN/Inf, in a plain loop, each step's gradients checked on the host in float64."""
+    model = deep_dist()
+    opt = paddle.optimizer.Adam(parameters=model.parameters(), learning_rate=0.01)
+    for step, (x, y) in enumerate(loader(**data)):
+        loss = paddle.nn.functional.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y).unsqueeze(-1))
+        loss.backward()
+        if not all(np.isfinite(np.asarray(p.grad.numpy(), "float64")).all() for p in model.parameters()
+                   if p.grad is not None):
+            return step
+        opt.step()
+        opt.clear_grad()
+    return None
+
+
 class NanMaskingMLP(nn.Layer):
     """The user zeroes NaN activations after the first layer: a NaN input row leaves the loss finite, but
     the first layer's weight gradient is NaN (x^T @ dout, with NaN * 0 = NaN). 102 tensors: "many"."""

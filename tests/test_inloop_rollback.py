@@ -11,7 +11,6 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 import probe_models as pm
-import pytest
 
 import nandoctor
 from nandoctor.findings import Phase
@@ -23,17 +22,6 @@ DATA = {"zero_batch": ZERO_BATCH, "zero_rows": [ZERO_ROW], "batches": 12}
 def _step(model: Any, batch: Any) -> Any:
     x, y = (paddle.to_tensor(v) for v in batch)
     return F.cross_entropy(model(x), y.unsqueeze(-1))
-
-
-@pytest.fixture
-def no_stats_steps():
-    """Per-layer stats (which also read the gradients) only at step 0, so step 6 is an unread step."""
-    from nandoctor.probe.watcher import StatsSchedule
-
-    orig = StatsSchedule.want
-    StatsSchedule.want = lambda self, step: step == 0  # type: ignore[method-assign]
-    yield
-    StatsSchedule.want = orig  # type: ignore[method-assign]
 
 
 def _loop(tmp_path: Path, *, step_fn: Any = _step, on_fault: str = "stop", accumulate: int = 1,
@@ -57,22 +45,8 @@ def _loop(tmp_path: Path, *, step_fn: Any = _step, on_fault: str = "stop", accum
     return doctor, stepped
 
 
-def _ground_truth() -> int | None:
-    """Without nandoctor: the first step whose gradients hold NaN/Inf, checked on the host in float64."""
-    model = pm.deep_dist()
-    opt = paddle.optimizer.Adam(parameters=model.parameters(), learning_rate=0.01)
-    for step, batch in enumerate(pm.loader(**DATA)):
-        _step(model, batch).backward()
-        if not all(np.isfinite(np.asarray(p.grad.numpy(), "float64")).all() for p in model.parameters()
-                   if p.grad is not None):
-            return step
-        opt.step()
-        opt.clear_grad()
-    return None
-
-
 def test_a_nan_gradient_on_an_unread_step_of_the_users_loop_is_named_as_if_caught_live(tmp_path, no_stats_steps):
-    assert _ground_truth() == ZERO_BATCH
+    assert pm.deep_dist_first_nonfinite_gradient_step(DATA) == ZERO_BATCH
     doctor, _ = _loop(tmp_path)
     assert ZERO_BATCH in doctor.watcher.unread  # the fault's step really went unread
     rollback = doctor.report.details["rollback"]

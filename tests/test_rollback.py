@@ -4,7 +4,7 @@ caught live (same step, phase, layer, op and samples), against a plain Paddle lo
 from __future__ import annotations
 
 import numpy as np
-import pytest
+import probe_models as pm
 from probe_spec import probe
 
 from nandoctor.findings import Phase
@@ -13,39 +13,8 @@ ZERO_BATCH, ZERO_ROW = 6, 3  # sqrt(0) in the backward of `dist` for this sample
 DATA = {"zero_batch": ZERO_BATCH, "zero_rows": [ZERO_ROW], "batches": 12}
 
 
-def _first_nonfinite_gradient_step() -> int | None:
-    """Ground truth without nandoctor: the model, data, loss and optimizer of the spec, in a plain loop,
-    each step's gradients checked on the host in float64."""
-    import paddle
-    import probe_models as pm
-
-    paddle.seed(0)
-    model = pm.deep_dist()
-    opt = paddle.optimizer.Adam(parameters=model.parameters(), learning_rate=0.01)
-    for step, (x, y) in enumerate(pm.loader(**DATA)):
-        loss = paddle.nn.functional.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y).unsqueeze(-1))
-        loss.backward()
-        if not all(np.isfinite(np.asarray(p.grad.numpy(), "float64")).all() for p in model.parameters()
-                   if p.grad is not None):
-            return step
-        opt.step()
-        opt.clear_grad()
-    return None
-
-
-@pytest.fixture
-def no_stats_steps():
-    """Per-layer stats (which also read the gradients) only at step 0, so step 6 is an unread step."""
-    from nandoctor.probe.watcher import StatsSchedule
-
-    orig = StatsSchedule.want
-    StatsSchedule.want = lambda self, step: step == 0  # type: ignore[method-assign]
-    yield
-    StatsSchedule.want = orig  # type: ignore[method-assign]
-
-
 def test_a_nan_gradient_on_an_unread_step_is_named_as_if_caught_live(tmp_path, no_stats_steps):
-    assert _first_nonfinite_gradient_step() == ZERO_BATCH
+    assert pm.deep_dist_first_nonfinite_gradient_step(DATA) == ZERO_BATCH
     report = probe(tmp_path, model="deep_dist", data_args=DATA, steps=12)
     rollback = report.details["rollback"]
     assert ZERO_BATCH in rollback["unread_steps"]
