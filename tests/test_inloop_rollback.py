@@ -117,3 +117,15 @@ def test_a_check_without_the_batch_reads_every_step(tmp_path, no_stats_steps):
             opt.step()
             opt.clear_grad()
     assert not doctor.watcher.unread and doctor.history.ring is None
+
+
+def test_batches_that_grow_past_the_budget_stop_the_spaced_reads(tmp_path, no_stats_steps, monkeypatch):
+    import nandoctor.inloop.history as history
+
+    size = 8 * 6 * 4 + 8 * 8
+    monkeypatch.setattr(history, "KEPT_BYTES", 2 * size * history.MIN_INTERVAL)
+    batches = pm.loader(batches=30)
+    batches[10:] = [(np.tile(x, (40, 1)), np.tile(y, 40)) for x, y in batches[10:]]  # 40x the rows from step 10
+    doctor, _ = _loop(tmp_path, batches=batches)
+    assert doctor.report is None and doctor.history.ring is None and not doctor.history.kept
+    assert doctor.watcher.unread and max(doctor.watcher.unread) < 12  # read every step once it stopped

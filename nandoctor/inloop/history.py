@@ -38,6 +38,7 @@ MIN_INTERVAL = 16  # snapshots needed more often than this (large batches): read
 class _Kept:
     fields: dict[str, Any]
     rebuild: Callable[[dict], Any]
+    nbytes: int
 
 
 class StepHistory:
@@ -51,6 +52,7 @@ class StepHistory:
         if self.ring.disabled is not None:
             self.ring = None
         self.kept: dict[int, _Kept] = {}
+        self.kept_bytes = 0
         self.rebuilds: dict[int, Callable[[dict], Any]] = {}  # id(fields) -> that batch's rebuild
         self._sched_start: tuple[int, int] | None = None
 
@@ -64,6 +66,7 @@ class StepHistory:
             log.debug("nandoctor: gradients read every step: %s", why)
         self.ring = None
         self.kept.clear()
+        self.kept_bytes = 0
         self.rebuilds.clear()
         self.watcher.defer_every = 1
 
@@ -80,14 +83,16 @@ class StepHistory:
         if ring.saves != saves and len(ring.ring) == ring.ring.maxlen:
             oldest = ring.ring[0].step  # the older ring snapshot: a rollback replays from it at the earliest
             for s in [s for s in self.kept if s < oldest]:
-                self.rebuilds.pop(id(self.kept.pop(s).fields), None)
+                old = self.kept.pop(s)
+                self.kept_bytes -= old.nbytes
+                self.rebuilds.pop(id(old.fields), None)
 
     def keep(self, step: int, fields: dict[str, Any], rebuild: Callable[[dict], Any]) -> None:
         """A checked step's batch, for a replay; on the first, whether batches this size may be kept."""
         if self.ring is None:
             return
+        size = _nbytes(fields)
         if not self.kept and step == 0:
-            size = _nbytes(fields)
             if not fields:
                 self.off("check() was given no batch, so there is none to replay")
                 return
@@ -96,7 +101,11 @@ class StepHistory:
                 return
             self.ring.max_every = max(MIN_EVERY, KEPT_BYTES // (2 * max(size, 1)))
             self.watcher.defer_grads(DEFER_EVERY)
-        self.kept[step] = _Kept(fields, rebuild)
+        elif self.kept_bytes + size > 2 * KEPT_BYTES:  # the batches grew since the first (longer sequences)
+            self.off(f"the batches kept for a replay passed {2 * KEPT_BYTES / 2**20:.0f} MB")
+            return
+        self.kept[step] = _Kept(fields, rebuild, size)
+        self.kept_bytes += size
         self.rebuilds[id(fields)] = rebuild
 
     def rollback(self, fault: Fault, step_fn: Callable[[Any, Any], Any], default_rebuild: Callable[[dict], Any],
