@@ -274,7 +274,7 @@ class Doctor:
         if self.step_fn is None or fault is None or fault.kind != FaultKind.NONFINITE:
             return None
         step_fn = self.step_fn
-        rebuilds = self.history.rebuilds if self.history is not None else {}
+        rebuilds = self.history.rebuilds() if self.history is not None else {}
 
         def compute(model: Any, fields: dict[str, Any]) -> Any:
             return step_fn(model, rebuilds.get(id(fields), rebuild)(fields))

@@ -15,7 +15,6 @@ gradient accumulation), no AMP scaler, no ranks to agree with, and `on_fault` ot
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -24,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from nandoctor.probe.loop import DEFER_EVERY
-from nandoctor.probe.snapshots import MIN_EVERY, SnapshotRing
+from nandoctor.probe.snapshots import MIN_EVERY, SnapshotRing, tensor_nbytes
 from nandoctor.probe.watcher import Fault, StepWatcher
 from nandoctor.schedulers import lr_scheduler
 
@@ -53,12 +52,8 @@ class StepHistory:
             self.ring = None
         self.kept: dict[int, _Kept] = {}
         self.kept_bytes = 0
-        self.rebuilds: dict[int, Callable[[dict], Any]] = {}  # id(fields) -> that batch's rebuild
-        self._sched_start: tuple[int, int] | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.ring is not None
+        sched = lr_scheduler(optimizer)  # where the loop's scheduler stood at step 0 (see _scheduler_by)
+        self._sched_start = int(sched.last_epoch) if sched is not None else None
 
     def off(self, why: str) -> None:
         """Back to reading every step, for good (no unread step can come after this)."""
@@ -67,7 +62,6 @@ class StepHistory:
         self.ring = None
         self.kept.clear()
         self.kept_bytes = 0
-        self.rebuilds.clear()
         self.watcher.defer_every = 1
 
     def begin(self, step: int) -> None:
@@ -75,23 +69,18 @@ class StepHistory:
         ring = self.ring
         if ring is None:
             return
-        sched = lr_scheduler(self.optimizer)
-        if self._sched_start is None and sched is not None:
-            self._sched_start = (step, int(sched.last_epoch))
         saves = ring.saves
         ring.on_batch(step, 0, step)
         if ring.saves != saves and len(ring.ring) == ring.ring.maxlen:
             oldest = ring.ring[0].step  # the older ring snapshot: a rollback replays from it at the earliest
             for s in [s for s in self.kept if s < oldest]:
-                old = self.kept.pop(s)
-                self.kept_bytes -= old.nbytes
-                self.rebuilds.pop(id(old.fields), None)
+                self.kept_bytes -= self.kept.pop(s).nbytes
 
     def keep(self, step: int, fields: dict[str, Any], rebuild: Callable[[dict], Any]) -> None:
         """A checked step's batch, for a replay; on the first, whether batches this size may be kept."""
         if self.ring is None:
             return
-        size = _nbytes(fields)
+        size = _batch_nbytes(fields)
         if not self.kept and step == 0:
             if not fields:
                 self.off("check() was given no batch, so there is none to replay")
@@ -106,7 +95,10 @@ class StepHistory:
             return
         self.kept[step] = _Kept(fields, rebuild, size)
         self.kept_bytes += size
-        self.rebuilds[id(fields)] = rebuild
+
+    def rebuilds(self) -> dict[int, Callable[[dict], Any]]:
+        """id(fields) -> the rebuild of that kept batch: a replayed batch back in the user's own shape."""
+        return {id(k.fields): k.rebuild for k in self.kept.values()}
 
     def rollback(self, fault: Fault, step_fn: Callable[[Any, Any], Any], default_rebuild: Callable[[dict], Any],
                  steps_run: int) -> tuple[Fault, dict[str, Any] | None]:
@@ -127,7 +119,7 @@ class StepHistory:
         """What the probe's replay drives: the kept batches as a loader (its position is the step), the
         user's `step_fn` as the loss, and the user's scheduler stepped per step when the loop did so."""
         kept = self.kept
-        rebuilds = self.rebuilds
+        rebuilds = self.rebuilds()
 
         def make_loader() -> Iterator[Any]:
             return iter([kept[s].fields if s in kept else None for s in range(max(kept, default=-1) + 1)])
@@ -151,12 +143,10 @@ class StepHistory:
         sched = lr_scheduler(self.optimizer)
         if sched is None or self._sched_start is None:
             return None
-        first, epoch0 = self._sched_start
-        steps = steps_run - first
-        return "step" if steps > 0 and int(sched.last_epoch) - epoch0 >= steps else None
+        return "step" if steps_run > 0 and int(sched.last_epoch) - self._sched_start >= steps_run else None
 
 
-def _nbytes(fields: dict[str, Any]) -> int:
+def _batch_nbytes(fields: dict[str, Any]) -> int:
     """The batch's arrays and tensors in bytes (metadata only: no copy, no sync)."""
     import paddle
 
@@ -165,5 +155,5 @@ def _nbytes(fields: dict[str, Any]) -> int:
         if isinstance(value, np.ndarray):
             total += int(value.nbytes)
         elif isinstance(value, paddle.Tensor):
-            total += int(value.element_size()) * math.prod(int(d) for d in value.shape)
+            total += tensor_nbytes(value)
     return total

@@ -87,7 +87,7 @@ class SnapshotRing:
     @classmethod
     def for_model(cls, model: Any, optimizer: Any) -> SnapshotRing:
         ring = cls(model, optimizer)
-        size = sum(_nbytes(p) for p in model.state_dict().values())
+        size = sum(tensor_nbytes(p) for p in model.state_dict().values())
         if size * 3 > MAX_MODEL_BYTES:  # Adam's two moments make the optimizer state ~2x the weights
             ring.disabled = (f"the model's weights and optimizer state (~{3 * size / 2**20:.0f} MB) are above the "
                              f"{MAX_MODEL_BYTES / 2**20:.0f} MB snapshot limit: no state ring was kept, so remedies "
@@ -200,7 +200,7 @@ def restore(snap: Snapshot, model: Any, optimizer: Any) -> None:
         sched.set_state_dict(dict(snap.scheduler))
 
 
-def _nbytes(t: Any) -> int:
+def tensor_nbytes(t: Any) -> int:
     try:
         return int(math.prod(int(d) for d in t.shape)) * int(t.element_size())
     except Exception:  # noqa: BLE001 - an odd buffer: count it as 4 bytes a value
