@@ -7,10 +7,18 @@ undone at `on_train_end`: `Model.train_batch` (to know the batch) and the optimi
 `Doctor.check` between backward and the update, and to skip the update of a faulty step). Batches of
 an accumulation step that does not update are checked when `train_batch` returns, before hapi clears
 anything. Detection and localisation are `nandoctor.watch`'s, so the report is the probe's.
+
+hapi reads `model.stop_training` only after an epoch (and its evaluation), so on its own it would train
+the rest of the epoch after a fault. One more seam, `Model._run_one_epoch`, hands hapi's loop a train
+loader that ends right after the faulting batch: no later batch is asked for or trained, the epoch's
+evaluation (`eval_data`) runs as after hapi's own EarlyStopping, on the weights before the faulty
+update, and `stop_training` keeps `fit` from starting another epoch. The same seam undoes the patches
+when an epoch raises, since hapi then calls no `on_train_end`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +44,7 @@ class NanDoctorCallback(paddle.callbacks.Callback):
         self._losses: Any = None
         self._undo: list[tuple[Any, str, Any, bool]] = []
         self._orig_loss: Any = None
+        self._stopped = False  # a fault stopped training: the train loader ends after the current batch
 
     @property
     def report(self) -> Any:
@@ -43,6 +52,8 @@ class NanDoctorCallback(paddle.callbacks.Callback):
 
     # ---- fit's life cycle -------------------------------------------------------------------------------
     def on_train_begin(self, logs: dict | None = None) -> None:
+        self._finish()  # a previous fit that raised between epochs left its patches: undo them first
+        self._stopped = False
         hm = self.model
         net, opt = hm.network, hm._optimizer
         n_inputs = len(hm._inputs) if hm._inputs else None
@@ -54,11 +65,10 @@ class NanDoctorCallback(paddle.callbacks.Callback):
         self._patch(opt, "minimize", self._minimize(opt.minimize))
         self._orig_loss = hm._loss
         self._patch(hm, "_loss", self._loss(hm._loss))
+        self._patch(hm, "_run_one_epoch", self._run_one_epoch(hm._run_one_epoch))
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self._unpatch()
-        if self.doctor is not None:
-            self.doctor.close()
+        self._finish()
 
     # ---- the seams -----------------------------------------------------------------------------------
     def _train_batch(self, inner: Any) -> Any:
@@ -94,6 +104,18 @@ class NanDoctorCallback(paddle.callbacks.Callback):
 
         return minimize
 
+    def _run_one_epoch(self, inner: Any) -> Any:
+        def run_one_epoch(data_loader: Any, callbacks: Any, mode: str, *args: Any, **kwargs: Any) -> Any:
+            if mode == "train" and self.stop_training:
+                data_loader = _UntilStopped(data_loader, lambda: self._stopped)
+            try:
+                return inner(data_loader, callbacks, mode, *args, **kwargs)
+            except BaseException:  # fit raises from here without on_train_end: leave hapi as it was
+                self._finish()
+                raise
+
+        return run_one_epoch
+
     def _loss(self, inner: Any) -> Any:
         def loss(*args: Any) -> Any:
             self._losses = inner(*args)
@@ -118,7 +140,16 @@ class NanDoctorCallback(paddle.callbacks.Callback):
 
     def _stop(self) -> None:
         if self.stop_training:
-            self.model.stop_training = True
+            self._stopped = True  # this epoch ends after the current batch ...
+            self.model.stop_training = True  # ... and fit starts no other
+
+    def _finish(self) -> None:
+        """Undo the patches and close the doctor (which removes its hook); safe to call twice."""
+        try:
+            self._unpatch()
+        finally:
+            if self.doctor is not None:
+                self.doctor.close()
 
     def _patch(self, obj: Any, name: str, fn: Any) -> None:
         had = name in vars(obj)
@@ -132,6 +163,28 @@ class NanDoctorCallback(paddle.callbacks.Callback):
             else:
                 delattr(obj, name)
         self._undo = []
+
+
+class _UntilStopped:
+    """One epoch of hapi's train loader that ends once `stopped()` is true, before asking the loader for
+    another batch (a loader's own read-ahead may have prepared some). `len()` stays the loader's: hapi
+    reads it to find an accumulation's last batch."""
+
+    def __init__(self, loader: Any, stopped: Callable[[], bool]) -> None:
+        self.loader = loader
+        self.stopped = stopped
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.loader)
+        while not self.stopped():
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            yield item
 
 
 def _names(hm: Any) -> list[str] | None:
