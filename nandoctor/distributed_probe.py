@@ -80,7 +80,8 @@ def rank_main(config: Path, steps: int, seed: int, out: Path) -> int:
     dp = paddle.DataParallel(model)
     model.train()
     ranks_dir = out.with_name("ranks")
-    doctor = Doctor(dp, optimizer, step_fn=workload.compute_loss, report_dir=ranks_dir, sync=RankSync())
+    doctor = Doctor(dp, optimizer, step_fn=workload.compute_loss, report_dir=ranks_dir, sync=RankSync(),
+                    target=workload.target())
     it = iter(_shard(workload.make_loader(), rank, world))
     with doctor:
         for step in range(steps):
@@ -105,10 +106,12 @@ def rank_main(config: Path, steps: int, seed: int, out: Path) -> int:
     report = doctor.report
     if rank == 0:
         if report is None:
+            from nandoctor.findings import Mode
             from nandoctor.inloop import outcome
 
-            report = outcome.new_report(str(paddle.get_device()), "watch")
-            outcome.fill_report(report, doctor.watcher, None, doctor.step, workload=workload, optimizer=optimizer)
+            report = outcome.new_report(str(paddle.get_device()), Mode.PROBE)
+            outcome.fill_report(report, doctor.watcher, None, doctor.step, target=workload.target(),
+                                optimizer=optimizer)
         report.run.update({"steps": steps, "seed": seed, "world_size": world, "steps_run": doctor.step})
         from nandoctor.report import json as json_report
 

@@ -226,6 +226,26 @@ class TimelinePoint:
         return {k: _jsonable(v) for k, v in asdict(self).items() if v is not None or k in ("loss", "grad_norm")}
 
 
+class Mode(str, Enum):
+    """Which way in produced a report: its title, and whether an exit status and CLI flags apply to it."""
+
+    PROBE = "probe"
+    RUN = "run"
+    WATCH = "watch"
+    HAPI = "hapi"
+    TRAINER = "trainer"
+
+    @property
+    def title(self) -> str:
+        return {"probe": "nandoctor probe", "run": "nandoctor run", "watch": "nandoctor.watch",
+                "hapi": "nandoctor's hapi callback", "trainer": "nandoctor's Trainer callback"}[self.value]
+
+    @property
+    def is_command(self) -> bool:
+        """A command-line run: its report has an exit status and was asked for with --json/--markdown."""
+        return self in (Mode.PROBE, Mode.RUN)
+
+
 @dataclass
 class Report:
     command: str
@@ -271,6 +291,20 @@ class Report:
     def exit_code(self) -> int:
         """0 with no error-severity finding, 1 with one (the contract)."""
         return 1 if any(f.severity == Severity.ERROR for f in self.findings) else 0
+
+    @property
+    def mode(self) -> Mode | None:
+        """The way in (`run.mode`) for probe-style reports: None for scan and for a spec's probe."""
+        try:
+            return Mode(self.run.get("mode")) if self.run.get("mode") else None
+        except ValueError:
+            return None
+
+    @property
+    def title(self) -> str:
+        """What ran, as the report's heading names it: `nandoctor run`, `nandoctor.watch`, `nandoctor probe`."""
+        mode = self.mode
+        return mode.title if mode is not None else f"nandoctor {self.command}"
 
     def counts(self) -> dict[str, int]:
         out = {s.value: 0 for s in Severity}

@@ -105,6 +105,8 @@ def write_outputs(report: Report, console: Console, *, json_path: Path | None, m
     from nandoctor.report import json as json_report
     from nandoctor.report import markdown as markdown_report
 
+    if markdown_path is not None:
+        report.run["markdown_written"] = str(markdown_path)  # the footer then does not ask for --markdown
     if quiet:
         console_report.render_verdict_line(report, console)
     else:

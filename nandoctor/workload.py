@@ -10,7 +10,7 @@ import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from nandoctor.loader import guard_loader
 from nandoctor.schedulers import build_scheduler
 from nandoctor.schedulers import lr_scheduler as lr_scheduler
 from nandoctor.spec import OUTPUT_LOSS, Spec
+
+if TYPE_CHECKING:
+    from nandoctor.probe.diagnose import StepTarget
 
 
 @dataclass
@@ -36,6 +39,18 @@ class Workload:
 
     def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return call_user(what, fn, *args, base_dir=self.spec.base_dir, **kwargs)
+
+    def target(self) -> StepTarget:
+        """What the diagnosis of a fault reads of this workload (probe/diagnose.py)."""
+        from nandoctor.findings import Mode
+        from nandoctor.probe.diagnose import StepTarget
+        from nandoctor.probe.trainability import loss_source
+
+        spec = self.spec
+        return StepTarget(model=self.model, replay_loss=self.compute_loss, base_dir=spec.base_dir, mode=Mode.PROBE,
+                          loss_source=loss_source(spec, self.uses_step), data_source=f"data.entry {spec.data.entry}",
+                          uses_step=self.uses_step, label_name=self.layout.label_name,
+                          label_bounds=spec.checks.label_bounds())
 
 
 def build_model(spec: Spec) -> Any:

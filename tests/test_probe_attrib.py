@@ -93,7 +93,7 @@ def test_replayer_puts_rng_flags_and_buffers_back(tmp_path: Path) -> None:
     flags = paddle.get_flags(["FLAGS_check_nan_inf", "FLAGS_call_stack_level"])
     stats = {k: v.numpy().copy() for k, v in model.state_dict().items() if "_mean" in k or "_variance" in k}
     assert stats
-    with Replayer(workload, before_pd) as rp:
+    with Replayer(workload.target(), before_pd) as rp:
         rp.forward_origin(fields, rp.trace(fields))
         rp.checked_backward(fields)
         rp.traced_backward(fields)
@@ -106,7 +106,7 @@ def test_replayer_puts_rng_flags_and_buffers_back(tmp_path: Path) -> None:
     paddle.set_rng_state(before_pd)
     np.testing.assert_array_equal(drawn, paddle.rand([4]).numpy())
     # localize() hands back a replayer whose restore() the caller still uses
-    loc, rp = localize(workload, fields, before_pd, loss_finite=False)
+    loc, rp = localize(workload.target(), fields, before_pd, loss_finite=False)
     rp.restore()
     assert (loc.phase.value, loc.layer, loc.op) == ("forward", None, "divide")
     assert paddle.get_flags(list(flags)) == flags
@@ -156,7 +156,7 @@ def test_line_tracer_gives_back_a_running_tracer(tmp_path: Path) -> None:
     previous = sys.gettrace()
     sys.settrace(outer)
     try:
-        with Replayer(workload, paddle.get_rng_state()) as rp:
+        with Replayer(workload.target(), paddle.get_rng_state()) as rp:
             loc = rp.forward_origin(fields, rp.trace(fields))
         assert sys.gettrace() is outer
     finally:

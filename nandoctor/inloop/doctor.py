@@ -17,16 +17,16 @@ Everything is undone in `close()` (also on a context manager's exit by an except
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable
 
-from nandoctor.findings import Report
+from nandoctor.findings import Mode, Report
 from nandoctor.inloop.batch import to_fields
 from nandoctor.inloop.history import StepHistory
+from nandoctor.probe.diagnose import StepTarget
 from nandoctor.probe.watcher import Fault, FaultKind, StepWatcher
 
 log = logging.getLogger("nandoctor")
@@ -46,24 +46,14 @@ class NonFiniteError(RuntimeError):
         self.report = report
 
 
-@dataclass
-class _Workload:
-    """What the probe's fault handling reads from a workload; `compute_loss` None = no replay possible."""
-
-    model: Any
-    compute_loss: Callable[[Any, dict[str, Any]], Any] | None
-    spec: Any
-    uses_step: bool = True
-    layout: Any = None
-
-
 class Doctor:
     """Watches one model and optimizer; see `watch()` for the arguments."""
 
     def __init__(self, model: Any, optimizer: Any, *, step_fn: Callable[[Any, Any], Any] | None = None,
                  report_dir: str | Path | None = "nandoctor-report", on_fault: str = "stop", scaler: Any = None,
                  fields: list[str] | None = None, fp16: bool = False, sync: Any = None,
-                 wrap_step: bool = True, defer_reads: bool = False) -> None:
+                 wrap_step: bool = True, defer_reads: bool = False, mode: Mode = Mode.WATCH,
+                 target: StepTarget | None = None) -> None:
         import paddle
 
         if on_fault not in ON_FAULT:
@@ -77,6 +67,11 @@ class Doctor:
         self.report_dir = Path(report_dir) if report_dir is not None else None
         self.on_fault = on_fault
         self.names = fields
+        self.mode = mode
+        # How the diagnosis names this workload's loss and data (a spec's, under --nproc); the replay is ours
+        self.described = target
+        # `nandoctor run`: a fault that began in loss code it cannot replay (runtime.py), else None
+        self.loss_code_fault: Callable[[Fault], Any] | None = None
         self.sync = sync  # nandoctor.distributed.RankSync under a multi-process launch, else None
         # A GradScaler Paddle left disabled (CPU: no float16 kernels) skips nothing: the probe has none there either
         if scaler is not None and not _enabled(scaler):
@@ -228,10 +223,7 @@ class Doctor:
 
         self.watcher.monitor.begin_step(False)  # stats hooks off before any replay
         device = str(paddle.get_device())
-        report = outcome.new_report(device, "watch")
-        workload = _Workload(self.model, None, SimpleNamespace(base_dir=_base_dir(self.step_fn, self.model),
-                                                                  step=None,
-                                                                  loss=None, data=SimpleNamespace(entry="the loop")))
+        report = outcome.new_report(device, self.mode)
         peer = fault is not None and fault.evidence.get("peer")
         was_training = self.model.training
         self._busy = True
@@ -241,16 +233,16 @@ class Doctor:
                 if self.history is not None and fault is not None:  # a fault that began on an unread step
                     fault, rolled = self.history.rollback(fault, self.step_fn, rebuild, self.step)
                     self.fault = fault
-                workload.compute_loss = self._replay_loss(fault, rebuild)
+                target = self._target(self._replay_loss(fault, rebuild))
                 try:
                     outcome.fill_report(report, self.watcher, None if peer else fault, self.step,
-                                        workload=workload, optimizer=self.optimizer)
+                                        target=target, optimizer=self.optimizer)
                 except ReplayError as exc:  # the replay could not run: what the step's numbers say
                     log.warning("nandoctor: the failing step could not be replayed (%s)", exc)
-                    report = outcome.new_report(device, "watch")
-                    workload.compute_loss = None
+                    report = outcome.new_report(device, self.mode)
                     outcome.fill_report(report, self.watcher, None if peer else fault, self.step,
-                                        workload=workload, optimizer=self.optimizer)
+                                        target=dataclasses.replace(target, replay_loss=None),
+                                        optimizer=self.optimizer)
                 if rolled is not None:
                     report.details["rollback"] = rolled
         finally:
@@ -268,6 +260,16 @@ class Doctor:
             log.error("nandoctor: report written to %s", written)
         if self.sync is not None:
             self.sync.barrier()  # no rank exits (and gets the launcher to kill the others) before rank 0 wrote
+
+    def _target(self, replay_loss: Any) -> StepTarget:
+        """What the diagnosis reads of this loop: the user's step_fn as the replay, their code's folder."""
+        if self.described is not None:
+            return dataclasses.replace(self.described, model=self.model, replay_loss=replay_loss,
+                                       loss_code_fault=self.loss_code_fault)
+        what = "step_fn" if self.step_fn is not None else "your loss code"
+        return StepTarget(model=self.model, replay_loss=replay_loss, base_dir=_base_dir(self.step_fn, self.model),
+                          mode=self.mode, loss_source=what, data_source="the loop's batches", uses_step=True,
+                          loss_code_fault=self.loss_code_fault)
 
     def _replay_loss(self, fault: Fault | None, rebuild: Callable[[dict], Any]) -> Any:
         """The replay's loss: the user's step_fn on the batch rebuilt in the user's shape (None: no replay)."""

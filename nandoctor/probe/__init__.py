@@ -19,21 +19,19 @@ from nandoctor.advice import advice_for
 from nandoctor.artifacts import capture
 from nandoctor.device import resolve_device, use_device
 from nandoctor.errors import UserCodeError
-from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity, TimelinePoint
+from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity
 from nandoctor.interrupt import interrupted_finding, reassert
 from nandoctor.probe import causes, faults
 from nandoctor.probe.crash import CrashContext, crash_findings
+from nandoctor.probe.diagnose import diagnose, record_run
 from nandoctor.probe.loop import LoopResult, ProbeLoop
-from nandoctor.probe.trainability import loss_finding, loss_source, no_trainable_finding
-from nandoctor.probe.watcher import FaultKind, current_lr, trainable_names
+from nandoctor.probe.trainability import no_trainable_finding
+from nandoctor.probe.watcher import current_lr, trainable_names
 from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.spec import Spec
 from nandoctor.workload import build_optimizer, build_workload
 
 __all__ = ["ProbeOptions", "run_probe"]
-
-_MAX_ROWS = 64
-_MAX_COLS = 200
 
 
 @dataclass
@@ -135,9 +133,9 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
 
             if rollback.needs_rollback(res.fault, loop.snapshots):
                 report.details["rollback"] = rollback.rollback(res, workload, optimizer, loop.snapshots)
-        _timeline(report, res)
-        _details(report, res, loop)
-        _handle_fault(report, res, workload, optimizer, loop)
+        record_run(report, res.records, loop.monitor, steps_run=res.steps_run, epochs=res.epochs,
+                   stats_every=res.stats_every)
+        diagnose(report, res.fault, workload.target(), optimizer)
         report.findings += loop.watcher.warnings(res.fault)
         causes.after_run(report, found_causes, res, workload, current_lr(optimizer))
         if scaler is not None:
@@ -158,72 +156,6 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
         _disable_checker()
         if not was_training:
             model.eval()
-
-
-def _handle_fault(report: Report, res: LoopResult, workload: Any, optimizer: Any, loop: ProbeLoop) -> None:
-    fault = res.fault
-    if fault is None:
-        return
-    model = workload.model
-    if fault.kind == "data":
-        faults.data_fault(report, fault)
-        if fault.fields is not None:
-            capture(report, fault.fields, step=fault.step, batch_index=fault.batch_index, model=model)
-    elif fault.kind == "update":
-        faults.update_fault(report, fault, optimizer)
-        if fault.fields is not None:  # the step already ran: the batch for --bundle, but no pre-step state
-            capture(report, fault.fields, step=fault.step, batch_index=fault.batch_index)
-    elif fault.kind == FaultKind.LOSS:
-        report.findings.append(loss_finding(fault, workload.spec, workload.uses_step))
-        report.crashed = True  # training cannot go on with such a loss
-        faults.set_first(report, Location(step=fault.step, phase=fault.phase, batch_index=fault.batch_index))
-    elif fault.kind == "crash":
-        exc = fault.exc
-        what = {Phase.DATA: f"data.entry {workload.spec.data.entry}",
-                Phase.FORWARD: "the model's forward pass or loss", Phase.BACKWARD: "loss.backward()",
-                Phase.LOSS: f"the loss from {loss_source(workload.spec, workload.uses_step)}",
-                Phase.OPTIMIZER: "optimizer.step()"}.get(fault.phase, "your code")
-        if isinstance(exc, UserCodeError):
-            what, exc = exc.what, exc.exc
-        ctx = CrashContext(step=fault.step, batch_index=fault.batch_index, epoch=fault.epoch,
-                           phase=fault.phase or Phase.FORWARD, what=what)
-        layer_ids = {id(model): "", **{id(layer): name for name, layer in model.named_sublayers()}}
-        fields = fault.fields
-        label_name = workload.layout.label_name(fields) if fields is not None else None
-        found, loc = crash_findings(exc, ctx, workload.spec.base_dir, model, layer_ids, fields, label_name,
-                                    workload.spec.checks.label_bounds())
-        report.findings += found
-        report.crashed = True
-        faults.set_first(report, loc)
-        if fields is not None:
-            capture(report, fields, step=fault.step, batch_index=fault.batch_index, model=model)
-    else:
-        _localise(report, fault, workload)
-
-
-def _localise(report: Report, fault: Any, workload: Any) -> None:
-    import math
-    import time
-
-    from nandoctor.probe.localize import localize
-    from nandoctor.probe.samples import find_samples
-
-    model = workload.model
-    st = fault.stats
-    t0 = time.perf_counter()
-    capture(report, fault.fields, step=fault.step, batch_index=fault.batch_index, model=model, rng=fault.rng)
-    loc, replayer = localize(workload, fault.fields, fault.rng, math.isfinite(st.loss))
-    try:
-        bis = find_samples(replayer, fault.fields, loc.phase.value)
-    finally:
-        replayer.restore()
-    notes = list(bis.notes)
-    if any(isinstance(layer, (_bn_types())) for _, layer in model.named_sublayers()):
-        notes.append("the model has batch-norm layers, kept in train mode for the replays (the failing "
-                     "condition); subsets see different batch statistics")
-    report.details["bisection"] = {"evaluations": bis.evaluations, "capped": bis.capped}
-    report.details["localization_seconds"] = round(time.perf_counter() - t0, 3)
-    faults.nonfinite_fault(report, fault, loc, bis.samples, notes, bis.scope)
 
 
 def _remedies(report: Report, res: LoopResult, workload: Any, optimizer: Any, loop: ProbeLoop,
@@ -272,51 +204,6 @@ def _scale_collapse(report: Report, res: LoopResult, init_scale: float) -> None:
             Location(step=skipped[0] if skipped else scales[-1][0], phase=Phase.BACKWARD),
             {"init_scale": init_scale, "final_scale": last, "skipped_steps": skipped[:50]},
             advice_for(Code.AMP_SCALE_COLLAPSE.value)))
-
-
-def _bn_types() -> tuple[type, ...]:
-    import paddle
-
-    return (paddle.nn.BatchNorm1D, paddle.nn.BatchNorm2D, paddle.nn.BatchNorm3D, paddle.nn.BatchNorm)
-
-
-def _timeline(report: Report, res: LoopResult) -> None:
-    report.timeline = [TimelinePoint(step=r.step, loss=r.loss, grad_norm=r.grad_norm, loss_scale=r.loss_scale,
-                                     skipped=r.skipped, lr=r.lr) for r in res.records]
-
-
-def _details(report: Report, res: LoopResult, loop: ProbeLoop) -> None:
-    mon = loop.monitor
-    report.details["steps_run"] = res.steps_run
-    report.details["epochs"] = res.epochs
-    report.run["steps_run"] = res.steps_run
-    if res.stats_every:
-        report.details["stats_every"] = res.stats_every[-1]
-    if mon is None:
-        return
-    act = [(r.step, r.act_max) for r in res.records if r.act_max is not None]
-    if act and mon.layer_names:
-        report.details["activation_max"] = _matrix(mon.layer_names, act, "layers")
-    grads = [(r.step, np.sqrt(r.grad_sq)) for r in res.records if r.grad_sq is not None]
-    if grads and mon.param_names:
-        report.details["grad_norms"] = _matrix(mon.param_names, grads, "parameters")
-
-
-def _matrix(names: list[str], cols: list[tuple[int, np.ndarray]], key: str) -> dict[str, Any]:
-    """{key: names, steps, values[row][col]}: at most ~200 steps (evenly, keeping the last) and 64 rows
-    (the largest by max value)."""
-    if len(cols) > _MAX_COLS:
-        keep = sorted(set(np.linspace(0, len(cols) - 1, _MAX_COLS).round().astype(int).tolist()))
-        cols = [cols[i] for i in keep]
-    mat = np.stack([c for _, c in cols], axis=1)  # rows x steps
-    rows = list(range(len(names)))
-    if len(rows) > _MAX_ROWS:
-        with np.errstate(all="ignore"):
-            score = np.nan_to_num(np.nanmax(np.where(np.isnan(mat), -np.inf, mat), axis=1), nan=-np.inf,
-                                  posinf=np.finfo("float64").max)
-        rows = sorted(np.argsort(-score, kind="stable")[:_MAX_ROWS].tolist())
-    values = [[None if np.isnan(v) else float(v) for v in mat[i]] for i in rows]
-    return {key: [names[i] for i in rows], "steps": [s for s, _ in cols], "values": values}
 
 
 def _clip(spec: Spec) -> float | None:

@@ -160,3 +160,88 @@ def amp_inactive(report: Report, dtype: str) -> None:
         f"amp is enabled ({dtype}) but the probe runs on CPU, where Paddle has no {dtype} kernels: the run was "
         "float32 and float16 risk is judged from float32 magnitudes (65504 is float16's maximum).",
         Location(), {"dtype": dtype}, advice_for(Code.AMP_INACTIVE.value)))
+
+
+# How each way in gets the replay that names layer, op, line and samples, when it had none
+_REPLAY_HOW = {
+    "watch": "Pass step_fn=(model, batch) -> loss to nandoctor.watch to have the step replayed for the layer, op, "
+             "source line and samples.",
+    "hapi": "Construct NanDoctorCallback(replay=True) (the default) to have the step replayed for the layer, op, "
+            "source line and samples.",
+    "run": "nandoctor run could not replay this step (the loss is neither a paddle.nn.Layer nor computed from a "
+           "tensor output of the model); write a spec for the model, data and loss and run `nandoctor probe` on "
+           "it for the layer, op, source line and samples.",
+    "trainer": "The Trainer's compute_loss could not be replayed; run `nandoctor probe` on a spec of the same "
+               "model and data for the layer, op, source line and samples.",
+}
+
+
+def detection_only(report: Report, fault: Fault, model: Any, mode: str) -> None:
+    """No replay: what the step's numbers say (loss or gradient, the first parameter whose gradient is
+    non-finite), and how this way in gets the rest."""
+    import math
+
+    import paddle
+
+    from nandoctor.probe.monitors import float_dtypes
+
+    st = fault.stats
+    loss_ok = st is not None and math.isfinite(st.loss)
+    bad = [n for n, p in model.named_parameters()
+           if p.grad is not None and p.grad.dtype in float_dtypes() and not bool(paddle.isfinite(p.grad).all())]
+    phase = Phase.BACKWARD if loss_ok else Phase.LOSS
+    code = Code.GRAD_NONFINITE if loss_ok else Code.LOSS_NONFINITE
+    loc = Location(step=fault.step, phase=phase, parameter=bad[0] if bad and loss_ok else None,
+                   batch_index=fault.batch_index)
+    what = (f"A gradient became NaN/Inf at step {fault.step} while the loss was finite ({st.loss:.4g})"
+            + (f"; first non-finite parameter gradient: {bad[0]}" if bad else "") if loss_ok else
+            f"The loss became NaN/Inf at step {fault.step}")
+    what += ". " + _REPLAY_HOW.get(mode, _REPLAY_HOW["watch"])
+    report.findings.append(Finding(code, Severity.ERROR, what, loc,
+                                   {"loss": st.loss if st else None, "grad_norm": st.grad_norm if st else None,
+                                    "nonfinite_grad_parameters": bad[:50], "localised": False},
+                                   advice_for(code.value)))
+    set_first(report, loc)
+
+
+def loss_code_fault(report: Report, fault: Fault, outside: Any, mode: str) -> None:
+    """A fault that began in the user's loss code, outside the model (`diagnose.LossCodeFault`): its phase,
+    its samples from the rows of the gradient at the model's output, and its op where a pass saw it."""
+    st = fault.stats
+    phase = outside.phase
+    code = Code.LOSS_NONFINITE if phase == Phase.LOSS else Code.GRAD_NONFINITE
+    rows = outside.rows
+    specific = bool(rows) and outside.batch_size is not None and len(rows) < outside.batch_size
+    loc = Location(step=fault.step, phase=phase, layer=None, op=outside.op, batch_index=fault.batch_index,
+                   sample_indices=list(rows) if specific else None)
+    op = f" (op {outside.op})" if outside.op else ""
+    if phase == Phase.LOSS:
+        what = (f"The loss became NaN/Inf at step {fault.step} in the loss code, outside the model{op}: the model's "
+                "outputs were finite.")
+    else:
+        what = (f"A gradient became NaN/Inf at step {fault.step} in the backward pass of the loss code, outside the "
+                f"model{op}, while the loss was finite ({st.loss:.4g}) and the model's outputs were finite.")
+    if specific:
+        shown = ", ".join(str(r) for r in rows[:10]) + ("…" if len(rows) > 10 else "")
+        what += (f" Caused by sample(s) {shown} of batch {fault.batch_index}: theirs are the rows of the gradient "
+                 "that came back to the model's output as NaN/Inf.")
+    elif rows:
+        what += (f" Not sample-specific: every row of the gradient that came back to the model's output is NaN/Inf "
+                 f"(batch {fault.batch_index} as a whole).")
+    if outside.source:
+        what += f" The op was created at {outside.source}."
+    elif mode == "run":
+        what += (" nandoctor run sees the model's outputs and the gradient that comes back to them, not your loss "
+                 "code's ops, so no op is named here.")
+    evidence: dict[str, Any] = {"epoch": fault.epoch, "loss": st.loss if st else None,
+                                "grad_norm": st.grad_norm if st else None, "localised": "outside_model"}
+    if outside.source:
+        evidence["source"] = outside.source
+        report.details["source"] = outside.source
+    if rows:
+        evidence["nonfinite_output_grad_rows"] = list(rows[:100])
+        evidence["samples_scope"] = "samples" if specific else "not_sample_specific"
+    if outside.notes:
+        evidence["notes"] = list(outside.notes)
+    report.findings.append(Finding(code, Severity.ERROR, what, loc, evidence, advice_for(code.value, op=outside.op)))
+    set_first(report, loc)

@@ -68,13 +68,14 @@ class Replayer:
     (Paddle's, NumPy's, Python's: the checker reseeds all three), the device and the flags the replays
     touch (the tensor checker's, FLAGS_call_stack_level) are as they were before the first replay."""
 
-    def __init__(self, workload: Any, rng: Any) -> None:
+    def __init__(self, target: Any, rng: Any) -> None:
+        """`target`: a `diagnose.StepTarget` (the model, `replay_loss`, the user's `base_dir`)."""
         import random
 
         import paddle
 
-        self.w = workload
-        self.model = workload.model
+        self.w = target
+        self.model = target.model
         self.rng = rng
         self.source: str | None = None  # set by the checked replays: the user's line that made the op
         self.bad_input_grads: dict[str, Any] = {}
@@ -127,7 +128,7 @@ class Replayer:
             paddle.set_rng_state(self.rng)
 
     def loss(self, fields: dict[str, Any]) -> Any:
-        return self.w.compute_loss(self.model, fields)
+        return self.w.replay_loss(self.model, fields)
 
     # ---- forward / loss ------------------------------------------------------------------------
     def trace(self, fields: dict[str, Any]) -> origin.Trace:
@@ -140,7 +141,7 @@ class Replayer:
         call = tr.creator()
         self.reset_rng()
         lines, tracer = origin.scoped_ops(self.model, dict(self.sublayers), call, lambda: self.loss(fields),
-                                          self.w.spec.base_dir)
+                                          self.w.base_dir)
         chosen = origin.pick(lines, (call.seek or call.output) if call is not None else None)
         loc = Localization(Phase.FORWARD if call is not None else Phase.LOSS,
                            layer=call.name or None if call is not None else None,
@@ -200,7 +201,7 @@ class Replayer:
                 if not m:
                     raise
                 op = m.group(1)
-                self.source = user_frame(native.text, self.w.spec.base_dir)
+                self.source = user_frame(native.text, self.w.base_dir)
                 layers = frames.layers_on_stack(frames.printed_frames(native.text), self.sublayers, sites)
         finally:
             debugging.disable_tensor_checker()
@@ -314,11 +315,11 @@ def _tensors(value: Any) -> list[Any]:
     return []
 
 
-def localize(workload: Any, fields: dict[str, Any], rng: Any, loss_finite: bool) -> tuple[Localization, Replayer]:
+def localize(target: Any, fields: dict[str, Any], rng: Any, loss_finite: bool) -> tuple[Localization, Replayer]:
     """Phase, layer, op and parameter of a non-finite loss (forward/loss) or gradient (backward).
 
     The caller restores the replayer (`with` or `restore()`) once it has also bisected the samples."""
-    rp = Replayer(workload, rng)
+    rp = Replayer(target, rng)
     rp.clear()
     # A layer output can be non-finite while the loss is not (Paddle's CPU softmax clamps NaN logits,
     # cross-entropy skips ignored rows), so the traced forward decides between a forward fault and a

@@ -18,6 +18,7 @@ import numpy as np
 from nandoctor.advice import advice_for
 from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity
 from nandoctor.probe import faults
+from nandoctor.probe.watcher import FaultKind
 from nandoctor.scan.params import NonfiniteParam, nonfinite_facts, owners
 
 _FAULT_CODES = (Code.ACTIVATION_NONFINITE, Code.LOSS_NONFINITE, Code.GRAD_NONFINITE)
@@ -132,7 +133,7 @@ def after_run(report: Report, bad: list[BadParam], fault: Any, workload: Any, st
     gradient ever reached it, that the loss does not use it: a warning, like a frozen one)."""
     ff = report.first_fault
     read = None
-    if fault is not None and fault.kind == "nonfinite" and ff is not None:
+    if fault is not None and fault.kind == FaultKind.NONFINITE and ff is not None:
         read = next((b for b in bad if any(_inside(u, ff.layer) for u in b.users)), None)
     unused = _never_got_a_gradient(workload.model, records)
     for b in bad:
@@ -147,7 +148,7 @@ def after_run(report: Report, bad: list[BadParam], fault: Any, workload: Any, st
             b.finding.evidence["unused"] = True
             b.finding.advice = advice_for(Code.PARAM_NONFINITE.value, frozen=True)
         elif b.finding.severity == Severity.ERROR:
-            if fault is not None and fault.kind == "nonfinite" and ff is not None:
+            if fault is not None and fault.kind == FaultKind.NONFINITE and ff is not None:
                 where = f"layer {ff.layer}" if ff.layer else "outside every layer"
                 b.finding.message += (f" The first fault (step {fault.step}, {where}) is outside the layers that "
                                       "hold it, so it is not known to read it.")
@@ -231,7 +232,7 @@ def _embedding_ids(workload: Any, fault: Any, b: BadParam) -> list[set[int]] | N
             seen.append(np.asarray(inputs[0].numpy()))
 
     hook = layer.register_forward_pre_hook(pre)
-    rp = Replayer(workload, fault.rng)
+    rp = Replayer(workload.target(), fault.rng)
     try:
         rp.reset_rng()
         with paddle.no_grad():

@@ -23,6 +23,7 @@ from nandoctor.probe.remedy_replay import Change, Replay, replay
 from nandoctor.probe.remedy_weights import init_stds, nan_rows, rows_text
 from nandoctor.probe.snapshots import Snapshot, SnapshotRing, restore
 from nandoctor.probe.warnings import CLIP_FACTOR
+from nandoctor.probe.watcher import FaultKind
 
 FIX_STEPS = 20  # replays run to the fault step + this many steps
 MIN_BUDGET_SECONDS = 20.0
@@ -95,7 +96,7 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
         restore(entry, workload.model, optimizer)
         entry.rng.restore()
     # an update fault shows in the next step's loss; any other fault at its own step
-    late = 1 if fault.kind == "update" else 0
+    late = 1 if fault.kind == FaultKind.UPDATE else 0
     reproduced: bool | None = None  # unknown: no control, or it ran out of time
     if control is not None and not control.cut:
         reproduced = not control.finite and control.failed_at is not None and \
@@ -123,7 +124,7 @@ def _fault_snapshot(fault: Any, ring: SnapshotRing, entry: Snapshot) -> Snapshot
     """The state right before the failing step: the live weights for a loss/gradient/data fault (the
     optimizer never stepped on it), with the step's RNG; for an update fault, the ring's last snapshot
     before the update (the live weights already hold the NaN)."""
-    if fault.kind == "update":
+    if fault.kind == FaultKind.UPDATE:
         first = fault.update_range[0] if fault.update_range else fault.step
         return ring.latest(first)
     if not ring.sound(entry):
@@ -159,7 +160,7 @@ def _candidates(report: Report, fault: Any, workload: Any, ring: SnapshotRing, h
     for name, bad in nan_rows(report, workload.model, here).items():
         out.append(Candidate("reinit_rows", rows_text(name, bad, report), Change(reinit_rows={name: bad}), here))
     rows = _offending_rows(fault, symptom)
-    if fault.kind == "data":
+    if fault.kind == FaultKind.DATA:
         text = ("filter samples holding NaN/Inf out in the loader (e.g. keep rows where np.isfinite(x).all(axis=1)), "
                 f"first found: sample(s) {rows} of batch {fault.batch_index}")
         out.append(Candidate("drop_samples", text, Change(drop_nonfinite=True), here))
@@ -222,7 +223,7 @@ def _ordered(cands: list[Candidate], report: Report, fault: Any, symptom: Any, g
     causes = set(symptom.evidence.get("causes", [])) if symptom is not None else set()
     if Code.PARAM_INIT_SCALE.value in causes:
         pref = ["reinit", "op_guard", "grad_clip", "lr_x0.1", "warmup", "drop_samples"]
-    elif growth is not None or fault.kind == "update":
+    elif growth is not None or fault.kind == FaultKind.UPDATE:
         recurrent = any(type(m).__name__ in _RECURRENT for _, m in model.named_sublayers())
         pref = (["grad_clip", "lr_x0.1"] if recurrent else ["lr_x0.1", "grad_clip"]) + \
             ["warmup", "reinit", "op_guard", "drop_samples"]
@@ -315,7 +316,7 @@ _SYMPTOMS = (Code.ACTIVATION_NONFINITE, Code.LOSS_NONFINITE, Code.GRAD_NONFINITE
 
 
 def _offending_rows(fault: Any, symptom: Any) -> list[int]:
-    if fault.kind == "data":
+    if fault.kind == FaultKind.DATA:
         return sorted({r for rows in fault.bad_fields.values() for r in rows})
     return list(symptom.location.sample_indices or []) if symptom is not None else []
 

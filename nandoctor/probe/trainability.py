@@ -23,9 +23,9 @@ def loss_source(spec: Spec, uses_step: bool) -> str:
     return "the loss"
 
 
-def loss_finding(fault: Any, spec: Spec, uses_step: bool) -> Finding:
-    """A `loss.not_tensor`, `loss.not_scalar` or `loss.no_grad` error for the step the loss was seen at."""
-    where = loss_source(spec, uses_step)
+def loss_finding(fault: Any, where: str) -> Finding:
+    """A `loss.not_tensor`, `loss.not_scalar` or `loss.no_grad` error for the step the loss was seen at;
+    `where` names the loss's code as the user wrote it (`loss_source`)."""
     loc = Location(step=fault.step, phase=fault.phase or Phase.LOSS, batch_index=fault.batch_index)
     ev = dict(fault.evidence)
     ev["source"] = where

@@ -36,7 +36,7 @@ _MIN_STATS_BUDGET = 0.0025
 
 
 class FaultKind(str, Enum):
-    """What stopped the training; a str so `fault.kind == "crash"` reads as before."""
+    """What stopped the training: one typed set for every way in (compare members, never strings)."""
 
     DATA = "data"  # a non-finite input value that made the step non-finite (or the model's code raise)
     NONFINITE = "nonfinite"  # a non-finite loss or gradient: localised by replay

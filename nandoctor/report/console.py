@@ -106,7 +106,7 @@ def _code(finding: Finding) -> str:
 
 def _headline(report: Report) -> Text:
     text = Text()
-    text.append(f"nandoctor {report.command}: ", style="bold")
+    text.append(f"{report.title}: ", style="bold")
     text.append(VERDICT_TEXT[report.verdict], style=VERDICT_STYLE[report.verdict])
     text.append(f"  ({report.verdict.value})", style="dim")
     return text
@@ -233,9 +233,16 @@ def _timeline(report: Report, width: int) -> Group:
 
 
 def _next_steps(report: Report) -> Text:
+    """What to do next; an exit status and the --markdown flag only where a command ran (not in a user's
+    loop or a callback, whose process nandoctor does not end, and whose report folder holds report.md)."""
     text = Text("\n")
+    mode = report.mode
+    command = mode is None or mode.is_command
     if report.partial:
-        text.append("Stopped by a signal: exit status 130 (Ctrl-C) or 143 (SIGTERM). ", style="bold")
+        text.append("Stopped by a signal: exit status 130 (Ctrl-C) or 143 (SIGTERM). " if command else
+                    "Stopped by a signal. ", style="bold")
+    elif not command:
+        text.append("The report holds an error. " if report.exit_code else "No errors. ", style="bold")
     elif report.exit_code:
         text.append("Exit status 1: the report holds an error. ", style="bold")
     else:
@@ -246,5 +253,8 @@ def _next_steps(report: Report) -> Text:
         text.append("Fix the errors above (each names where and what to change), then run again. ")
     elif report.verdict == Verdict.AT_RISK:
         text.append("Nothing broke yet, but the warnings above tend to come before a NaN. ")
-    text.append("Re-run with --markdown report.md to attach to a bug ticket.")
+    if command and not report.run.get("markdown_written"):
+        text.append("Re-run with --markdown report.md to attach to a bug ticket.")
+    elif not command:
+        text.append("report.md in the report folder is the one to attach to a bug ticket.")
     return text

@@ -37,12 +37,13 @@ TIMELINE_ROWS = 30
 def render(report: Report) -> str:
     """The whole report as Markdown, ending in a newline."""
     report = _public(report)
-    out: list[str] = [f"# nandoctor {report.command}: {VERDICT_TEXT[report.verdict]}", ""]
+    out: list[str] = [f"# {report.title}: {VERDICT_TEXT[report.verdict]}", ""]
     if report.partial:
         out += ["> **Partial report.** The run was interrupted before it finished; everything below covers "
                 "only what was seen until then.", ""]
-    out += [f"**Verdict:** `{report.verdict.value}` · " + " · ".join(summary_parts(report))
-            + f" · exit status {report.exit_code}", ""]
+    mode = report.mode
+    status = f" · exit status {report.exit_code}" if mode is None or mode.is_command else ""
+    out += [f"**Verdict:** `{report.verdict.value}` · " + " · ".join(summary_parts(report)) + status, ""]
     out += _first_fault(report)
     out += _findings(report)
     out += _remedies(report)
