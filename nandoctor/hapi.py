@@ -24,6 +24,7 @@ from typing import Any
 
 import paddle
 
+from nandoctor.findings import Mode
 from nandoctor.inloop.doctor import Doctor
 
 __all__ = ["NanDoctorCallback"]
@@ -59,7 +60,7 @@ class NanDoctorCallback(paddle.callbacks.Callback):
         n_inputs = len(hm._inputs) if hm._inputs else None
         names = _names(hm)
         self.doctor = Doctor(net, opt, step_fn=self._step_fn if self.replay else None, report_dir=self.report_dir,
-                             on_fault="stop" if self.stop_training else "skip_step", fields=names)
+                             on_fault="stop" if self.stop_training else "skip_step", fields=names, mode=Mode.HAPI)
         self._n_inputs = n_inputs
         self._patch(hm, "train_batch", self._train_batch(hm.train_batch))
         self._patch(opt, "minimize", self._minimize(opt.minimize))

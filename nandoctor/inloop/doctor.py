@@ -110,11 +110,18 @@ class Doctor:
         if not self._open:
             self._begin()
 
-    def _begin(self) -> None:
+    def _begin(self, rng: Any = None) -> None:
         if self.history is not None:
             self.history.begin(self.step)
-        self.watcher.begin_step(self.step, {}, batch_index=self.step)
+        self.watcher.begin_step(self.step, {}, batch_index=self.step, rng=rng)
         self._open = True
+
+    def open_step(self, rng: Any) -> None:
+        """Open the current step after its forward already ran, with the RNG state from before that
+        forward: `nandoctor run` finds the model only at the first update, after step 0's backward, and a
+        replay of step 0 needs step 0's dropout masks."""
+        if not self._open:
+            self._begin(rng)
 
     def _end_step(self, stepped: bool) -> None:
         self.watcher.after_update(stepped=stepped)

@@ -20,6 +20,7 @@ except ImportError as exc:  # no hard dependency: say what to install
     raise ImportError("nandoctor.integrations.paddleformers needs paddleformers (`pip install paddleformers`); "
                       "for a plain loop use nandoctor.watch, for paddle.Model use nandoctor.hapi") from exc
 
+from nandoctor.findings import Mode
 from nandoctor.inloop.doctor import Doctor
 
 __all__ = ["NanDoctorCallback"]
@@ -66,7 +67,7 @@ class NanDoctorCallback(TrainerCallback):
         if model is None or optimizer is None:
             return
         self.doctor = Doctor(model, optimizer, step_fn=_model_loss if self.replay else None,
-                             report_dir=self.report_dir, on_fault="skip_step")
+                             report_dir=self.report_dir, on_fault="skip_step", mode=Mode.TRAINER)
         self._hook = model.register_forward_post_hook(self._keep_loss)
 
     def _keep_loss(self, _layer: Any, _inputs: Any, outputs: Any) -> None:

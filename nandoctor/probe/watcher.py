@@ -178,7 +178,7 @@ class StepWatcher:
 
     # ---- the stages of a step ----------------------------------------------------------------------
     def begin_step(self, step: int, fields: dict[str, Any], *, batch_index: int | None = None,
-                   epoch: int = 0) -> None:
+                   epoch: int = 0, rng: Any = None) -> None:
         """A batch is about to go through the model: RNG capture, stats hooks. The batch itself is judged
         only if the step goes non-finite (`data_fault`), by what it did, not by what it holds: a mask's
         intended -inf, or a NaN the model replaces, trains fine; and checking a 16 MB batch every step
@@ -186,7 +186,8 @@ class StepWatcher:
         import paddle
 
         self._step, self._batch_index, self._epoch, self._fields = step, batch_index, epoch, fields
-        self._rng = paddle.get_rng_state()
+        # `rng`: the state from before a forward that already ran (`nandoctor run` attaches after step 0's)
+        self._rng = rng if rng is not None else paddle.get_rng_state()
         self._stats_step = self.schedule.want(step) if self._next_stats is None else self._next_stats
         self._next_stats = None
         every = self.defer_every

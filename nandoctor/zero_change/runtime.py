@@ -5,20 +5,22 @@ Loaded by the sitecustomize that `nandoctor run` puts first on PYTHONPATH; it pa
 Paddle is imported, and only when NANDOCTOR_RUN is set (so the variable leaking into other programs
 does nothing). The seams:
 
-- `paddle.nn.Layer.__call__`: the outermost calls in training mode; the one whose parameters the
-  optimizer trains is the model (its positional inputs, named after its forward's parameters, are the
-  batch), and a layer called on the model's output is the loss (its other inputs are the label). Once
-  both are known, the class patch is removed and forward pre-hooks on those two layers take over, so
-  the other layers keep Paddle's fast call path.
+- `paddle.nn.Layer.__call__`: the outermost calls in training mode, each with its positional and
+  keyword inputs, the RNG state before it, and the gradient that comes back to its outputs; the one
+  whose parameters the optimizer trains is the model, and a layer called on the model's output is the
+  loss (its other inputs are the label). Once both are known, the class patch is removed and forward
+  hooks on those two layers take over, so the other layers keep Paddle's fast call path.
 - `Tensor.backward`: the tensor backpropagated last is the loss.
 - `Optimizer.step` (and `minimize`, which `paddle.Model.fit` uses): the check, between backward and the
   update; a faulty update is never applied.
 
-Replays need the step's loss as a function of the batch. With a loss layer that is `loss(model(x),
-label)`; with a loss written as functions, the gradient that reached the model's output is recorded
-(one tensor hook) and the replay backpropagates that same gradient through the model, which reproduces
-every fault inside the model. A non-finite loss computed by functions outside any layer is reported
-from the step's numbers (phase loss, no op).
+Replays need the step's loss as a function of the batch. With a loss layer that is `loss(model(...),
+label)`; with a model that returns its own loss (an output object's `.loss`), that loss; with a loss
+written as functions, the gradient that came back to each of the model's output tensors is recorded
+(one tensor hook each) and the replay backpropagates those same gradients through the model, which
+reproduces every fault inside the model. A fault that began in loss code written as functions (the
+model's outputs finite, the loss or the gradient coming back to them not) cannot be replayed: it is
+named as such, with the samples whose rows of that gradient are non-finite (`loss_code_fault`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ from typing import Any
 
 ENV = "NANDOCTOR_RUN"
 ROW = "nandoctor_row"  # a field of sample positions, so a replay of a subset takes the same rows
+_MAX_ROOTS = 8
+
+
+class _Call:
+    """One outermost training-mode layer call before the model is known: enough to replay it."""
+
+    def __init__(self, layer: Any, args: tuple, kwargs: dict, rng: Any) -> None:
+        self.layer, self.args, self.kwargs, self.rng = layer, args, kwargs, rng
+        self.output: Any = None
+        self.grads: dict[int, Any] = {}
 
 
 class Session:
@@ -40,7 +52,7 @@ class Session:
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
         self.depth = 0
-        self.roots: list[tuple[Any, tuple, dict, Any]] = []  # outermost training-mode calls since the last step
+        self.roots: list[_Call] = []  # outermost training-mode calls since the last step (before attaching)
         self.model: Any = None
         self.loss_layer: Any = None
         self.optimizer: Any = None
@@ -50,7 +62,7 @@ class Session:
         self.kwargs: dict = {}
         self.output: Any = None
         self.labels: tuple = ()
-        self.grad_out: Any = None
+        self.grads: dict[int, Any] = {}  # output leaf index -> the gradient that came back to it
         self.names: list[str] = []
         self.done = False
         self.orig: dict[str, Any] = {}
@@ -64,14 +76,20 @@ class Session:
         call = self.orig["call"]
         if self.depth or self.busy:
             return call(layer, *args, **kwargs)
+        training = layer.training
+        # The RNG state before the call (a replay of step 0 needs its dropout masks): until the model is known
+        root = _Call(layer, args, kwargs, sys.modules["paddle"].get_rng_state()) if training else None
         self.depth += 1
         try:
             out = call(layer, *args, **kwargs)
         finally:
             self.depth -= 1
-        if layer.training:
-            self.roots.append((layer, args, kwargs, out))
-            del self.roots[:-8]
+        if root is None:
+            return out
+        root.output = out
+        _keep_grads(out, root.grads)
+        self.roots.append(root)
+        del self.roots[:-_MAX_ROOTS]
         return out
 
     def backward(self, tensor: Any) -> None:
@@ -100,22 +118,25 @@ class Session:
 
     # ---- finding the model and the loss ------------------------------------------------------------------
     def _attach(self, optimizer: Any) -> bool:
+        from nandoctor.findings import Mode
         from nandoctor.inloop.doctor import Doctor
 
         trained = {id(p) for p in _opt_params(optimizer)}
         best, best_n = None, 0
-        for layer, args, kwargs, out in self.roots:
-            n = sum(1 for p in layer.parameters() if id(p) in trained)
+        for root in self.roots:
+            n = sum(1 for p in root.layer.parameters() if id(p) in trained)
             if n > best_n:
-                best, best_n = (layer, args, kwargs, out), n
+                best, best_n = root, n
         if best is None:
             return False
-        self.model, self.inputs, self.kwargs, self.output = best
+        self.model = best.layer
+        self._record(best.args, best.kwargs)
+        self.output, self.grads = best.output, best.grads
         self.optimizer = optimizer
-        for layer, args, _, _ in self.roots:
-            if layer is not self.model and args and args[0] is self.output:
-                self.loss_layer, self.labels = layer, tuple(args[1:])
-        self.names = _input_names(self.model, len(self.inputs))
+        for root in self.roots:
+            if root.layer is not self.model and root.args and root.args[0] is self.output:
+                self.loss_layer, self.labels = root.layer, tuple(root.args[1:])
+        self.roots = []
         self._switch_to_hooks()
         mark(self.config, "watched")
         report_dir = self.config.get("report_dir")
@@ -123,68 +144,127 @@ class Session:
         if sync is not None and report_dir is None:  # ranks merge through files: a folder beside the result
             report_dir = str(Path(self.config["result"]).with_name("ranks"))
         self.doctor = Doctor(self.model, optimizer, step_fn=self._replay, report_dir=report_dir,
-                             on_fault="stop", wrap_step=False, sync=sync)
+                             on_fault="stop", wrap_step=False, sync=sync, mode=Mode.RUN)
+        self.doctor.loss_code_fault = self._loss_code_fault
+        self.doctor.open_step(best.rng)  # step 0 ran before the model was known: replay it from its RNG
         return True
+
+    def _record(self, args: tuple, kwargs: dict) -> None:
+        """A model call's inputs: positional ones named after forward's parameters, keyword ones by keyword."""
+        self.inputs = tuple(args)
+        self.kwargs = dict(kwargs or {})
+        if len(self.names) != len(self.inputs):
+            self.names = _input_names(self.model, len(self.inputs), self.kwargs)
 
     def _switch_to_hooks(self) -> None:
         """The model and the loss are known: record their calls with hooks, give Layer its own __call__ back."""
-        import paddle
+        paddle_layer = sys.modules["paddle"].nn.Layer
+        paddle_layer.__call__ = self.orig["call"]
 
-        paddle.nn.Layer.__call__ = self.orig["call"]
-
-        def on_model(_layer: Any, args: Any, kwargs: Any = None) -> None:
+        def on_model(_layer: Any, args: Any, kwargs: Any) -> None:
             if not self.busy and self.model.training:
-                self.inputs = tuple(args)
+                self._record(args, kwargs)
 
         def on_model_out(_layer: Any, _args: Any, out: Any) -> None:
             if self.busy or not self.model.training:
                 return
             self.output = out
-            if self.loss_layer is None and isinstance(out, paddle.Tensor) and not out.stop_gradient:
-                out.register_hook(self._keep_grad)
+            self.grads = {}
+            if self.loss_layer is None:
+                _keep_grads(out, self.grads)
 
         def on_loss(_layer: Any, args: Any) -> None:
             if not self.busy:
                 self.labels = tuple(args[1:])
 
-        self.model.register_forward_pre_hook(on_model)
+        self.model.register_forward_pre_hook(on_model, with_kwargs=True)
         self.model.register_forward_post_hook(on_model_out)
         if self.loss_layer is not None:
             self.loss_layer.register_forward_pre_hook(on_loss)
-
-    def _keep_grad(self, grad: Any) -> None:
-        self.grad_out = grad.detach()
 
     def _fields(self) -> dict[str, Any]:
         import paddle
 
         fields = dict(zip(self.names, self.inputs))
+        fields.update({k: v for k, v in self.kwargs.items() if isinstance(v, paddle.Tensor)})
         for i, label in enumerate(self.labels):
             fields["label" if len(self.labels) == 1 else f"label{i}"] = label
-        n = _rows(self.inputs)
+        n = _rows(fields.values())
         if n is not None:
             fields[ROW] = paddle.arange(n, dtype="int64")
         return fields
 
+    def _own_loss(self, leaves: list[Any]) -> int | None:
+        """The position of the backpropagated loss among the model's outputs (a model that returns its loss)."""
+        loss = self.last_loss
+        return next((i for i, t in enumerate(leaves) if t is loss), None)
+
     def _replay(self, model: Any, fields: dict[str, Any]) -> Any:
-        """The step's loss from (part of) its batch: the loss layer's, or the recorded output gradient's."""
+        """The step's loss from (part of) its batch: the loss layer's, the model's own, or the recorded
+        output gradients backpropagated through the model again."""
         import paddle
 
         from nandoctor.inloop.doctor import ReplayError
 
         inputs = [fields[n] for n in self.names]
-        out = model(*inputs, **self.kwargs)
+        kwargs = {k: fields.get(k, v) for k, v in self.kwargs.items()}
+        out = model(*inputs, **kwargs)
         if self.loss_layer is not None:
-            labels = [fields[k] for k in fields if k.startswith("label")]
+            labels = [fields[k] for k in fields if k.startswith("label") and k not in kwargs]
             return self.loss_layer(out, *labels)
-        grad = self.grad_out
-        if grad is None or not isinstance(out, paddle.Tensor):
-            raise ReplayError("no loss to replay: the loss is not a paddle.nn.Layer and no output gradient was seen")
+        leaves = _leaves(out)
+        own = self._own_loss(_leaves(self.output))
+        if own is not None and own < len(leaves):
+            return leaves[own]
         rows = fields.get(ROW)
-        if rows is not None and int(rows.shape[0]) != int(grad.shape[0]):
-            grad = paddle.gather(grad, rows)
-        grad = paddle.where(paddle.isfinite(grad), grad, paddle.zeros_like(grad))
-        return (out * grad).sum()
+        total = None
+        for i, grad in self.grads.items():
+            if i >= len(leaves):
+                continue
+            if rows is not None and int(rows.shape[0]) != int(grad.shape[0]):
+                grad = paddle.gather(grad, rows)
+            # NaN/Inf rows came from loss code that is not replayed (`_loss_code_fault` named them): the
+            # model's own faults show with finite gradients
+            grad = paddle.where(paddle.isfinite(grad), grad, paddle.zeros_like(grad))
+            term = (leaves[i] * grad).sum()
+            total = term if total is None else total + term
+        if total is None:
+            raise ReplayError("no loss to replay: the loss is not a paddle.nn.Layer and no gradient came back to a "
+                              "tensor output of the model")
+        return total
+
+    def _loss_code_fault(self, fault: Any) -> Any:
+        """A fault that began in loss code written as functions: the model's outputs finite, and the loss
+        or the gradient that came back to them not. None when the replay can reach the fault."""
+        import math
+
+        import numpy as np
+
+        from nandoctor.batches import to_numpy
+        from nandoctor.findings import Phase
+        from nandoctor.probe.diagnose import LossCodeFault
+
+        leaves = _leaves(self.output)
+        if self.loss_layer is not None or not leaves or self._own_loss(leaves) is not None:
+            return None
+        if not all(np.isfinite(to_numpy(t)).all() for t in leaves):
+            return None  # the model's forward went non-finite: the replay names where
+        loss_ok = fault.stats is not None and math.isfinite(fault.stats.loss)
+        n = _rows(leaves)
+        rows: set[int] = set()
+        bad_grad = False
+        for grad in self.grads.values():
+            arr = to_numpy(grad)
+            bad = ~np.isfinite(arr)
+            if not bad.any():
+                continue
+            bad_grad = True
+            if n is not None and arr.ndim > 0 and arr.shape[0] == n:
+                rows.update(np.nonzero(bad.reshape(n, -1).any(axis=1))[0].tolist())
+        if loss_ok and not bad_grad:
+            return None  # finite loss, finite gradient at the outputs: the fault is in the model's backward
+        return LossCodeFault(phase=Phase.BACKWARD if loss_ok else Phase.LOSS, rows=sorted(rows) or None,
+                             batch_size=n)
 
     # ---- the end -------------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -197,6 +277,38 @@ class Session:
             self.doctor.close()
             sys.stdout.flush()
             raise SystemExit(1)
+
+
+def _leaves(value: Any, depth: int = 0) -> list[Any]:
+    """The float tensors of a model's output, in a fixed order: a tensor, a tuple/list, a dict, or an
+    output object (a dataclass or any object with attributes, as paddleformers' outputs are)."""
+    paddle = sys.modules["paddle"]
+    if isinstance(value, paddle.Tensor):
+        return [value] if value.dtype in (paddle.float32, paddle.float16, paddle.bfloat16, paddle.float64) else []
+    if depth > 3 or value is None or isinstance(value, (str, bytes, int, float, bool)):
+        return []
+    if isinstance(value, (tuple, list)):
+        items = list(value)
+    elif isinstance(value, dict):
+        items = list(value.values())
+    elif hasattr(value, "__dict__"):
+        items = list(vars(value).values())
+    else:
+        return []
+    out: list[Any] = []
+    for item in items:
+        out += _leaves(item, depth + 1)
+    return out
+
+
+def _keep_grads(out: Any, into: dict[int, Any]) -> None:
+    """Record into `into[i]` the gradient that comes back to each output tensor that takes one."""
+    for i, leaf in enumerate(_leaves(out)):
+        if not leaf.stop_gradient:
+            def keep(grad: Any, _i: int = i) -> None:
+                into[_i] = grad.detach()
+
+            leaf.register_hook(keep)
 
 
 def write_result(config: dict[str, Any], report: Any) -> None:
@@ -236,20 +348,22 @@ def _opt_params(optimizer: Any) -> list[Any]:
     return out
 
 
-def _input_names(model: Any, n: int) -> list[str]:
-    """The model's forward parameter names for its positional inputs (`a`, `b`), else x0, x1, ..."""
+def _input_names(model: Any, n: int, kwargs: dict[str, Any]) -> list[str]:
+    """The model's forward parameter names for its positional inputs (`a`, `b`), else x0, x1, ... (never a
+    name its keyword inputs already use)."""
     try:
         params = [p.name for p in inspect.signature(model.forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         params = []
-    if len(params) >= n and not any(p.startswith("label") or p == ROW for p in params[:n]):
+    if len(params) >= n and not any(p.startswith("label") or p == ROW or p in kwargs for p in params[:n]):
         return params[:n]
     return [f"x{i}" for i in range(n)]
 
 
-def _rows(inputs: tuple) -> int | None:
-    sizes = {int(x.shape[0]) for x in inputs if hasattr(x, "shape") and len(x.shape) > 0}
+def _rows(values: Any) -> int | None:
+    """The batch size: the one leading dimension every tensor shares, else None."""
+    sizes = {int(x.shape[0]) for x in values if hasattr(x, "shape") and len(x.shape) > 0}
     return sizes.pop() if len(sizes) == 1 else None
 
 
