@@ -20,6 +20,7 @@ import pytest
 from inloop_helpers import example_module, fault_of, probe_first_fault, sample_module
 
 import nandoctor
+from nandoctor.inloop import outcome
 
 # What tests/test_probe_samples.py established for these samples (tensor checker + float64 on the host).
 SQRT = {"step": 6, "phase": "backward", "layer": "head.distance", "op": "sqrt_grad", "batch_index": 6,
@@ -83,7 +84,12 @@ def test_plain_loop_names_the_same_first_fault_as_the_probe(tmp_path: Path) -> N
     folder = tmp_path / "report"
     data = json.loads((folder / "report.json").read_text(encoding="utf-8"))
     assert data["verdict"] == "nan_found" and data["first_fault"] == doctor.report.to_dict()["first_fault"]
-    assert "head.distance" in (folder / "report.md").read_text(encoding="utf-8")
+    markdown = (folder / "report.md").read_text(encoding="utf-8")
+    assert "head.distance" in markdown
+    # titled by what ran; no exit status, since nandoctor does not end the user's process
+    assert markdown.startswith("# nandoctor.watch: ") and "exit status" not in markdown
+    text = outcome.render_text(doctor.report)
+    assert text.startswith("nandoctor.watch: ") and "Exit status" not in text and "--markdown" not in text
     batch = np.load(folder / "batch.npz", allow_pickle=False)
     assert sorted(batch.files) == ["a", "b", "target"]
     np.testing.assert_array_equal(batch["a"][3], batch["b"][3])  # the duplicate pair

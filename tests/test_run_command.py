@@ -45,13 +45,22 @@ def test_run_names_the_probes_first_fault_and_stops_the_script(tmp_path: Path, p
     assert "sqrt_grad" in (tmp_path / "r.md").read_text(encoding="utf-8")
     assert (tmp_path / "b" / "batch.npz").is_file() and (tmp_path / "b" / "report.json").is_file()
     assert "first fault" in proc.stdout  # the console report
+    assert "nandoctor run: " in proc.stdout and "nandoctor probe" not in proc.stdout  # titled by what ran
+    assert "Re-run with --markdown" not in proc.stdout  # it was given
+    assert (tmp_path / "r.md").read_text(encoding="utf-8").startswith("# nandoctor run: ")
 
 
-def test_healthy_script_passes_through(tmp_path: Path) -> None:
-    proc = _run(tmp_path, "--json", "r.json", script=[sys.executable, str(SCRIPT), "--healthy"])
+def test_healthy_script_passes_through_and_still_writes_its_report(tmp_path: Path) -> None:
+    proc = _run(tmp_path, "--json", "r.json", "--markdown", "r.md",
+                script=[sys.executable, str(SCRIPT), "--healthy"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines()[-1] == "training finished"
-    assert not (tmp_path / "r.json").exists()
+    assert proc.stdout.splitlines()[-1] == "training finished"  # the script's own output, untouched
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))  # a CI job that collects it gets it
+    assert data["verdict"] == "healthy" and data["first_fault"] is None and data["run"]["mode"] == "run"
+    assert [p["step"] for p in data["timeline"]] == list(range(20))
+    assert all(p["loss"] is not None and p["loss"] > 0 for p in data["timeline"])
+    assert (tmp_path / "r.md").read_text(encoding="utf-8").startswith("# nandoctor run: ")
+    assert "healthy" in proc.stderr
 
 
 def test_keep_going_lets_the_script_finish(tmp_path: Path) -> None:

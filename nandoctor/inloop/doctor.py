@@ -216,6 +216,20 @@ class Doctor:
             log.info("nandoctor: no non-finite value in %d step(s)", self.step)
         return self.report
 
+    def summary(self) -> Report:
+        """The report of this run, also when it is healthy (verdict `healthy`: timeline, per-layer details):
+        what `nandoctor run --json` writes for a script that trained clean. Neither logged nor written."""
+        if self.report is not None:
+            return self.report
+        import paddle
+
+        from nandoctor.inloop import outcome
+
+        report = outcome.new_report(str(paddle.get_device()), self.mode)
+        outcome.fill_report(report, self.watcher, None, self.step, target=self._target(None),
+                            optimizer=self.optimizer)
+        return report
+
     def __enter__(self) -> Doctor:
         return self
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import tempfile
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 from nandoctor.errors import OutputError, SpecError
-from nandoctor.findings import Report
+from nandoctor.findings import Report, Verdict
 
 SITE = Path(__file__).resolve().parent / "site"
 
@@ -64,8 +65,10 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
             report = Report.from_dict(json.loads(result.read_text(encoding="utf-8")))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise OutputError(f"the watched run's report could not be read ({exc}).") from None
-    report.run["command_line"] = " ".join(command)
-    write_outputs(report, console, json_path=json_path, markdown_path=markdown_path, quiet=quiet)
-    if bundle is not None:
+    report.run["command_line"] = shlex.join(command)
+    # A clean run's output stays the script's own: one line on stderr; the files are written all the same
+    write_outputs(report, _stderr() if report.verdict == Verdict.HEALTHY else console, json_path=json_path,
+                  markdown_path=markdown_path, quiet=quiet or report.verdict == Verdict.HEALTHY)
+    if bundle is not None and (bundle / "report.json").is_file():
         console.print(f"Report folder written to [bold]{bundle}[/].")
     return 1 if report.exit_code else (proc.returncode or 0)

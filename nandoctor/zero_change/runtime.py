@@ -395,14 +395,15 @@ def install() -> None:
 
 
 def _at_exit() -> None:
-    """The script ended on its own (--keep-going, or nothing found): close the watch, keep its report."""
+    """The script ended on its own (--keep-going, or nothing found): close the watch, keep its report (a
+    healthy one too: `--json` is written for every run)."""
     session = SESSION
     if session is None or session.doctor is None:
         return
     try:
-        report = session.doctor.close()
-        if report is not None and not session.done:
-            write_result(session.config, report)
+        session.doctor.close()
+        if not session.done:
+            write_result(session.config, session.doctor.summary())
     except Exception:  # noqa: BLE001 - never turn the user's exit into a traceback of ours
         pass
 
