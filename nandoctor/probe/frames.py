@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dis
 import inspect
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+from nandoctor.probe.native import FRAME_RE
+
 _MACHINERY = ("paddle/nn/layer/layers.py", "paddle\\nn\\layer\\layers.py")
 
 
@@ -29,7 +29,7 @@ def printed_frames(text: str) -> list[tuple[str, int, str]]:
     block = text[start:] if start >= 0 else text
     end = block.find("While running Node")
     block = block[:end] if end >= 0 else block
-    return [(f, int(n), fn) for f, n, fn in _FRAME_RE.findall(block)]
+    return [(f, int(n), fn) for f, n, fn in FRAME_RE.findall(block)]
 
 
 _OWN = str(Path(__file__).resolve().parent.parent)

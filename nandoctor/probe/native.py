@@ -17,7 +17,7 @@ from pathlib import Path
 
 from nandoctor.entrypoints import is_user_file, short_path
 
-_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')  # a frame of a printed Python stack
 
 
 class NativeOutput:
@@ -59,7 +59,7 @@ def capture_native_output() -> Iterator[NativeOutput]:
 def user_frame(text: str, base_dir: Path | None) -> str | None:
     """'model.py:23 in forward': the innermost frame of a printed Python stack that is the user's code."""
     found = None
-    for file, line, func in _FRAME_RE.findall(text):
+    for file, line, func in FRAME_RE.findall(text):
         if is_user_file(Path(file), base_dir.resolve() if base_dir else None):
             found = f"{short_path(Path(file), base_dir)}:{line} in {func}"
     return found

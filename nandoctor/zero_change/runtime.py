@@ -29,8 +29,11 @@ import inspect
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+from nandoctor.zero_change.recheck import CheckedPass
 
 ENV = "NANDOCTOR_RUN"
 ROW = "nandoctor_row"  # a field of sample positions, so a replay of a subset takes the same rows
@@ -66,6 +69,9 @@ class Session:
         self.names: list[str] = []
         self.done = False
         self.orig: dict[str, Any] = {}
+        self.started = time.monotonic()
+        # The checked pass (recheck.py): this process re-runs the command to name a loss-code op
+        self.recheck = CheckedPass(config) if config.get("recheck_step") is not None else None
 
     @property
     def busy(self) -> bool:
@@ -86,11 +92,17 @@ class Session:
             self.depth -= 1
         if root is None:
             return out
+        if self.recheck is not None and self.recheck.is_model(layer):
+            self.recheck.after_model(0)  # step 0: the model is not known yet, but its class is
         root.output = out
         _keep_grads(out, root.grads)
         self.roots.append(root)
         del self.roots[:-_MAX_ROOTS]
         return out
+
+    def run_backward(self, run: Any) -> Any:
+        """`loss.backward()` itself: under the checked pass's watch at its step."""
+        return run() if self.recheck is None else self.recheck.backward(run)
 
     def backward(self, tensor: Any) -> None:
         if not self.busy:
@@ -104,6 +116,9 @@ class Session:
             return True
         if optimizer is not self.optimizer:
             return True
+        if self.recheck is not None and self.recheck.armed:
+            self.recheck.not_reproduced(f"the checked pass saw no NaN/Inf op after the model's forward at step "
+                                        f"{self.recheck.step} (the script may not run the same twice)")
         fields = self._fields()
         ok = self.doctor.check(self.last_loss, fields)
         self.last_loss = None
@@ -168,6 +183,8 @@ class Session:
         def on_model_out(_layer: Any, _args: Any, out: Any) -> None:
             if self.busy or not self.model.training:
                 return
+            if self.recheck is not None:
+                self.recheck.after_model(self.doctor.step if self.doctor is not None else 0)
             self.output = out
             self.grads = {}
             if self.loss_layer is None:
@@ -263,12 +280,26 @@ class Session:
                 rows.update(np.nonzero(bad.reshape(n, -1).any(axis=1))[0].tolist())
         if loss_ok and not bad_grad:
             return None  # finite loss, finite gradient at the outputs: the fault is in the model's backward
-        return LossCodeFault(phase=Phase.BACKWARD if loss_ok else Phase.LOSS, rows=sorted(rows) or None,
-                             batch_size=n)
+        found = LossCodeFault(phase=Phase.BACKWARD if loss_ok else Phase.LOSS, rows=sorted(rows) or None,
+                              batch_size=n)
+        if self.recheck is None and self.doctor.sync is None:  # ranks: a re-run of every rank is not ours to start
+            from nandoctor.zero_change.recheck import run_checked_pass
+
+            answer = run_checked_pass(self.config, fault.step, self.model, self.started)
+            if answer.get("op"):
+                found.op, found.source = answer["op"], answer.get("source")
+                found.notes.append(f"op and line from a checked second pass of the command up to step {fault.step}, "
+                                   f"with Paddle's tensor checker on after the model's forward ({answer['seconds']} s)")
+            else:
+                found.notes.append(f"no op named: {answer.get('error')}")
+        return found
 
     # ---- the end -------------------------------------------------------------------------------------
     def _finish(self) -> None:
         """A fault: outputs written; the script stopped unless --keep-going."""
+        if self.recheck is not None:
+            self.recheck.not_reproduced(f"the checked pass found a fault at step {self.doctor.fault.step}, before "
+                                        f"step {self.recheck.step}: the script does not run the same twice")
         self.done = True
         write_result(self.config, self.doctor.report)
         if self.doctor.sync is not None:
@@ -385,19 +416,33 @@ def install() -> None:
     import atexit
 
     atexit.register(_at_exit)
-    from nandoctor.zero_change.seams import AfterImport, patch_paddle
+    from nandoctor.zero_change.seams import AfterImport
 
     session = SESSION
     if "paddle" in sys.modules and hasattr(sys.modules["paddle"], "optimizer"):
-        patch_paddle(session)
+        _on_paddle(session)
         return
-    sys.meta_path.insert(0, AfterImport("paddle", lambda: patch_paddle(session)))
+    sys.meta_path.insert(0, AfterImport("paddle", lambda: _on_paddle(session)))
+
+
+def _on_paddle(session: Session) -> None:
+    """Paddle was imported: the seams, and the RNG states a checked pass needs (saved, or restored in it)."""
+    from nandoctor.zero_change import recheck
+    from nandoctor.zero_change.seams import patch_paddle
+
+    patch_paddle(session)
+    if session.recheck is not None:
+        recheck.restore_rng(session.config["rng"])
+    else:
+        recheck.save_rng(session.config)
 
 
 def _at_exit() -> None:
     """The script ended on its own (--keep-going, or nothing found): close the watch, keep its report (a
     healthy one too: `--json` is written for every run)."""
     session = SESSION
+    if session is not None and session.recheck is not None:
+        session.recheck.not_reproduced(f"the script ended before step {session.recheck.step}")
     if session is None or session.doctor is None:
         return
     try:

@@ -24,7 +24,7 @@ def patch_paddle(session: Any) -> None:
         return session.layer_call(self, args, kwargs)
 
     def tensor_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = backward(self, *args, **kwargs)
+        out = session.run_backward(lambda: backward(self, *args, **kwargs))
         session.backward(self)
         return out
 
