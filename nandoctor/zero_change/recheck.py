@@ -10,8 +10,10 @@ watched the same way so steps count the same; the RNG states the first pass had 
 are restored at the same point, so an unseeded script draws the same numbers. The cost is a second run of
 the script up to the faulting step (README: "What nandoctor run costs").
 
-The pass's stdout and stderr are discarded and its standard input is closed; it writes one small JSON
-result and ends with `os._exit`, so the script's own atexit handlers and output do not run twice.
+The pass's stdout and stderr are discarded and its standard input is closed; its file writes go to a
+private mirror folder (sandbox.py), and any file of the working folder that changed all the same is named
+in the report; it writes one small JSON result and ends with `os._exit`, so the script's own atexit
+handlers and output do not run twice.
 """
 
 from __future__ import annotations
@@ -70,10 +72,13 @@ def run_checked_pass(config: dict[str, Any], step: int, model: Any, started: flo
     argv = list(getattr(sys, "orig_argv", []) or [])
     if not argv:
         return {"error": "the command line of this Python process is not known (Python < 3.10)"}
+    from nandoctor.zero_change.sandbox import changed_files, file_states
+
     with tempfile.TemporaryDirectory(prefix="nandoctor-recheck-") as tmp:
         result = Path(tmp) / "recheck.json"
         sub = {"result": str(result), "recheck_step": step, "rng": str(rng_file(config)),
-               "model_class": f"{type(model).__module__}.{type(model).__qualname__}"}
+               "model_class": f"{type(model).__module__}.{type(model).__qualname__}", "mirror": str(Path(tmp) / "m")}
+        before = file_states(Path.cwd())
         env = dict(os.environ)
         env["NANDOCTOR_RUN"] = json.dumps(sub)
         limit = _TIME_FACTOR * (time.monotonic() - started) + _TIME_SLACK
@@ -86,12 +91,14 @@ def run_checked_pass(config: dict[str, Any], step: int, model: Any, started: flo
         except OSError as exc:
             return {"error": f"the checked pass could not start: {exc}"}
         seconds = round(time.monotonic() - t0, 2)
+        changed = changed_files(before, file_states(Path.cwd()))
         try:
             out = json.loads(result.read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            return {"error": "the checked pass ended without an answer (the script may stop early on a second "
-                             "run, or read its input)", "seconds": seconds}
+            out = {"error": "the checked pass ended without an answer (the script may stop early on a second run, "
+                            "or read its input)"}
     out["seconds"] = seconds
+    out["changed_files"] = changed
     return out
 
 
