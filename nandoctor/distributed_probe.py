@@ -31,13 +31,13 @@ from nandoctor.findings import Report
 TIMEOUT = 3600  # seconds for the whole launch; a rank left waiting must not hang the command for ever
 
 
-def launch_probe(config: Path, steps: int, seed: int, nproc: int) -> Report:
+def launch_probe(config: Path, steps: int, seed: int, nproc: int, device: str = "auto") -> Report:
     """Run the ranks; rank 0's merged report (a `user_code.error`-free failure of a rank is a SpecError)."""
     with tempfile.TemporaryDirectory(prefix="nandoctor-nproc-") as tmp:
         out = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc), "--log_dir",
                str(Path(tmp) / "log"), str(Path(__file__).resolve()), str(config), "--steps", str(steps),
-               "--seed", str(seed), "--out", str(out)]
+               "--seed", str(seed), "--out", str(out), "--device", device]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_")}
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
@@ -50,59 +50,62 @@ def launch_probe(config: Path, steps: int, seed: int, nproc: int) -> Report:
                             f"{proc.returncode}). The ranks' last output:\n{logs or proc.stderr[-1500:]}")
         report = Report.from_dict(json.loads(out.read_text(encoding="utf-8")))
     report.run["nproc"] = nproc
+    if report.first_fault is not None:
+        report.details["remedies"] = {"note": f"remedies are not replayed under --nproc (each of {nproc} ranks "
+                                              "would replay its own share): run `nandoctor probe` without --nproc "
+                                              "to have them tried"}
     return report
 
 
-def rank_main(config: Path, steps: int, seed: int, out: Path) -> int:
+def rank_main(config: Path, steps: int, seed: int, out: Path, device: str = "auto") -> int:
     """One rank: the spec's training as a watched loop under DataParallel."""
     import numpy as np
     import paddle
     import paddle.distributed as dist
 
+    from nandoctor.device import resolve_device, use_device
     from nandoctor.distributed import RankSync
     from nandoctor.inloop.doctor import Doctor
-    from nandoctor.schedulers import lr_scheduler
     from nandoctor.spec import load_spec
+    from nandoctor.training import StepEngine
     from nandoctor.workload import build_optimizer, build_workload
 
+    device = resolve_device(device)
+    if device == "cpu":  # a GPU rank keeps the device the launcher gave it
+        use_device(device)
     dist.init_parallel_env()
     rank, world = dist.get_rank(), dist.get_world_size()
     paddle.seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
     spec = load_spec(config)
-    workload = build_workload(spec)
+    workload = build_workload(spec).on_device(device)
     model = workload.model
     optimizer = build_optimizer(spec, model)
-    scheduler = lr_scheduler(optimizer)
-    by = spec.optimizer.scheduler_by
-    accumulate = spec.optimizer.accumulate_steps
     dp = paddle.DataParallel(model)
+    engine = StepEngine.for_workload(workload, optimizer, device=device, model=dp)  # the probe loop's own step
     model.train()
     ranks_dir = out.with_name("ranks")
+    fp16 = spec.amp.enabled and spec.amp.dtype == "float16"
     doctor = Doctor(dp, optimizer, step_fn=workload.compute_loss, report_dir=ranks_dir, sync=RankSync(),
-                    target=workload.target())
+                    target=workload.target(), scaler=engine.scaler, fp16=fp16)
     it = iter(_shard(workload.make_loader(), rank, world))
     with doctor:
         for step in range(steps):
             batch = next(it, _END)
             if batch is _END:  # a new epoch
-                if scheduler is not None and by == "epoch":
-                    scheduler.step()
+                engine.end_epoch()
                 it = iter(_shard(workload.make_loader(), rank, world))
                 batch = next(it, _END)
                 if batch is _END:
                     break
             fields = workload.layout.fields(batch, step)
-            loss = workload.compute_loss(dp, fields)
-            (loss / accumulate if accumulate > 1 else loss).backward()
+            loss = engine.loss(fields)
+            engine.backward(loss)
             if not doctor.check(loss, fields):
                 break
-            if (step + 1) % accumulate == 0:
-                optimizer.step()
-                optimizer.clear_grad()
-                if scheduler is not None and by == "step":
-                    scheduler.step()
+            if engine.updates_after(step):
+                engine.update()
     report = doctor.report
     if rank == 0:
         if report is None:
@@ -145,8 +148,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="auto")
     args = parser.parse_args()
-    sys.exit(rank_main(args.config, args.steps, args.seed, args.out))
+    sys.exit(rank_main(args.config, args.steps, args.seed, args.out, args.device))
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def _run_command(command: str, config: Path, console: Console, *, json_path: Pat
             if nproc > 1:  # N processes through Paddle's launcher, each training its share of the data
                 from nandoctor.distributed_probe import launch_probe
 
-                report = launch_probe(Path(config).resolve(), opts.steps, opts.seed, nproc)
+                report = launch_probe(Path(config).resolve(), opts.steps, opts.seed, nproc, opts.device)
             else:
                 report = run_probe(spec, opts, on_progress)
             flags = {"--steps": opts.steps, "--seed": opts.seed, "--device": opts.device,

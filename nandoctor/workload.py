@@ -25,6 +25,7 @@ from nandoctor.spec import OUTPUT_LOSS, Spec
 
 if TYPE_CHECKING:
     from nandoctor.probe.diagnose import StepTarget
+    from nandoctor.training import StepPlan
 
 
 @dataclass
@@ -39,6 +40,33 @@ class Workload:
 
     def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return call_user(what, fn, *args, base_dir=self.spec.base_dir, **kwargs)
+
+    @property
+    def plan(self) -> StepPlan:
+        """How batches become updates (accumulation, scheduler, AMP's loss scale): what the step engine reads."""
+        from nandoctor.training import StepPlan
+
+        opt, amp = self.spec.optimizer, self.spec.amp
+        return StepPlan(accumulate=opt.accumulate_steps, scheduler_by=opt.scheduler_by,
+                        amp_scale=float(amp.init_loss_scaling) if amp.enabled else None)
+
+    def on_device(self, device: str) -> Workload:
+        """This workload as it trains on `device`: its forward and loss under `paddle.amp.auto_cast` when the
+        spec turns AMP on and the device has the kernels (not on CPU), for the loop and every replay alike."""
+        amp = self.spec.amp
+        if not amp.enabled or device == "cpu":
+            return self
+        import dataclasses
+
+        import paddle
+
+        inner = self.compute_loss
+
+        def compute(model: Any, fields: dict[str, Any]) -> Any:
+            with paddle.amp.auto_cast(level=amp.level, dtype=amp.dtype):
+                return inner(model, fields)
+
+        return dataclasses.replace(self, compute_loss=compute)
 
     def target(self) -> StepTarget:
         """What the diagnosis of a fault reads of this workload (probe/diagnose.py)."""

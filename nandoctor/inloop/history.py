@@ -17,15 +17,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from nandoctor.probe.loop import DEFER_EVERY
+from nandoctor.probe.loop import DEFER_EVERY, LoopResult
 from nandoctor.probe.snapshots import MIN_EVERY, SnapshotRing, tensor_nbytes
 from nandoctor.probe.watcher import Fault, StepWatcher
 from nandoctor.schedulers import lr_scheduler
+from nandoctor.training import StepPlan
 
 log = logging.getLogger("nandoctor")
 
@@ -108,7 +108,7 @@ class StepHistory:
 
         if not rollback.needs_rollback(fault, self.ring):
             return fault, None
-        res = SimpleNamespace(fault=fault, records=self.watcher.records, steps_run=steps_run, interrupted=False)
+        res = LoopResult(records=self.watcher.records, fault=fault, steps_run=steps_run)
         info = rollback.rollback(res, self.replay_workload(step_fn, default_rebuild, steps_run), self.optimizer,
                                   self.ring)
         self.watcher.records = res.records  # (Ctrl-C during the replay: the update fault stands, noted in info)
@@ -132,10 +132,8 @@ class StepHistory:
         def compute_loss(model: Any, f: dict[str, Any]) -> Any:
             return step_fn(model, rebuilds.get(id(f), default_rebuild)(f))
 
-        by = self._scheduler_by(steps_run)
-        spec = SimpleNamespace(optimizer=SimpleNamespace(accumulate_steps=1, scheduler_by=by))
-        return SimpleNamespace(model=self.model, compute_loss=compute_loss, make_loader=make_loader,
-                               layout=SimpleNamespace(fields=fields), spec=spec)
+        return KeptBatches(model=self.model, compute_loss=compute_loss, make_loader=make_loader,
+                           layout=_KeptLayout(fields), plan=StepPlan(scheduler_by=self._scheduler_by(steps_run)))
 
     def _scheduler_by(self, steps_run: int) -> str | None:
         """"step" when the loop's LR scheduler advanced once per step since the first (a replay then
@@ -144,6 +142,25 @@ class StepHistory:
         if sched is None or self._sched_start is None:
             return None
         return "step" if steps_run > 0 and int(sched.last_epoch) - self._sched_start >= steps_run else None
+
+
+@dataclass
+class _KeptLayout:
+    """The kept batches are fields already: the replay's `layout.fields` only checks one was kept."""
+
+    fields: Callable[[Any, int], dict[str, Any]]
+
+
+@dataclass
+class KeptBatches:
+    """A user's loop as the probe's rollback replays it (probe/rollback.py reads these and nothing more):
+    the kept batches as a loader, the user's step_fn as the loss, one update per batch (StepPlan)."""
+
+    model: Any
+    compute_loss: Callable[[Any, dict[str, Any]], Any]
+    make_loader: Callable[[], Iterator[Any]]
+    layout: _KeptLayout
+    plan: StepPlan
 
 
 def _batch_nbytes(fields: dict[str, Any]) -> int:

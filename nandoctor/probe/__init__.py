@@ -29,6 +29,7 @@ from nandoctor.probe.trainability import no_trainable_finding
 from nandoctor.probe.watcher import current_lr, trainable_names
 from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.spec import Spec
+from nandoctor.training import StepEngine
 from nandoctor.workload import build_optimizer, build_workload
 
 __all__ = ["ProbeOptions", "run_probe"]
@@ -73,8 +74,6 @@ def _interrupted(report: Report, steps_run: int) -> None:
 def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Report, device: str) -> None:
     import time
 
-    import paddle
-
     t_start = time.perf_counter()
     progress(0, options.steps, "building the model")
     try:
@@ -105,8 +104,7 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
         report.run["amp_level"] = spec.amp.level
         if device == "cpu":
             faults.amp_inactive(report, spec.amp.dtype)
-        else:
-            workload = _with_autocast(workload, spec)
+    workload = workload.on_device(device)  # autocast under AMP on a GPU, for the loop and every replay
     found_causes = causes.before_training(report, model, optimizer)
     if found_causes.stop:
         report.details["steps_run"] = 0
@@ -114,13 +112,12 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
         return
     was_training = model.training
     model.train()
-    scaler = None
-    if spec.amp.enabled and device != "cpu":
-        scaler = paddle.amp.GradScaler(init_loss_scaling=spec.amp.init_loss_scaling)
+    engine = StepEngine.for_workload(workload, optimizer, device=device)
+    scaler = engine.scaler
     loop: ProbeLoop | None = None
     try:
-        loop = ProbeLoop(workload, optimizer, options.steps, progress, scaler=scaler, fp16=fp16,
-                         amp=spec.amp.enabled, start_nonfinite=found_causes.nonfinite)
+        loop = ProbeLoop(workload, engine, options.steps, progress, fp16=fp16, amp=spec.amp.enabled,
+                         start_nonfinite=found_causes.nonfinite)
         if options.try_fixes:
             from nandoctor.probe.snapshots import SnapshotRing
 
@@ -172,21 +169,6 @@ def _remedies(report: Report, res: LoopResult, workload: Any, optimizer: Any, lo
         report.remedies = []
         report.details["remedies"] = {"error": f"nandoctor's own remedy replay failed (a nandoctor bug, not "
                                                f"yours; please report it): {type(exc).__name__}: {exc}"[:400]}
-
-
-def _with_autocast(workload: Any, spec: Spec) -> Any:
-    """The same workload whose forward+loss runs under `paddle.amp.auto_cast` (GPU; replays use it too)."""
-    import dataclasses
-
-    import paddle
-
-    inner = workload.compute_loss
-
-    def compute(model: Any, fields: dict[str, Any]) -> Any:
-        with paddle.amp.auto_cast(level=spec.amp.level, dtype=spec.amp.dtype):
-            return inner(model, fields)
-
-    return dataclasses.replace(workload, compute_loss=compute)
 
 
 def _scale_collapse(report: Report, res: LoopResult, init_scale: float) -> None:

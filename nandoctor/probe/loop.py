@@ -17,7 +17,7 @@ from nandoctor.findings import Phase
 from nandoctor.interrupt import reassert, stop_loader
 from nandoctor.probe.snapshots import MIN_EVERY
 from nandoctor.probe.watcher import Fault, FaultKind, StatsSchedule, StepRecord, StepWatcher
-from nandoctor.schedulers import lr_scheduler
+from nandoctor.training import StepEngine
 from nandoctor.workload import Workload
 
 __all__ = ["Fault", "FaultKind", "LoopResult", "ProbeLoop", "StatsSchedule", "StepRecord"]
@@ -63,19 +63,16 @@ def _user(phase: Phase, fn: Callable[..., Any], *args: Any, what: str | None = N
 class ProbeLoop:
     """Runs up to `steps` steps of the user's training; stops at the first fault, crash or Ctrl-C."""
 
-    def __init__(self, workload: Workload, optimizer: Any, steps: int, progress: Any, *, scaler: Any = None,
-                 fp16: bool = False, amp: bool = False, start_nonfinite: list[str] | None = None) -> None:
+    def __init__(self, workload: Workload, engine: StepEngine, steps: int, progress: Any, *, fp16: bool = False,
+                 amp: bool = False, start_nonfinite: list[str] | None = None) -> None:
         self.w = workload
-        self.opt = optimizer
+        # One optimizer step per `accumulate` batches; a probe step stays one batch, so steps name batches.
+        self.engine = engine.with_boundary(_user)
+        self.opt = engine.optimizer
         self.steps = steps
         self.progress = progress
-        self.watcher = StepWatcher(workload.model, optimizer, scaler=scaler, fp16=fp16, amp=amp,
+        self.watcher = StepWatcher(workload.model, engine.optimizer, scaler=engine.scaler, fp16=fp16, amp=amp,
                                    start_nonfinite=start_nonfinite)
-        opt_spec = workload.spec.optimizer
-        # One optimizer step per `accumulate` batches; a probe step stays one batch, so steps name batches.
-        self.accumulate = opt_spec.accumulate_steps
-        self.scheduler = lr_scheduler(optimizer)
-        self.scheduler_by = opt_spec.scheduler_by
         self.snapshots: Any = None  # a SnapshotRing (probe/snapshots.py) when remedies will be tried
 
     @property
@@ -85,8 +82,7 @@ class ProbeLoop:
     def run(self) -> LoopResult:
         res = LoopResult()
         watch = self.watcher
-        model = self.w.model
-        scaler = watch.scaler
+        engine = self.engine
         epoch, batch_index, step = 0, 0, 0
         it: Any = None
         fields: dict[str, Any] | None = None
@@ -105,8 +101,7 @@ class ProbeLoop:
                 if batch is _END:
                     if batch_index == 0:  # an empty loader: nothing to train on
                         break
-                    if self.scheduler is not None and self.scheduler_by == "epoch":
-                        _user(Phase.OPTIMIZER, self.scheduler.step, what=_SCHEDULER)
+                    engine.end_epoch()
                     epoch, batch_index, it = epoch + 1, 0, None
                     res.epochs = epoch + 1
                     continue
@@ -114,24 +109,17 @@ class ProbeLoop:
                 if self.snapshots is not None:
                     self.snapshots.on_batch(step, epoch, batch_index)
                 watch.begin_step(step, fields, batch_index=batch_index, epoch=epoch)
-                loss = _user(Phase.FORWARD, self.w.compute_loss, model, fields)
+                loss = engine.loss(fields)
                 res.fault = watch.observe_loss(loss)
                 if res.fault is not None:
                     break
-                _user(Phase.BACKWARD, self._backward, loss)
+                engine.backward(loss)
                 res.fault = watch.after_backward(loss)
                 if res.fault is not None:
                     break
-                stepped = (step + 1) % self.accumulate == 0
+                stepped = engine.updates_after(step)
                 if stepped:
-                    if scaler is not None:
-                        _user(Phase.OPTIMIZER, scaler.step, self.opt)
-                        _user(Phase.OPTIMIZER, scaler.update)
-                    else:
-                        _user(Phase.OPTIMIZER, self.opt.step)
-                    _user(Phase.OPTIMIZER, self.opt.clear_grad)
-                    if self.scheduler is not None and self.scheduler_by == "step":
-                        _user(Phase.OPTIMIZER, self.scheduler.step, what=_SCHEDULER)
+                    engine.update()
                 watch.after_update(stepped=stepped)
                 step += 1
                 batch_index += 1
@@ -154,20 +142,12 @@ class ProbeLoop:
         res.stats_every = watch.stats_every
         return res
 
-    def _backward(self, loss: Any) -> None:
-        """backward of loss / K when accumulating (the mean over the K batches of one update)."""
-        if self.accumulate > 1:
-            loss = loss / self.accumulate
-        scaler = self.watcher.scaler
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-
     def close(self) -> None:
         self.watcher.close()
 
 
 _END = object()
 _STEP_PHASES = (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD)
-_SCHEDULER = "the LR scheduler's step()"
 
 
 def _next(it: Any) -> Any:

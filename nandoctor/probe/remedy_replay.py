@@ -107,11 +107,10 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
          set_factor: Any, out: Replay, record: bool = False) -> None:
     import paddle
 
-    from nandoctor.schedulers import lr_scheduler
+    from nandoctor.training import StepEngine
 
-    accumulate = w.spec.optimizer.accumulate_steps
-    sched = lr_scheduler(opt)
-    by = w.spec.optimizer.scheduler_by
+    # the loop's own step (probe/loop.py); a fresh GradScaler: a snapshot does not hold the live loss scale
+    engine = StepEngine.for_workload(w, opt, device=str(paddle.get_device())).fresh_scaler()
     named = [(n, p) for n, p in w.model.named_parameters() if not p.stop_gradient]
     params = [p for _, p in named]
     epoch, batch_index, step = snap.epoch, snap.batch_index, snap.step
@@ -128,30 +127,26 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
                 if batch_index == 0:
                     out.ended = True
                     break
-                if sched is not None and by == "epoch":
-                    sched.step()
+                engine.end_epoch()
                 stop_loader(it)
                 epoch, batch_index, it = epoch + 1, 0, iter(w.make_loader())
                 continue
             fields = _changed_fields(w.layout.fields(batch, batch_index), change, epoch, batch_index, step, out)
             set_factor(step)
             here = (step, epoch, batch_index, fields, paddle.get_rng_state()) if record else None
-            loss = w.compute_loss(w.model, fields)
+            loss = engine.loss(fields)
             value = float(loss.detach().astype("float32").reshape([]))
             if not math.isfinite(value):
                 _failed(out, step, "loss", here, value)
                 return
-            (loss / accumulate if accumulate > 1 else loss).backward()
+            engine.backward(loss)
             grads = [p.grad for p in params if p.grad is not None]
             if grads and _any_nonfinite(grads):
                 _failed(out, step, "grad", here, value)  # (not a norm: a finite 1e24 gradient squares to inf)
                 return
             out.losses.append(value)
-            if (step + 1) % accumulate == 0:
-                opt.step()
-                opt.clear_grad()
-                if sched is not None and by == "step":
-                    sched.step()
+            if engine.updates_after(step):
+                engine.update()
                 if record:
                     now = _nonfinite_counts(params)
                     if any(n > b for n, b in zip(now, before)):
