@@ -6,6 +6,9 @@ line, so every other use of the op (and Paddle's own) is untouched. When the op 
 the user's line only calls into it; the wider scopes act on every call made while that line's call runs
 ("within"), or on every call ("any"). Each firing is counted, with the line that made it wherever the
 guard changed a value, so the report can say where the epsilon belongs. Everything is put back on exit.
+
+The tables (GUARDS, RULES, ALIASES) are data on purpose: a bundle carries them as `op_guards.json`
+(`bundle_table`), so its stand-alone reproduce.py applies the very guards the probe verified.
 """
 
 from __future__ import annotations
@@ -45,54 +48,84 @@ GUARDS = {
 }
 
 
+@dataclass(frozen=True)
+class Rule:
+    """What a guard does to the call's arguments (the first must be a tensor, or the call is left alone).
+
+    "add": args[arg] + value; "clip": paddle.clip(args[arg], lo, hi) (None: no bound on that side);
+    "nonzero": entries of args[arg] (a tensor, else the call is left alone) with |v| < value become value.
+    """
+
+    kind: str
+    arg: int = 0
+    value: float | None = None
+    lo: float | None = None
+    hi: float | None = None
+
+
+ACOS_EDGE = 1 - 1e-7
+RULES = {
+    "sqrt": Rule("add", value=EPS),
+    "rsqrt": Rule("add", value=EPS),
+    "log": Rule("clip", lo=EPS),
+    "exp": Rule("clip", hi=EXP_MAX),
+    "pow": Rule("clip", lo=EPS),
+    "acos": Rule("clip", lo=-1 + 1e-7, hi=ACOS_EDGE),
+    "divide": Rule("nonzero", arg=1, value=EPS),
+}
+# The checker's names for ops a guard covers under another name (`x ** tensor` is elementwise_pow).
+ALIASES = {"elementwise_div": "divide", "elementwise_pow": "pow", "div": "divide"}
+GRAD_SUFFIX = "_grad"
+TABLE_FORMAT = "nandoctor.op_guards/1"
+
+
 def guard_for(op: str | None) -> Guard | None:
     """The guard for a reported op (`sqrt_grad` -> sqrt; `elementwise_div` -> divide), or None."""
     if not op:
         return None
-    base = op[:-5] if op.endswith("_grad") else op
-    base = {"elementwise_div": "divide", "elementwise_pow": "pow", "div": "divide"}.get(base, base)
+    base = op[:-len(GRAD_SUFFIX)] if op.endswith(GRAD_SUFFIX) else op
+    base = ALIASES.get(base, base)
     return GUARDS.get(base)
+
+
+def bundle_table() -> dict[str, Any]:
+    """GUARDS, RULES and ALIASES as plain JSON data, for a bundle's reproduce.py (which has no nandoctor)."""
+    guards = {}
+    for op, g in GUARDS.items():
+        rule = RULES[op]
+        guards[op] = {"functions": list(g.functions), "methods": list(g.methods), "kind": rule.kind,
+                      "arg": rule.arg, "value": rule.value, "lo": rule.lo, "hi": rule.hi}
+    return {"format": TABLE_FORMAT, "grad_suffix": GRAD_SUFFIX, "aliases": dict(ALIASES), "guards": guards}
 
 
 def _guarded_args(op: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
     import paddle
 
-    if not args or not isinstance(args[0], paddle.Tensor):
+    rule = RULES.get(op)
+    if rule is None or len(args) <= rule.arg or not isinstance(args[0], paddle.Tensor):
         return args
-    x, rest = args[0], args[1:]
-    if op in ("sqrt", "rsqrt"):
-        return (x + EPS, *rest)
-    if op == "log":
-        return (paddle.clip(x, min=EPS), *rest)
-    if op == "exp":
-        return (paddle.clip(x, max=EXP_MAX), *rest)
-    if op == "pow":
-        return (paddle.clip(x, min=EPS), *rest)
-    if op == "acos":
-        return (paddle.clip(x, -1 + 1e-7, 1 - 1e-7), *rest)
-    if op == "divide" and rest and isinstance(rest[0], paddle.Tensor):
-        den = rest[0]
-        safe = paddle.where(den.abs() < EPS, paddle.full_like(den, EPS), den)
-        return (x, safe, *rest[1:])
-    return args
+    x = args[rule.arg]
+    if rule.kind == "add":
+        new = x + rule.value
+    elif rule.kind == "clip":
+        new = paddle.clip(x, min=rule.lo, max=rule.hi)
+    elif rule.kind == "nonzero" and isinstance(x, paddle.Tensor):
+        new = paddle.where(x.abs() < rule.value, paddle.full_like(x, rule.value), x)
+    else:
+        return args
+    return (*args[:rule.arg], new, *args[rule.arg + 1:])
 
 
 def _changes(op: str, args: tuple[Any, ...]) -> bool:
     """Whether the guard alters a value of this call (one host sync: replays are not the hot path)."""
-    import paddle
-
-    x = args[0]
-    if op in ("sqrt", "rsqrt"):
+    rule = RULES[op]
+    x = args[rule.arg]
+    if rule.kind == "add":  # sqrt/rsqrt: the epsilon matters where the input is at (or past) 0
         return bool((x <= 0).any())
-    if op in ("log", "pow"):
-        return bool((x < EPS).any())
-    if op == "exp":
-        return bool((x > EXP_MAX).any())
-    if op == "acos":
-        return bool((x.abs() > 1 - 1e-7).any())
-    if op == "divide" and len(args) > 1 and isinstance(args[1], paddle.Tensor):
-        return bool((args[1].abs() < EPS).any())
-    return False
+    if rule.kind == "clip":
+        return bool(((x < rule.lo).any() if rule.lo is not None else False)
+                    or ((x > rule.hi).any() if rule.hi is not None else False))
+    return bool((x.abs() < rule.value).any())
 
 
 def site(frame: Any) -> str:

@@ -9,7 +9,8 @@ report.json it contains. A symlink is never a bundle target: nothing is replaced
 
 Contents: report.md, report.json, plots/, batch.npz, state.npz, rng_state.json (when saved),
 environment.json, command.txt, spec.yaml, code/ (the files the spec names and the local modules they
-import), reproduce.py, README.txt. The data files load without pickle, so opening them runs no code.
+import), reproduce.py, op_guards.json (with an op_guard remedy), README.txt. The data files load without
+pickle, so opening them runs no code.
 """
 
 from __future__ import annotations

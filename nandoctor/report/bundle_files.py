@@ -3,6 +3,10 @@
 Data files are written in formats that cannot run code when opened: arrays as `.npz` (read back with
 `allow_pickle=False`) and JSON. No pickle anywhere, so opening someone else's bundle is as safe as
 opening an image; only `reproduce.py` and `code/` are code, and the README says so.
+
+reproduce.py runs without nandoctor, so what it must agree on with the probe and can hold as data goes
+in as data: `op_guards.json` is the probe's own guard table (nandoctor.probe.op_guards.bundle_table), so
+`reproduce.py --with-remedy op_guard` applies the guard the probe verified, never a copy of it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from nandoctor.report.common import project_dir, public_paths
 from nandoctor.spec import Spec
 
 REPRODUCE_SOURCE = Path(__file__).with_name("reproduce_script.py")
+OP_GUARDS = "op_guards.json"  # the name reproduce_script.py reads
 
 
 def fill(report: Report, spec: Spec, folder: Path, *, include_code: bool = True) -> None:
@@ -52,6 +57,10 @@ def fill(report: Report, spec: Spec, folder: Path, *, include_code: bool = True)
         copied = []
         notes.append("code/: left out (--no-code); reproduce.py needs the model's code importable to replay")
     shutil.copyfile(REPRODUCE_SOURCE, folder / "reproduce.py")
+    if any(row.get("remedy") == "op_guard" for row in report.remedies or []):
+        from nandoctor.probe.op_guards import bundle_table
+
+        _write(folder / OP_GUARDS, json.dumps(bundle_table(), indent=2, sort_keys=True) + "\n")
     _write(folder / "README.txt", _readme(report, notes, folder, copied))
     with (folder / "report.md").open("a", encoding="utf-8") as md:
         md.write("\n## In this bundle\n\n" + "\n".join(
@@ -127,6 +136,8 @@ CONTENTS = (
     ("state.npz", "the model's parameters and buffers just before the failing step, one array per name "
                   "(`numpy.load(..., allow_pickle=False)`)"),
     ("rng_state.json", "Paddle's RNG state before the step, as plain numbers, so dropout masks match in the replay"),
+    (OP_GUARDS, "the probe's op guards (functions wrapped, epsilon or clamp), which `python reproduce.py "
+                "--with-remedy op_guard` applies"),
     ("spec.yaml", "the nandoctor spec as given"),
     ("code", "the user's code: the files the spec names and the local modules they import (code runs when "
              "imported: read it before running a bundle from someone else)"),

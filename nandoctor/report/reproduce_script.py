@@ -3,7 +3,8 @@
 This file is copied verbatim into every bundle written by `nandoctor probe/scan --bundle DIR`. It needs
 only paddle, numpy and pyyaml, plus the files next to it: spec.yaml, code/ (the model's own .py files),
 state.npz (the parameters just before the failing step), batch.npz (the offending batch, one array per
-field), rng_state.json (when saved) and report.json (what nandoctor found, to compare against).
+field), rng_state.json (when saved), report.json (what nandoctor found, to compare against) and
+op_guards.json (the probe's op guards, when the report has an op_guard remedy).
 
 Only this file and code/ are code; read them before running a bundle someone else made. The data files
 are read without pickle (`numpy.load(..., allow_pickle=False)` and JSON), so a planted pickle is refused,
@@ -14,15 +15,18 @@ never run.
 
 For a training fault it rebuilds the model from code/ with spec.yaml's arguments, loads the state and
 the batch, restores the RNG state, and runs forward + loss + backward (and the optimizer step when the
-fault was there) with Paddle's tensor checker on, which stops at the first operator that outputs NaN
-or Inf. Forward hooks keep a stack of the layers being run, and gradient hooks on each layer's output
+fault was there, at the learning rate the run had at that step: spec.yaml's lr_scheduler set to the
+rate in report.json's timeline) with Paddle's tensor checker on, which stops at the first operator that
+outputs NaN or Inf. Forward hooks keep a stack of the layers being run, and gradient hooks on each layer's output
 track which layer the backward pass is in, so the fault is printed as op, phase and layer. For a data
 fault it re-checks the saved batch for NaN/Inf and prints the field and samples.
 
 `--with-remedy NAME` replays the step with one of the report's remedies applied: `op_guard` (the epsilon
-or clamp for the faulting op, at the source line the report names) or `drop_samples` (the offending
-samples left out). Remedies that act over many steps (learning rate, warmup, clipping, re-initialising)
-were verified by the probe from an earlier state this bundle does not hold; reproduce.py says so.
+or clamp for the faulting op from op_guards.json, at the source line the report names, or as widely as
+the probe's replay had to apply it: while that line's call runs, or everywhere) or `drop_samples` (the
+offending samples left out). Remedies that act over many steps (learning rate, warmup, clipping,
+re-initialising) were verified by the probe from an earlier state this bundle does not hold; reproduce.py
+says so, and says when the probe judged a remedy that leaves this step clean not to fix the run.
 
 Paddle's checker log goes to reproduce.log in this folder. Exit status: 1 when a fault reproduced, 0
 when the step ran clean, 2 when the bundle cannot be replayed.
@@ -38,7 +42,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -102,14 +106,14 @@ def main(argv: list[str] | None = None) -> int:
             found = check_data(batch, spec, expected)
             if found is None and report.get("command") == "probe":
                 # No NaN/Inf in the batch: a bad label or id that makes the step raise. Replay the step.
-                found = replay_step(spec, batch, expected)
+                found = replay_step(spec, batch, expected, step_lr(report, expected.get("step")))
                 if found is not None and found.get("error"):
                     print("first fault: " + describe(found))
                     print("matches the report: yes (the step raises on this batch; nandoctor traced the cause "
                           "to the data, see report.md)")
                     return 1
         else:
-            found = replay_step(spec, batch, expected)
+            found = replay_step(spec, batch, expected, step_lr(report, expected.get("step")))
     except BundleError as exc:
         print(f"reproduce.py: {exc}", file=sys.stderr)
         return 2
@@ -227,8 +231,12 @@ def load_entry(entry: str) -> Any:
     return obj
 
 
+BUILTIN_LOSSES = ("cross_entropy", "mse", "l1", "bce_with_logits")  # nandoctor.spec.BUILTIN_LOSSES
+
+
 def builtin_loss(name: str) -> Any:
-    """The four builtin losses, as nandoctor computes them (inlined: nandoctor need not be installed)."""
+    """The four builtin losses, as nandoctor.workload.builtin_loss computes them (inlined: nandoctor need
+    not be installed; nandoctor's tests hold both equal on the same inputs)."""
     import paddle
     import paddle.nn.functional as F
 
@@ -242,13 +250,18 @@ def builtin_loss(name: str) -> Any:
     def like(outputs: Any, label: Any) -> Any:
         return label.astype(outputs.dtype).reshape(outputs.shape)
 
-    return {"cross_entropy": cross_entropy,
-            "bce_with_logits": lambda o, y: F.binary_cross_entropy_with_logits(o, like(o, y)),
-            "mse": lambda o, y: F.mse_loss(o, like(o, y)),
-            "l1": lambda o, y: F.l1_loss(o, like(o, y))}[name]
+    losses = {"cross_entropy": cross_entropy,
+              "bce_with_logits": lambda o, y: F.binary_cross_entropy_with_logits(o, like(o, y)),
+              "mse": lambda o, y: F.mse_loss(o, like(o, y)),
+              "l1": lambda o, y: F.l1_loss(o, like(o, y))}
+    if name not in losses:
+        raise BundleError(f"spec.yaml names loss.builtin {name!r}; the builtin losses are "
+                          f"{', '.join(BUILTIN_LOSSES)}.")
+    return losses[name]
 
 
 def build_optimizer(spec: dict[str, Any], model: Any) -> Any:
+    """paddle.optimizer.<name>(parameters, grad_clip, **args), with the spec's LR scheduler as its rate."""
     import paddle
 
     opt = spec.get("optimizer") or {}
@@ -258,7 +271,84 @@ def build_optimizer(spec: dict[str, Any], model: Any) -> Any:
         if kind in (opt.get("grad_clip") or {}):
             clip = cls(opt["grad_clip"][kind])
     cls = getattr(paddle.optimizer, opt.get("name", "Adam"))
-    return cls(parameters=model.parameters(), grad_clip=clip, **(opt.get("args") or {"learning_rate": 1e-3}))
+    kwargs = dict(opt.get("args") or ({} if "optimizer" in spec else {"learning_rate": 1e-3}))
+    scheduler = build_scheduler(spec)
+    if scheduler is not None:  # the scheduler took `learning_rate` as its base rate
+        kwargs["learning_rate"] = scheduler
+    return cls(parameters=model.parameters(), grad_clip=clip, **kwargs)
+
+
+def build_scheduler(spec: dict[str, Any]) -> Any:
+    """`optimizer.lr_scheduler` as nandoctor.schedulers.build_scheduler builds it: a class of
+    paddle.optimizer.lr with `args` (and `optimizer.args.learning_rate` as its base rate when it takes
+    one), or an `entry` returning one, or only a warmup to the constant rate; wrapped in LinearWarmup when
+    `warmup` is set. None without a scheduler."""
+    import paddle.optimizer.lr as lr
+
+    opt = spec.get("optimizer") or {}
+    sched = opt.get("lr_scheduler")
+    if not sched:
+        return None
+    base_lr = (opt.get("args") or {}).get("learning_rate")
+    args = dict(sched.get("args") or {})
+    if sched.get("entry"):
+        inner: Any = load_entry(sched["entry"])(**args)
+        if not isinstance(inner, lr.LRScheduler):
+            raise BundleError(f"optimizer.lr_scheduler.entry {sched['entry']!r} returned a {type(inner).__name__}, "
+                              "not a paddle.optimizer.lr.LRScheduler.")
+    elif sched.get("name"):
+        cls = getattr(lr, str(sched["name"]), None)
+        if not (isinstance(cls, type) and issubclass(cls, lr.LRScheduler)):
+            raise BundleError(f"optimizer.lr_scheduler.name {sched['name']!r} is not a scheduler in this Paddle's "
+                              "paddle.optimizer.lr.")
+        code = getattr(cls.__init__, "__code__", None)
+        if code is not None and "learning_rate" in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
+            args["learning_rate"] = base_lr
+        inner = cls(**args)
+    else:  # only `warmup`: warm up to the optimizer's constant rate
+        inner = float(base_lr) if base_lr is not None else 1.0e-3
+    warmup = sched.get("warmup")
+    if not warmup:
+        return inner
+    end_lr = float(inner) if isinstance(inner, float) else float(inner.base_lr)
+    return lr.LinearWarmup(learning_rate=inner, warmup_steps=warmup["steps"],
+                           start_lr=float(warmup.get("start_lr", 0.0)), end_lr=end_lr)
+
+
+def step_lr(report: dict[str, Any], step: Any) -> float | None:
+    """The learning rate the run had at `step`, from report.json's timeline (None when it is not there).
+    The JSON writes a non-finite rate as the string "inf" or "nan"."""
+    if not isinstance(step, int):
+        return None
+    for point in report.get("timeline") or []:
+        if isinstance(point, dict) and point.get("step") == step:
+            value = point.get("lr")
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if value in ("inf", "-inf", "nan"):
+                return float(value)
+            return None
+    return None
+
+
+def set_lr(optimizer: Any, rate: float | None, step: Any) -> None:
+    """Put the optimizer at the rate it had at the failing step (the scheduler's `last_lr`, which is what
+    Paddle's optimizer reads), and say so; without a recorded rate, say what it starts from instead."""
+    import paddle.optimizer.lr as lr
+
+    sched = getattr(optimizer, "_learning_rate", None)
+    sched = sched if isinstance(sched, lr.LRScheduler) else None
+    what = f"{type(sched).__name__}, from report.json's timeline" if sched is not None else \
+        "from report.json's timeline"
+    if rate is None:
+        print(f"note: report.json has no learning rate for step {step}; the optimizer steps at "
+              f"{float(optimizer.get_lr()):g}, where its schedule starts")
+        return
+    if sched is not None:
+        sched.last_lr = rate
+    else:
+        optimizer.set_lr(rate)
+    print(f"learning rate at step {step}: {rate:g} ({what})")
 
 
 # --- the replay --------------------------------------------------------------------------------------
@@ -329,15 +419,48 @@ def _nonfinite(tensor: Any) -> bool:
     return not bool(paddle.isfinite(tensor).all())
 
 
-def pick_output(outputs: Any, selector: Any) -> Any:
-    """`model.output`: a position in a tuple, a key of a dict, or an attribute of an output object."""
-    if isinstance(selector, int) or isinstance(outputs, dict):
+def select_output(outputs: Any, selector: Any) -> Any:
+    """`model.output`, as nandoctor.outputs.select applies it: None keeps the output; `loss` is the model's
+    own loss (the tensor itself, `["loss"]`, `[0]` of a tuple or `.loss`); an int is a position in a tuple
+    or list; a string a key of a mapping or an attribute of an output object. What does not fit is a
+    BundleError (nandoctor's tests hold this equal to nandoctor.outputs on the same outputs)."""
+    import paddle
+
+    if selector is None:
+        return outputs
+    if selector == "loss":
+        if isinstance(outputs, paddle.Tensor):
+            return outputs
+        if isinstance(outputs, Mapping):
+            loss = outputs.get("loss")
+        elif isinstance(outputs, (tuple, list)):
+            loss = outputs[0] if outputs else None
+        else:
+            loss = getattr(outputs, "loss", None)
+        if not isinstance(loss, paddle.Tensor):
+            raise BundleError(f"model.output is `loss`, but the model returned a {type(outputs).__name__} without a "
+                              "loss tensor.")
+        return loss
+    if isinstance(selector, int):
+        if not isinstance(outputs, (tuple, list)) or not -len(outputs) <= selector < len(outputs):
+            raise BundleError(f"model.output is {selector!r}, a position, but the model returned a "
+                              f"{type(outputs).__name__} without it.")
         return outputs[selector]
+    if isinstance(outputs, Mapping):
+        if selector not in outputs:
+            raise BundleError(f"model.output is {selector!r}, but the model returned a {type(outputs).__name__} "
+                              f"with keys {list(outputs)}.")
+        return outputs[selector]
+    if isinstance(outputs, (tuple, list, paddle.Tensor)) or not hasattr(outputs, selector):
+        raise BundleError(f"model.output is {selector!r}, but the model returned a {type(outputs).__name__}, "
+                          f"which has no {selector!r}.")
     return getattr(outputs, selector)
 
 
-def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expected: dict[str, Any]
-                ) -> dict[str, Any] | None:
+def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expected: dict[str, Any],
+                rate: float | None = None) -> dict[str, Any] | None:
+    """The failing step from the saved state, batch and RNG; `rate` is the learning rate the run had at
+    that step (the optimizer only steps when the fault was in its update)."""
     import paddle
 
     if batch is None:
@@ -358,11 +481,15 @@ def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expec
     selector = model_spec.get("output")  # model.output: a key, attribute or position; "loss": its own loss
     if spec.get("step"):
         step_fn = load_entry(spec["step"]["entry"])
-    elif selector != "loss":
+    builtin = None
+    if not spec.get("step") and selector != "loss":
         loss_spec = spec.get("loss") or {}
         builtin = loss_spec.get("builtin")
         loss_fn = builtin_loss(builtin) if builtin else load_entry(loss_spec["entry"])
-    optimizer = build_optimizer(spec, model) if expected.get("phase") == "optimizer" else None
+    optimizer = None
+    if expected.get("phase") == "optimizer":
+        optimizer = build_optimizer(spec, model)
+        set_lr(optimizer, rate, expected.get("step"))
 
     def forward_and_loss() -> Any:
         if spec.get("step"):
@@ -375,11 +502,13 @@ def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expec
             else:
                 outputs = model(*[fields[k] for k in inputs])
             tracker.phase = "loss"
-            if selector is not None:
-                outputs = pick_output(outputs, selector)
+            outputs = select_output(outputs, selector)
             if selector == "loss":
                 loss = outputs
             else:
+                if builtin and not isinstance(outputs, paddle.Tensor):
+                    raise BundleError(f"loss.builtin {builtin} needs the model's output to be one Tensor, but the "
+                                      f"model returned a {type(outputs).__name__}; set model.output in spec.yaml.")
                 label = fields.get(label_name) if label_name else None
                 loss = loss_fn(outputs) if label is None else loss_fn(outputs, label)
         tracker.phase = "loss"
@@ -396,6 +525,8 @@ def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expec
         set_rng(rng)
         try:
             loss = forward_and_loss()
+        except BundleError:
+            raise
         except Exception as exc:  # noqa: BLE001 - the user's code raised: that is the fault
             return fault_from(exc, tracker)
         bad_layer = tracker.nonfinite_layer
@@ -519,17 +650,20 @@ def fault_from(exc: Exception, tracker: Tracker) -> dict[str, Any]:
 
 # --- a remedy from the report ------------------------------------------------------------------------
 
-GUARDED = {"sqrt": ("sqrt",), "rsqrt": ("rsqrt",), "log": ("log",), "exp": ("exp",), "pow": ("pow", "__pow__"),
-           "divide": ("divide", "__truediv__", "__div__"), "acos": ("acos",)}
+OP_GUARDS = "op_guards.json"
+OP_GUARDS_FORMAT = "nandoctor.op_guards/1"
+RULE_KINDS = ("add", "clip", "nonzero")
+SCOPES = ("line", "within", "any")
+NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def replay_with_remedy(report: dict[str, Any], spec: dict[str, Any], batch: dict[str, np.ndarray] | None,
                        expected: dict[str, Any], name: str) -> int:
     """The failing step again with the remedy `name` applied: exit 0 when it now runs clean, 1 when not."""
-    rows = {r.get("remedy"): r for r in report.get("remedies") or []}
+    rows = {r.get("remedy"): r for r in report.get("remedies") or [] if isinstance(r, dict)}
     row = rows.get(name)
     if row is None:
-        raise BundleError(f"report.json has no remedy {name!r}; it has: {', '.join(rows) or 'none'}.")
+        raise BundleError(f"report.json has no remedy {name!r}; it has: {', '.join(map(str, rows)) or 'none'}.")
     print(f"remedy {name} ({row.get('outcome')} in nandoctor's replay): {row.get('change')}")
     if name not in ("op_guard", "drop_samples"):
         raise BundleError(f"{name} acts over many steps, from a state before the fault that this bundle does not "
@@ -537,6 +671,8 @@ def replay_with_remedy(report: dict[str, Any], spec: dict[str, Any], batch: dict
                           "reproduce.py replays op_guard and drop_samples.")
     if batch is None:
         raise BundleError("this bundle holds no batch.npz, so the step cannot be replayed.")
+    rate = step_lr(report, expected.get("step"))
+    hits = None
     if name == "drop_samples":
         samples = sorted({i for b in (row.get("skip_list") or {}).get("batches", [])[:1] for i in b["samples"]}
                          or set(expected.get("sample_indices") or []))
@@ -546,67 +682,177 @@ def replay_with_remedy(report: dict[str, Any], spec: dict[str, Any], batch: dict
         if expected.get("phase") == "data":
             found = check_data(batch, spec, {})
         else:
-            found = replay_step(spec, batch, expected)
+            found = replay_step(spec, batch, expected, rate)
     else:
-        op = (expected.get("op") or "").removesuffix("_grad")
-        if op not in GUARDED:
-            raise BundleError(f"no guard for op {expected.get('op')!r}.")
-        source = next((f.get("evidence", {}).get("source") for f in report.get("findings", [])
-                       if f.get("evidence", {}).get("source")), None)
-        with guard(op, source):
-            found = replay_step(spec, batch, expected)
+        table = load_guards()
+        op = guard_op(table, expected.get("op"))
+        if op is None:
+            raise BundleError(f"no guard for op {expected.get('op')!r} in {OP_GUARDS}.")
+        source = guard_source(report)
+        scope = (row.get("guard") or {}).get("scope") or ("line" if source else "any")
+        if scope not in SCOPES:
+            raise BundleError(f"report.json's op_guard row has scope {scope!r}; expected one of {', '.join(SCOPES)}.")
+        print(f"guarding {op} ({scope_text(scope, source)}), as nandoctor's replay did")
+        with guard(table["guards"][op], source, scope) as hits:
+            found = replay_step(spec, batch, expected, rate)
+    if hits is not None and not hits["calls"]:
+        print(f"note: the guard was never applied: no {op} on a tensor was called {scope_text(scope, source)}, so "
+              "this replay says nothing about the fix.")
     if found is None:
         print("no fault: with this remedy the step runs without NaN/Inf.")
+        if row.get("outcome") != "fixed":
+            note = f": {row['note']}" if row.get("note") else ""
+            print(f"note: nandoctor's replay over the following steps judged this remedy {row.get('outcome')}{note}; "
+                  "one clean step does not show that it fixes the run.")
         return 0
     print("first fault: " + describe(found))
     print("the remedy does not stop the fault in this step.")
     return 1
 
 
+def scope_text(scope: str, source: str | None) -> str:
+    if scope == "any" or not source:
+        return "on every call"
+    return f"on calls made at {source}" if scope == "line" else f"on calls made while {source} runs"
+
+
+def load_guards() -> dict[str, Any]:
+    """op_guards.json, the probe's own guard table, checked entry by entry: reproduce.py applies exactly
+    what it says and nothing a hand-edited file could slip in (only plain names, known rules, numbers)."""
+    file = HERE / OP_GUARDS
+    try:
+        table = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"{OP_GUARDS} cannot be read ({exc}); the op_guard remedy needs it (a bundle written by "
+                          "nandoctor with an op_guard remedy holds it).") from None
+    problems = _guard_table_problems(table)
+    if problems:
+        raise BundleError(f"{OP_GUARDS} is not a guard table nandoctor wrote ({'; '.join(problems[:3])}); it was "
+                          "not used.")
+    return table
+
+
+def _guard_table_problems(table: Any) -> list[str]:
+    if not isinstance(table, dict) or table.get("format") != OP_GUARDS_FORMAT:
+        return [f"format {table.get('format') if isinstance(table, dict) else None!r}, expected {OP_GUARDS_FORMAT!r}"]
+    problems = []
+    guards, aliases = table.get("guards"), table.get("aliases")
+    if not isinstance(guards, dict) or not guards:
+        return ["no guards"]
+    if not isinstance(table.get("grad_suffix"), str) or not table["grad_suffix"]:
+        problems.append("no grad_suffix")
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and v in guards for k, v in aliases.items()):
+        problems.append("aliases must map op names to guarded ops")
+    for op, g in guards.items():
+        if not isinstance(g, dict):
+            problems.append(f"{op}: not an object")
+            continue
+        names = [*(g.get("functions") or []), *(g.get("methods") or [])]
+        if not names or not all(isinstance(n, str) and NAME.match(n) for n in names):
+            problems.append(f"{op}: functions/methods must be plain names")
+        kind, arg = g.get("kind"), g.get("arg")
+        if kind not in RULE_KINDS:
+            problems.append(f"{op}: kind {kind!r}")
+        if not isinstance(arg, int) or isinstance(arg, bool) or not 0 <= arg <= 1:
+            problems.append(f"{op}: arg {arg!r}")
+        numbers = {k: g.get(k) for k in ("value", "lo", "hi")}
+        if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < float("inf"))
+                   for v in numbers.values()):
+            problems.append(f"{op}: value/lo/hi must be finite numbers")
+        elif (kind in ("add", "nonzero") and numbers["value"] is None) or \
+                (kind == "clip" and numbers["lo"] is None and numbers["hi"] is None):
+            problems.append(f"{op}: a {kind} rule without its bound")
+    return problems
+
+
+def guard_op(table: dict[str, Any], op: Any) -> str | None:
+    """The guarded op for a reported one, as the probe's guard_for: `sqrt_grad` -> sqrt, aliases resolved."""
+    if not isinstance(op, str) or not op:
+        return None
+    suffix = table["grad_suffix"]
+    base = op[:-len(suffix)] if op.endswith(suffix) else op
+    base = table["aliases"].get(base, base)
+    return base if base in table["guards"] else None
+
+
+def guard_source(report: dict[str, Any]) -> str | None:
+    """The line that made the faulting op, which the probe's guard acted at: the first fault's source."""
+    source = (report.get("details") or {}).get("source")
+    if isinstance(source, str) and source:
+        return source
+    step = (report.get("first_fault") or {}).get("step")
+    return next((f["evidence"]["source"] for f in report.get("findings") or []
+                 if isinstance(f, dict) and (f.get("location") or {}).get("step") == step
+                 and isinstance(f.get("evidence"), dict) and f["evidence"].get("source")), None)
+
+
+def guarded_args(rule: dict[str, Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The call's arguments with the rule applied; `args` itself when the rule does not apply to this call
+    (nandoctor.probe.op_guards' rules, from op_guards.json)."""
+    import paddle
+
+    arg = rule["arg"]
+    if len(args) <= arg or not isinstance(args[0], paddle.Tensor):
+        return args
+    x = args[arg]
+    if rule["kind"] == "add":
+        new = x + rule["value"]
+    elif rule["kind"] == "clip":
+        new = paddle.clip(x, min=rule["lo"], max=rule["hi"])
+    elif rule["kind"] == "nonzero" and isinstance(x, paddle.Tensor):
+        new = paddle.where(x.abs() < rule["value"], paddle.full_like(x, rule["value"]), x)
+    else:
+        return args
+    return (*args[:arg], new, *args[arg + 1:])
+
+
 @contextlib.contextmanager
-def guard(op: str, source: str | None) -> Iterator[None]:
-    """Wrap paddle.<op> (and the Tensor method or operator) so that calls from the report's source line
-    get an epsilon or clamp, as nandoctor's op_guard remedy did; put back on exit."""
+def guard(rule: dict[str, Any], source: str | None, scope: str) -> Iterator[dict[str, int]]:
+    """Wrap paddle.<function> and paddle.Tensor.<method> (the operators `x ** p`, `a / b` too) so that calls
+    get the epsilon or clamp as nandoctor's op_guard remedy did: calls made at the report's source line
+    (scope "line"), made while that line's call runs ("within"), or all ("any"); put back on exit. Yields
+    {"calls": how many calls were guarded}."""
     import paddle
 
     head = (source or "").split(" in ", 1)[0]
     file, _, line = head.rpartition(":")
-    where = (os.path.basename(file), int(line)) if line.isdigit() else None
+    where = (os.path.basename(file), int(line)) if line.isdigit() and scope != "any" else None
+    hits = {"calls": 0}
 
-    def safe(args: tuple[Any, ...]) -> tuple[Any, ...]:
-        if not args or not isinstance(args[0], paddle.Tensor):
-            return args
-        x, rest = args[0], args[1:]
-        if op in ("sqrt", "rsqrt"):
-            return (x + 1e-12, *rest)
-        if op in ("log", "pow"):
-            return (paddle.clip(x, min=1e-12), *rest)
-        if op == "exp":
-            return (paddle.clip(x, max=60.0), *rest)
-        if op == "acos":
-            return (paddle.clip(x, -1 + 1e-7, 1 - 1e-7), *rest)
-        if op == "divide" and rest and isinstance(rest[0], paddle.Tensor):
-            den = rest[0]
-            return (x, paddle.where(den.abs() < 1e-12, paddle.full_like(den, 1e-12), den), *rest[1:])
-        return args
+    def at(frame: Any) -> bool:
+        return where is not None and frame.f_lineno == where[1] and \
+            os.path.basename(frame.f_code.co_filename) == where[0]
+
+    def mine(frame: Any) -> bool:
+        if where is None:
+            return True
+        if scope == "line":
+            return at(frame)
+        while frame is not None:
+            if at(frame):
+                return True
+            frame = frame.f_back
+        return False
 
     def wrap(fn: Any) -> Any:
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            frame = sys._getframe(1)
-            if where is None or (frame.f_lineno == where[1] and os.path.basename(frame.f_code.co_filename) == where[0]):
-                args = safe(args)
+            if mine(sys._getframe(1)):
+                new = guarded_args(rule, args)
+                if new is not args:
+                    hits["calls"] += 1
+                    args = new
             return fn(*args, **kwargs)
 
         return guarded
 
     saved = []
-    for owner, names in ((paddle, GUARDED[op]), (paddle.Tensor, GUARDED[op])):
-        for attr in names:
-            if hasattr(owner, attr) and not (owner is paddle and attr.startswith("__")):
-                saved.append((owner, attr, getattr(owner, attr)))
-                setattr(owner, attr, wrap(getattr(owner, attr)))
     try:
-        yield
+        for owner, names in ((paddle, rule.get("functions") or []), (paddle.Tensor, rule.get("methods") or [])):
+            for attr in names:
+                if hasattr(owner, attr):
+                    saved.append((owner, attr, getattr(owner, attr)))
+                    setattr(owner, attr, wrap(getattr(owner, attr)))
+        yield hits
     finally:
         for owner, attr, original in reversed(saved):
             setattr(owner, attr, original)
