@@ -168,6 +168,8 @@ def harmful_rows(value: Any) -> list[int]:
     arr = to_numpy(value)
     if arr is None or arr.dtype.kind != "f" or arr.ndim == 0:
         return nonfinite_rows(arr)
+    if arr.size == 0:  # an empty batch holds no value at all (reshape(0, -1) cannot even be asked)
+        return []
     flat = arr.reshape(arr.shape[0], -1)
     finite = np.isfinite(flat)
     if finite.all():

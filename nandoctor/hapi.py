@@ -25,6 +25,7 @@ from typing import Any
 import paddle
 
 from nandoctor.findings import Mode
+from nandoctor.inloop.batch import to_fields
 from nandoctor.inloop.doctor import Doctor
 
 __all__ = ["NanDoctorCallback"]
@@ -111,7 +112,9 @@ class NanDoctorCallback(paddle.callbacks.Callback):
                 data_loader = _UntilStopped(data_loader, lambda: self._stopped)
             try:
                 return inner(data_loader, callbacks, mode, *args, **kwargs)
-            except BaseException:  # fit raises from here without on_train_end: leave hapi as it was
+            except BaseException as exc:  # fit raises from here without on_train_end: leave hapi as it was
+                if mode == "train" and isinstance(exc, Exception):
+                    self._crashed(exc)
                 self._finish()
                 raise
 
@@ -143,6 +146,22 @@ class NanDoctorCallback(paddle.callbacks.Callback):
         if self.stop_training:
             self._stopped = True  # this epoch ends after the current batch ...
             self.model.stop_training = True  # ... and fit starts no other
+
+    def _crashed(self, exc: Exception) -> None:
+        """The user's code raised inside fit (their dataset, network, loss): a report names where, as the
+        probe's does; the exception itself still reaches the caller."""
+        doctor = self.doctor
+        if doctor is None:
+            return
+        batch = self._flat()
+        fields = to_fields(batch, doctor.names)[0] if batch is not None else None
+        try:
+            doctor.crashed(exc, fields)
+        except Exception as ours:  # noqa: BLE001 - never replace the user's exception with ours
+            import logging
+
+            logging.getLogger("nandoctor").error("nandoctor: could not report the exception (%s: %s); please "
+                                                 "report this as a nandoctor bug", type(ours).__name__, ours)
 
     def _finish(self) -> None:
         """Undo the patches and close the doctor (which removes its hook); safe to call twice."""

@@ -250,3 +250,60 @@ def test_an_additive_mask_in_the_checked_batch_trains_on_and_a_nan_in_x_is_named
             ff = doctor.report.to_dict()["first_fault"]
             assert {k: ff[k] for k in expected} == expected
             assert [f.location.field for f in doctor.report.findings if f.code.value == "data.nonfinite"] == ["x"]
+
+
+class _RaisesAt(paddle.nn.Layer):
+    """A Linear whose forward raises at one call, as a shape bug in a user's layer does."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.fc = paddle.nn.Linear(4, 1)
+        self.calls, self.at = 0, at
+
+    def forward(self, x: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.at + 1:
+            raise ValueError("a reshape that does not fit this batch")
+        return self.fc(x)
+
+
+def _crashing_loop(tmp_path: Path, *, model_at: int = -1, loader_at: int = -1, between_at: int = -1) -> Any:
+    paddle.seed(0)
+    net = paddle.nn.Sequential(_RaisesAt(model_at))
+    opt = paddle.optimizer.SGD(learning_rate=0.01, parameters=net.parameters())
+
+    def batches() -> Any:
+        rng = np.random.default_rng(0)
+        for i in range(6):
+            if i == loader_at:
+                raise KeyError("fish")
+            yield rng.normal(size=(4, 4)).astype("float32"), rng.normal(size=(4, 1)).astype("float32")
+
+    doctor = None
+    with pytest.raises((ValueError, KeyError, RuntimeError)):
+        with nandoctor.watch(net, opt, report_dir=tmp_path / "r") as doctor:
+            for i, (x, y) in enumerate(batches()):
+                loss = F.mse_loss(net(paddle.to_tensor(x)), paddle.to_tensor(y))
+                loss.backward()
+                assert doctor.check(loss, (x, y))
+                opt.step()
+                opt.clear_grad()
+                if i == between_at:
+                    raise RuntimeError("a logging callback failed")
+    return doctor
+
+
+def test_an_exception_in_the_loop_is_reported_where_it_came_from(tmp_path: Path) -> None:
+    """The probe's user_code.error, at the step and phase the exception came out of; the exception still
+    reaches the caller. Code between steps that is not the training's is not blamed on a phase."""
+    doctor = _crashing_loop(tmp_path / "model", model_at=3)
+    ff = fault_of(doctor.report)
+    assert (ff["step"], ff["phase"], ff["layer"]) == (3, "forward", "0")
+    assert doctor.report.findings[0].code.value == "user_code.error"
+    assert json.loads((tmp_path / "model" / "r" / "report.json").read_text(encoding="utf-8"))["verdict"] == "crashed"
+    doctor = _crashing_loop(tmp_path / "loader", loader_at=2)
+    ff = fault_of(doctor.report)
+    assert (ff["step"], ff["phase"], ff["layer"]) == (2, "data", None)
+    assert "KeyError" in doctor.report.findings[0].message
+    doctor = _crashing_loop(tmp_path / "between", between_at=1)
+    assert doctor.report is None and not (tmp_path / "between" / "r").exists()

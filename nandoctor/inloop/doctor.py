@@ -91,6 +91,7 @@ class Doctor:
         self._skip_next = False
         self._busy = False  # a replay is running: the pre-hook must not open steps
         self._closed = False
+        self._inputs: Any = ()
         self._warned: set[Any] = set()
         self._hook = self.wrapper.register_forward_pre_hook(self._pre_forward)
         self._orig_step = optimizer.step if optimizer is not None else None
@@ -98,11 +99,12 @@ class Doctor:
             optimizer.step = self._wrapped_step  # an instance attribute, deleted again in close()
 
     # ---- seams ----------------------------------------------------------------------------------
-    def _pre_forward(self, _layer: Any, _inputs: Any) -> None:
+    def _pre_forward(self, _layer: Any, inputs: Any) -> None:
         if self._busy or self._closed or self.fault is not None and self.on_fault != "skip_step":
             return
         if not self.wrapper.training:
             return  # an evaluation pass between steps is not a training step
+        self._inputs = inputs  # a reference: what a crash in this step's code is asked about
         if self._checked:  # accumulation: no optimizer step since the last check
             self._end_step(stepped=False)
             if self.history is not None:  # a replay steps once a batch: it could not stand in for the check
@@ -216,6 +218,36 @@ class Doctor:
             log.info("nandoctor: no non-finite value in %d step(s)", self.step)
         return self.report
 
+    def crashed(self, exc: BaseException, fields: dict[str, Any] | None = None) -> Report | None:
+        """The user's code raised in the loop (their loader, forward, loss, backward or update): the report
+        names the step, the phase and the layer the exception came out of, as the probe's does, and is
+        written; `fields` is the step's batch where known (`{}`: unknown). None once a fault was reported."""
+        if self._closed or self.fault is not None or isinstance(exc, NonFiniteError):
+            return None
+        from nandoctor.findings import Phase
+        from nandoctor.probe.crash import label_in_traceback
+        from nandoctor.probe.watcher import Fault
+
+        if self._checked:
+            phase = Phase.OPTIMIZER  # checked, not yet updated: the optimizer's step raised
+        elif self._open:
+            phase = Phase.BACKWARD if _in_backward(exc) else Phase.FORWARD  # (no layer: crash.py says loss)
+        elif _in_data_loading(exc):
+            phase = Phase.DATA  # no forward since the last step, and a loader raised: the batch was being made
+        else:
+            return None  # code between steps that is not the training's (a logging or checkpoint callback)
+        if phase == Phase.DATA:
+            fields = None  # the inputs the doctor holds are the last step's
+        else:
+            if not fields:  # the batch is given only to check(): the model's inputs of this step stand in
+                fields = {f"input{i}": t for i, t in enumerate(self._inputs or ())}
+            label = label_in_traceback(exc)
+            if label is not None and "label" not in (fields or {}):
+                fields = {**(fields or {}), "label": label}  # the label a functional loss raised on
+        self.fault = Fault(FaultKind.CRASH, self.step, self.step, 0, fields, exc=exc, phase=phase)
+        self._report(self.fault, lambda f: None)
+        return self.report
+
     def summary(self) -> Report:
         """The report of this run, also when it is healthy (verdict `healthy`: timeline, per-layer details):
         what `nandoctor run --json` writes for a script that trained clean. Neither logged nor written."""
@@ -233,7 +265,13 @@ class Doctor:
     def __enter__(self) -> Doctor:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        if isinstance(exc, Exception):  # the user's loop raised: their error is the finding (it still propagates)
+            try:
+                self.crashed(exc, {})
+            except Exception as ours:  # noqa: BLE001 - never replace the user's exception with ours
+                log.error("nandoctor: could not report the exception (%s: %s); please report this as a nandoctor "
+                          "bug", type(ours).__name__, ours)
         self.close()
 
     # ---- helpers ------------------------------------------------------------------------------------
@@ -287,9 +325,11 @@ class Doctor:
         if self.described is not None:
             return dataclasses.replace(self.described, model=self.model, replay_loss=replay_loss,
                                        loss_code_fault=self.loss_code_fault)
-        what = "step_fn" if self.step_fn is not None else "your loss code"
+        what = "step_fn" if self.step_fn is not None and self.mode != Mode.RUN else "your loss code"
+        data = "your script's data loading" if self.mode == Mode.RUN else "the loop's batches"
         return StepTarget(model=self.model, replay_loss=replay_loss, base_dir=_base_dir(self.step_fn, self.model),
-                          mode=self.mode, loss_source=what, data_source="the loop's batches", uses_step=True,
+                          mode=self.mode, loss_source=what, data_source=data, uses_step=True,
+                          label_name=lambda fields: "label" if "label" in fields else None,
                           loss_code_fault=self.loss_code_fault)
 
     def _replay_loss(self, fault: Fault | None, rebuild: Callable[[dict], Any]) -> Any:
@@ -349,6 +389,36 @@ def _base_dir(fn: Any, model: Any) -> Path:
         if not folder.is_relative_to(own):
             return folder
     return Path.cwd()
+
+
+_LOADING = {"__next__", "__getitem__", "__getitems__", "__iter__", "_next_data", "fetch"}
+
+
+def _in_data_loading(exc: BaseException) -> bool:
+    """Whether the exception came out of making a batch: a generator, a dataset's `__getitem__`, an
+    iterator's `__next__`, or Paddle's DataLoader (paddle/io)."""
+    import inspect
+
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        path = code.co_filename.replace("\\", "/")
+        if (code.co_flags & inspect.CO_GENERATOR or code.co_name in _LOADING or "/paddle/io/" in path
+                or "/paddle/fluid/dataloader/" in path):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _in_backward(exc: BaseException) -> bool:
+    """Whether the exception came out of a `Tensor.backward()` call (Paddle's own frame on the traceback)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "backward" and "paddle" in code.co_filename.replace("\\", "/"):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _enabled(scaler: Any) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from nandoctor.advice import advice_for
-from nandoctor.batches import to_numpy
+from nandoctor.batches import batch_size, to_numpy
 from nandoctor.entrypoints import user_origin
 from nandoctor.findings import Code, Finding, Location, Phase, Severity
 
@@ -34,6 +34,23 @@ class CrashContext:
     epoch: int
     phase: Phase  # where the loop was: data, forward (model+loss), backward, optimizer
     what: str  # "the model's forward pass and loss", "data.entry ...", ...
+
+
+def label_in_traceback(exc: BaseException) -> Any:
+    """The `label` tensor of the Paddle loss function the exception came out of (F.cross_entropy raises on
+    an out-of-range label there), else None: a user's own loop may name its label anything, Paddle does not."""
+    import sys
+
+    paddle = sys.modules.get("paddle")
+    tb = exc.__traceback__
+    found = None
+    while tb is not None and paddle is not None:
+        frame = tb.tb_frame
+        value = frame.f_locals.get("label")
+        if isinstance(value, paddle.Tensor) and "paddle" in frame.f_code.co_filename:
+            found = value
+        tb = tb.tb_next
+    return found
 
 
 def innermost_layer(exc: BaseException, layer_ids: dict[int, str]) -> str | None:
@@ -61,7 +78,15 @@ def crash_findings(exc: BaseException, ctx: CrashContext, base_dir: Path, model:
     loc = Location(step=ctx.step, phase=phase, layer=layer, batch_index=ctx.batch_index)
     findings: list[Finding] = []
     text = str(exc)
-    if fields is not None and _LABEL_RE.search(text):
+    if fields and batch_size(fields) == 0:  # Paddle's errors on an empty batch name nullptrs, not the batch
+        loc = Location(step=ctx.step, phase=Phase.DATA, batch_index=ctx.batch_index)
+        findings.append(Finding(
+            Code.DATA_EMPTY, Severity.ERROR,
+            f"Batch {ctx.batch_index} (step {ctx.step}, epoch {ctx.epoch}) holds no sample at all, and training "
+            f"raised on it ({type(exc).__name__}). A loader that filters samples left it empty: skip empty "
+            "batches in the loader (or its collate function), or check drop_last and the filter.",
+            loc, {"epoch": ctx.epoch, "batch_size": 0}, advice_for(Code.DATA_EMPTY.value)))
+    elif fields is not None and _LABEL_RE.search(text):
         translated = _label_range(exc, ctx, loc, fields, label_name, label_bounds)
         if translated is not None:
             findings.append(translated)
@@ -153,10 +178,14 @@ def _embedding(exc: BaseException, ctx: CrashContext, loc: Location, fields: dic
     if is_position:
         lengths = [int(np.shape(to_numpy(v))[1]) for v in fields.values()
                    if to_numpy(v) is not None and to_numpy(v).ndim >= 2]
-        seq = max(lengths) if lengths else got
-        message = (f"Batch {ctx.batch_index} (step {ctx.step}) holds sequences of length {seq}, but the position "
-                   f"table {name} has {rows_in_table} rows; the embedding lookup raised. Truncate to "
-                   f"{rows_in_table} tokens or enlarge {name}.")
+        if lengths:
+            held = f"sequences of length {max(lengths)}"
+        else:  # the batch is not known here (a user's loop): the position id that raised says enough
+            held = f"a sequence longer than {rows_in_table} (position id {got})" if got is not None else \
+                f"a sequence longer than {rows_in_table}"
+        message = (f"Batch {ctx.batch_index} (step {ctx.step}) holds {held}, but the position table {name} has "
+                   f"{rows_in_table} rows; the embedding lookup raised. Truncate to {rows_in_table} tokens or "
+                   f"enlarge {name}.")
     else:
         message = (f"Batch {ctx.batch_index} (step {ctx.step}) holds id {got} in field '{field}' at sample(s) "
                    f"{(samples or [])[:20]}, but embedding {name} has {rows_in_table} rows (ids 0..{rows_in_table - 1})"

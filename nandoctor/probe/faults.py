@@ -207,6 +207,8 @@ def detection_only(report: Report, fault: Fault, model: Any, mode: str) -> None:
 def loss_code_fault(report: Report, fault: Fault, outside: Any, mode: str) -> None:
     """A fault that began in the user's loss code, outside the model (`diagnose.LossCodeFault`): its phase,
     its samples from the rows of the gradient at the model's output, and its op where a pass saw it."""
+    import math
+
     st = fault.stats
     phase = outside.phase
     code = Code.LOSS_NONFINITE if phase == Phase.LOSS else Code.GRAD_NONFINITE
@@ -215,7 +217,11 @@ def loss_code_fault(report: Report, fault: Fault, outside: Any, mode: str) -> No
     loc = Location(step=fault.step, phase=phase, layer=None, op=outside.op, batch_index=fault.batch_index,
                    sample_indices=list(rows) if specific else None)
     op = f" (op {outside.op})" if outside.op else ""
-    if phase == Phase.LOSS:
+    loss_ok = st is not None and math.isfinite(st.loss)
+    if phase == Phase.LOSS and loss_ok:  # the forward made a NaN/Inf the loss's reduction left out
+        what = (f"A value in the loss code became NaN/Inf at step {fault.step}, outside the model{op}: the model's "
+                f"outputs were finite, and the loss itself stayed finite ({st.loss:.4g}) but not its gradient.")
+    elif phase == Phase.LOSS:
         what = (f"The loss became NaN/Inf at step {fault.step} in the loss code, outside the model{op}: the model's "
                 "outputs were finite.")
     else:

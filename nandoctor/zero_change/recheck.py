@@ -141,21 +141,23 @@ class CheckedPass:
             except Exception as exc:  # noqa: BLE001 - the checker's abort is what this pass is for
                 failure = exc
         frames = [(file, int(line), func) for file, line, func in FRAME_RE.findall(native.text)]
-        self.answer(failure, self._innermost(frames))
+        self.answer(failure, self._innermost(frames), "backward")
         return None
 
     def not_reproduced(self, why: str) -> None:
         self._write({"error": why})
 
-    def answer(self, exc: BaseException, source: str | None) -> None:
+    def answer(self, exc: BaseException, source: str | None, phase: str) -> None:
+        """The checker's abort: its op, the user's line, and whether the loss code's forward (`loss`) or its
+        backward (`backward`) made the first NaN/Inf."""
         m = _OP_RE.search(str(exc))
         if m is None:
             self._write({"error": f"the checked step raised {type(exc).__name__}, not the tensor checker"})
             return
-        self._write({"op": m.group(1), "source": source, "step": self.step})
+        self._write({"op": m.group(1), "source": source, "step": self.step, "phase": phase})
 
     def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
-        self.answer(exc, self._innermost([(f.filename, f.lineno, f.name) for f in traceback.extract_tb(tb)]))
+        self.answer(exc, self._innermost([(f.filename, f.lineno, f.name) for f in traceback.extract_tb(tb)]), "loss")
 
     def _innermost(self, frames: list[tuple[str, Any, str]]) -> str | None:
         """'loss.py:12 in bce' (relative to the working folder): the innermost frame of the user's own code.
@@ -164,8 +166,9 @@ class CheckedPass:
 
         found = None
         for file, line, func in frames:
-            if is_user_file(Path(file), None):
-                found = f"{short_path(Path(file), self.base)}:{line} in {func}"
+            path = Path(os.path.normpath(file))  # "run/../train.py" as the user would write it
+            if is_user_file(path, None):
+                found = f"{short_path(path, self.base)}:{line} in {func}"
         return found
 
     def _write(self, data: dict[str, Any]) -> None:

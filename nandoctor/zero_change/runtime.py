@@ -288,6 +288,8 @@ class Session:
             answer = run_checked_pass(self.config, fault.step, self.model, self.started)
             if answer.get("op"):
                 found.op, found.source = answer["op"], answer.get("source")
+                if answer.get("phase") == "loss":  # a harmful Inf in the loss code's forward came first
+                    found.phase = Phase.LOSS
                 found.notes.append(f"op and line from a checked second pass of the command up to step {fault.step}, "
                                    f"with Paddle's tensor checker on after the model's forward ({answer['seconds']} s)")
             else:
@@ -297,6 +299,35 @@ class Session:
                 found.notes.append(f"the checked pass changed {len(answer['changed_files'])} file(s) in the working "
                                    f"folder by a route nandoctor does not redirect (C code): {shown}")
         return found
+
+    def crashed(self, exc: BaseException) -> None:
+        """The script dies of an exception of its own: a `user_code.error` report (step, phase, layer), also
+        when it dies before its first update (the model is then the outermost layer with most parameters)."""
+        if self.done or self.recheck is not None or not isinstance(exc, Exception):
+            return
+        if self.doctor is None and not self._attach_without_update():
+            return
+        report = self.doctor.crashed(exc, self._fields() if self.doctor._open else None)
+        if report is not None:
+            self.done = True
+            write_result(self.config, report)
+
+    def _attach_without_update(self) -> bool:
+        roots = [r for r in self.roots if list(r.layer.parameters())]
+        if not roots:
+            return False
+        best = max(roots, key=lambda r: len(list(r.layer.parameters())))
+        from nandoctor.findings import Mode
+        from nandoctor.inloop.doctor import Doctor
+
+        self.model = best.layer
+        self._record(best.args, best.kwargs)
+        self.output, self.grads = best.output, best.grads
+        self.roots = []
+        self.doctor = Doctor(self.model, None, step_fn=self._replay, report_dir=self.config.get("report_dir"),
+                             on_fault="stop", wrap_step=False, mode=Mode.RUN)
+        self.doctor.open_step(best.rng)
+        return True
 
     # ---- the end -------------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -424,6 +455,17 @@ def install() -> None:
     import atexit
 
     atexit.register(_at_exit)
+    if config.get("recheck_step") is None:
+        previous = sys.excepthook
+
+        def excepthook(kind: type, exc: BaseException, tb: Any) -> None:
+            try:
+                SESSION.crashed(exc)
+            except Exception:  # noqa: BLE001 - never stand between the user and their traceback
+                pass
+            previous(kind, exc, tb)
+
+        sys.excepthook = excepthook
     from nandoctor.zero_change.seams import AfterImport
 
     session = SESSION

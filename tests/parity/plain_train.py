@@ -264,18 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     def step_fn(model: Any, batch: Any) -> Any:  # the forward and loss of one step, from the batch as it came
         return compute_loss(model, name_fields(batch, data))
 
-    doctor = None
-    if opts.watch:
+    if opts.watch:  # as the README shows it: a `with` block, whose exit also reports an exception of the loop
         import nandoctor
 
         names = data.get("fields")
-        doctor = nandoctor.watch(model, optimizer, step_fn=step_fn, report_dir=opts.watch, fields=names)
-    try:
-        finite = train(model, optimizer, scheduler, by, accumulate, steps, make_loader, data, step_fn, doctor)
-    finally:
-        report = doctor.close() if doctor is not None else None
-    if doctor is not None:
-        return 1 if report is not None and report.exit_code else 0
+        with nandoctor.watch(model, optimizer, step_fn=step_fn, report_dir=opts.watch, fields=names) as doctor:
+            train(model, optimizer, scheduler, by, accumulate, steps, make_loader, data, step_fn, doctor)
+        return 1 if doctor.report is not None and doctor.report.exit_code else 0
+    finite = train(model, optimizer, scheduler, by, accumulate, steps, make_loader, data, step_fn, None)
     print("training finished" if finite else "training finished (non-finite losses)")
     return 0
 
