@@ -12,6 +12,7 @@ import functools
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
 import traceback
 from collections.abc import Iterator
@@ -168,6 +169,8 @@ def _interpreter_dirs() -> tuple[Path, ...]:
 
 
 def short_path(file: Path, base_dir: Path | None) -> str:
+    """`file` relative to `base_dir` when inside it, else as given with `..` resolved (`run/../train.py`)."""
+    file = Path(os.path.normpath(file))
     if base_dir is not None:
         try:
             return str(file.resolve().relative_to(base_dir.resolve()))

@@ -76,7 +76,15 @@ class Doctor:
         # A GradScaler Paddle left disabled (CPU: no float16 kernels) skips nothing: the probe has none there either
         if scaler is not None and not _enabled(scaler):
             scaler = None
-        self.watcher = StepWatcher(self.model, optimizer, scaler=scaler, fp16=fp16, amp=scaler is not None)
+        # Parameters already NaN/Inf (a bad checkpoint): the cause a later fault is tied to, as in the probe
+        # (one reduction on the device; not the probe's init-scale read, a host copy of every weight)
+        from nandoctor.probe import nan_params
+        from nandoctor.probe.monitors import param_nonfinite
+
+        bad = param_nonfinite(self.model)
+        self.start_bad = nan_params.inspect(self.model, optimizer, bad) if bad else []
+        self.watcher = StepWatcher(self.model, optimizer, scaler=scaler, fp16=fp16, amp=scaler is not None,
+                                   start_nonfinite=bad or None)
         # Gradients read one step in four on a many-tensor model, where a rollback can replay (history.py)
         self.history: StepHistory | None = None
         if (defer_reads and step_fn is not None and optimizer is not None and on_fault != "skip_step"
@@ -259,7 +267,7 @@ class Doctor:
 
         report = outcome.new_report(str(paddle.get_device()), self.mode)
         outcome.fill_report(report, self.watcher, None, self.step, target=self._target(None),
-                            optimizer=self.optimizer)
+                            optimizer=self.optimizer, start_bad=self.start_bad)
         return report
 
     def __enter__(self) -> Doctor:
@@ -295,13 +303,13 @@ class Doctor:
                 target = self._target(self._replay_loss(fault, rebuild))
                 try:
                     outcome.fill_report(report, self.watcher, None if peer else fault, self.step,
-                                        target=target, optimizer=self.optimizer)
+                                        target=target, optimizer=self.optimizer, start_bad=self.start_bad)
                 except ReplayError as exc:  # the replay could not run: what the step's numbers say
                     log.warning("nandoctor: the failing step could not be replayed (%s)", exc)
                     report = outcome.new_report(device, self.mode)
                     outcome.fill_report(report, self.watcher, None if peer else fault, self.step,
                                         target=dataclasses.replace(target, replay_loss=None),
-                                        optimizer=self.optimizer)
+                                        optimizer=self.optimizer, start_bad=self.start_bad)
                 if rolled is not None:
                     report.details["rollback"] = rolled
         finally:
@@ -379,15 +387,19 @@ def watch(model: Any, optimizer: Any = None, step_fn: Callable[[Any, Any], Any] 
 
 def _base_dir(fn: Any, model: Any) -> Path:
     """Where the user's code lives (source lines of a replayed op are shown relative to it): step_fn's
-    folder, or the model class's when step_fn is nandoctor's own (the hapi callback's replay)."""
+    folder, or the model class's when step_fn is nandoctor's own (the hapi callback's replay), unless that
+    is an installed library's (a paddleformers model): everything under this folder counts as the user's
+    code, so a library's folder would have its lines named as theirs. Else the working folder."""
+    from nandoctor.entrypoints import is_user_file
+
     own = Path(__file__).resolve().parent.parent
     for obj in (fn, type(model)):
         try:
-            folder = Path(inspect.getfile(obj)).resolve().parent
+            file = Path(inspect.getfile(obj)).resolve()
         except (TypeError, OSError):
             continue
-        if not folder.is_relative_to(own):
-            return folder
+        if not file.parent.is_relative_to(own) and is_user_file(file, None):
+            return file.parent
     return Path.cwd()
 
 

@@ -32,11 +32,18 @@ def new_report(device: str, mode: Mode) -> Report:
 
 
 def fill_report(report: Report, watcher: Any, fault: Fault | None, steps_run: int, *, target: StepTarget,
-                optimizer: Any) -> None:
-    """Timeline, per-layer details, the fault's findings (diagnose.py, as the probe's) and warnings."""
-    record_run(report, list(watcher.records), watcher.monitor, steps_run=steps_run,
-               stats_every=list(watcher.stats_every))
+                optimizer: Any, start_bad: list[Any] | None = None) -> None:
+    """Timeline, per-layer details, the fault's findings (diagnose.py, as the probe's) and warnings;
+    `start_bad`: parameters NaN/Inf when the watch began (nan_params.BadParam), named as the fault's cause."""
+    from nandoctor.probe import nan_params
+
+    records = list(watcher.records)
+    record_run(report, records, watcher.monitor, steps_run=steps_run, stats_every=list(watcher.stats_every))
+    if start_bad:
+        nan_params.before_training(report, start_bad, can_stop=False)
     diagnose(report, fault, target, optimizer)
+    if start_bad:
+        nan_params.after_run(report, start_bad, fault, target, steps_run, records)
     report.findings += watcher.warnings(fault)
 
 

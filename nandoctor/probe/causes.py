@@ -17,6 +17,7 @@ from nandoctor.findings import Code, Report, Severity
 from nandoctor.probe import nan_params
 from nandoctor.probe.monitors import param_nonfinite
 from nandoctor.probe.warnings import growth_before_fault
+from nandoctor.probe.watcher import FaultKind
 from nandoctor.scan.params import init_scale_findings
 
 
@@ -44,8 +45,8 @@ def after_run(report: Report, causes: Causes, res: Any, workload: Any, lr: float
     """After the loop and the fault's own findings: tie the fault to its causes."""
     fault = res.fault
     if causes.bad:
-        nan_params.after_run(report, causes.bad, fault, workload, res.steps_run, res.records)
-    if fault is None or fault.kind not in ("nonfinite", "update"):
+        nan_params.after_run(report, causes.bad, fault, workload.target(), res.steps_run, res.records)
+    if fault is None or fault.kind not in (FaultKind.NONFINITE, FaultKind.UPDATE):
         return
     found = growth_before_fault(res.records, fault.step, lr, _samples_alone(report, fault))
     if found is not None:  # it sees the whole rise up to the fault: it replaces the tracker's warning

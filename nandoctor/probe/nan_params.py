@@ -87,9 +87,11 @@ def _buffer_owner(name: str, layers: dict[str, Any]) -> tuple[str | None, Any]:
     return (prefix, layers[prefix]) if prefix in layers else (None, None)
 
 
-def before_training(report: Report, bad: list[BadParam]) -> bool:
-    """Findings for the bad parameters; True when the probe must not train (see BadParam.stops_training)."""
-    stop = [b for b in bad if b.stops_training]
+def before_training(report: Report, bad: list[BadParam], can_stop: bool = True) -> bool:
+    """Findings for the bad parameters; True when the probe must not train (see BadParam.stops_training).
+    A user's own loop cannot be stopped before it starts (`can_stop=False`): its first step then names the
+    fault, and these findings its cause."""
+    stop = [b for b in bad if b.stops_training] if can_stop else []
     if stop:
         faults.params_before_training(report, [b.name for b in stop] + [b.name for b in bad if b not in stop],
                                       {b.name: b.facts.evidence() for b in bad})
@@ -104,7 +106,7 @@ def before_training(report: Report, bad: list[BadParam]) -> bool:
             b.finding = Finding(
                 Code.PARAM_NONFINITE, Severity.WARNING,
                 f"{head} It is frozen (stop_gradient, or not among the optimizer's parameters), so training does "
-                "not change it; the probe trained on, and a step whose loss reads it is reported as the fault.",
+                "not change it; training went on, and a step whose loss reads it is reported as the fault.",
                 loc, evidence, advice_for(Code.PARAM_NONFINITE.value, frozen=True))
         else:
             tied = [u for u in b.users if u != b.layer]
@@ -120,14 +122,14 @@ def before_training(report: Report, bad: list[BadParam]) -> bool:
                 why = "Not every value is bad (a step may never read these)"
             b.finding = Finding(
                 Code.PARAM_NONFINITE, Severity.ERROR,
-                f"{head} {why}, so the probe trained on to find the first step that does.",
+                f"{head} {why}, so training went on to find the first step that does.",
                 loc, evidence, advice_for(Code.PARAM_NONFINITE.value, name=b.name, rows=b.facts.rows,
                                           token_ids=b.facts.token_ids))
         report.findings.append(b.finding)
     return False
 
 
-def after_run(report: Report, bad: list[BadParam], fault: Any, workload: Any, steps_run: int,
+def after_run(report: Report, bad: list[BadParam], fault: Any, target: Any, steps_run: int,
               records: list[Any]) -> None:
     """Tie the run's first fault to the bad parameter it read, or say that no step read it (and when no
     gradient ever reached it, that the loss does not use it: a warning, like a frozen one)."""
@@ -135,12 +137,12 @@ def after_run(report: Report, bad: list[BadParam], fault: Any, workload: Any, st
     read = None
     if fault is not None and fault.kind == FaultKind.NONFINITE and ff is not None:
         read = next((b for b in bad if any(_inside(u, ff.layer) for u in b.users)), None)
-    unused = _never_got_a_gradient(workload.model, records)
+    unused = _never_got_a_gradient(target.model, records)
     for b in bad:
         if b.finding is None:
             continue
         if b is read:
-            _first_read(report, b, fault, workload)
+            _first_read(report, b, fault, target)
         elif b.name in unused and b.finding.severity == Severity.ERROR:
             b.finding.severity = Severity.WARNING
             b.finding.message += (f" No gradient reached it in the {len(records)} step(s) probed: the loss does not "
@@ -186,14 +188,14 @@ def _inside(owner: str, layer: str | None) -> bool:
     return owner == "" or layer == owner or layer.startswith(owner + ".")
 
 
-def _first_read(report: Report, b: BadParam, fault: Any, workload: Any) -> None:
+def _first_read(report: Report, b: BadParam, fault: Any, target: Any) -> None:
     ff = report.first_fault
     ff.parameter = b.name
     symptoms = [f for f in report.findings if f.code in _FAULT_CODES and f.location.step == ff.step]
     ids_hit: list[int] = []
     samples = ff.sample_indices
     if b.facts.token_ids:
-        per_sample = _embedding_ids(workload, fault, b)
+        per_sample = _embedding_ids(target, fault, b) if target.replay_loss is not None else None
         if per_sample is not None:
             bad_ids = set(b.facts.rows)
             hits = {i: sorted(bad_ids & ids) for i, ids in enumerate(per_sample) if bad_ids & ids}
@@ -214,7 +216,7 @@ def _first_read(report: Report, b: BadParam, fault: Any, workload: Any) -> None:
                                "samples": samples, "token_ids_read": ids_hit or None})
 
 
-def _embedding_ids(workload: Any, fault: Any, b: BadParam) -> list[set[int]] | None:
+def _embedding_ids(target: Any, fault: Any, b: BadParam) -> list[set[int]] | None:
     """The token ids each sample of the failing batch feeds the embedding (one replay with a pre-hook on
     it; buffers and RNG restored), or None when its input has no batch dimension to split by."""
     import paddle
@@ -222,7 +224,7 @@ def _embedding_ids(workload: Any, fault: Any, b: BadParam) -> list[set[int]] | N
     from nandoctor.batches import batch_size
     from nandoctor.probe.localize import Replayer
 
-    layer = dict(workload.model.named_sublayers(include_self=True)).get(b.layer)
+    layer = dict(target.model.named_sublayers(include_self=True)).get(b.layer)
     if layer is None or fault.fields is None:
         return None
     seen: list[np.ndarray] = []
@@ -232,7 +234,7 @@ def _embedding_ids(workload: Any, fault: Any, b: BadParam) -> list[set[int]] | N
             seen.append(np.asarray(inputs[0].numpy()))
 
     hook = layer.register_forward_pre_hook(pre)
-    rp = Replayer(workload.target(), fault.rng)
+    rp = Replayer(target, fault.rng)
     try:
         rp.reset_rng()
         with paddle.no_grad():
