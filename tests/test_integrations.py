@@ -23,6 +23,21 @@ def test_the_package_imports_without_any_framework() -> None:
     assert module.__doc__
 
 
+@pytest.mark.skipif(importlib.util.find_spec("paddlenlp") is not None, reason="paddlenlp is installed here")
+def test_paddlenlp_callback_says_what_to_install_when_absent() -> None:
+    sys.modules.pop("nandoctor.integrations.paddlenlp", None)
+    with pytest.raises(ImportError, match="pip install paddlenlp"):
+        importlib.import_module("nandoctor.integrations.paddlenlp")
+
+
+def test_the_trainer_callback_is_one_class_for_both_trainers() -> None:
+    """Its behaviour imports neither library; each binding only adds the library's base class."""
+    from nandoctor.integrations.trainer import TrainerWatch
+
+    assert {"on_load_data_end", "on_substep_end", "on_optimizer_begin", "on_train_end"} <= set(vars(TrainerWatch))
+    assert "paddleformers" not in sys.modules or HAS_PF
+
+
 @pytest.mark.skipif(HAS_PF, reason="paddleformers is installed here")
 def test_paddleformers_callback_says_what_to_install_when_absent() -> None:
     sys.modules.pop("nandoctor.integrations.paddleformers", None)
