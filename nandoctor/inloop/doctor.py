@@ -233,14 +233,14 @@ class Doctor:
         if self._closed or self.fault is not None or isinstance(exc, NonFiniteError):
             return None
         from nandoctor.findings import Phase
-        from nandoctor.probe.crash import label_in_traceback
+        from nandoctor.probe.crash import in_backward, in_data_loading, label_in_traceback
         from nandoctor.probe.watcher import Fault
 
         if self._checked:
             phase = Phase.OPTIMIZER  # checked, not yet updated: the optimizer's step raised
         elif self._open:
-            phase = Phase.BACKWARD if _in_backward(exc) else Phase.FORWARD  # (no layer: crash.py says loss)
-        elif _in_data_loading(exc):
+            phase = Phase.BACKWARD if in_backward(exc) else Phase.FORWARD  # (no layer: crash.py says loss)
+        elif in_data_loading(exc):
             phase = Phase.DATA  # no forward since the last step, and a loader raised: the batch was being made
         else:
             return None  # code between steps that is not the training's (a logging or checkpoint callback)
@@ -401,36 +401,6 @@ def _base_dir(fn: Any, model: Any) -> Path:
         if not file.parent.is_relative_to(own) and is_user_file(file, None):
             return file.parent
     return Path.cwd()
-
-
-_LOADING = {"__next__", "__getitem__", "__getitems__", "__iter__", "_next_data", "fetch"}
-
-
-def _in_data_loading(exc: BaseException) -> bool:
-    """Whether the exception came out of making a batch: a generator, a dataset's `__getitem__`, an
-    iterator's `__next__`, or Paddle's DataLoader (paddle/io)."""
-    import inspect
-
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        path = code.co_filename.replace("\\", "/")
-        if (code.co_flags & inspect.CO_GENERATOR or code.co_name in _LOADING or "/paddle/io/" in path
-                or "/paddle/fluid/dataloader/" in path):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _in_backward(exc: BaseException) -> bool:
-    """Whether the exception came out of a `Tensor.backward()` call (Paddle's own frame on the traceback)."""
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_name == "backward" and "paddle" in code.co_filename.replace("\\", "/"):
-            return True
-        tb = tb.tb_next
-    return False
 
 
 def _enabled(scaler: Any) -> bool:

@@ -36,6 +36,36 @@ class CrashContext:
     what: str  # "the model's forward pass and loss", "data.entry ...", ...
 
 
+_LOADING = {"__next__", "__getitem__", "__getitems__", "__iter__", "_next_data", "fetch"}
+
+
+def in_data_loading(exc: BaseException) -> bool:
+    """Whether the exception came out of making a batch: a generator, a dataset's `__getitem__`, an
+    iterator's `__next__`, or Paddle's DataLoader (paddle/io)."""
+    import inspect
+
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        path = code.co_filename.replace("\\", "/")
+        if (code.co_flags & inspect.CO_GENERATOR or code.co_name in _LOADING or "/paddle/io/" in path
+                or "/paddle/fluid/dataloader/" in path):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def in_backward(exc: BaseException) -> bool:
+    """Whether the exception came out of a `Tensor.backward()` call (Paddle's own frame on the traceback)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "backward" and "paddle" in code.co_filename.replace("\\", "/"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def label_in_traceback(exc: BaseException) -> Any:
     """The `label` tensor of the Paddle loss function the exception came out of (F.cross_entropy raises on
     an out-of-range label there), else None: a user's own loop may name its label anything, Paddle does not."""

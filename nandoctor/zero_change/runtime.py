@@ -25,7 +25,6 @@ named as such, with the samples whose rows of that gradient are non-finite (`los
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import sys
@@ -33,10 +32,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nandoctor.zero_change.capture import ROW, batch_rows, input_names, keep_grads, leaves, optimizer_params
 from nandoctor.zero_change.recheck import CheckedPass
 
 ENV = "NANDOCTOR_RUN"
-ROW = "nandoctor_row"  # a field of sample positions, so a replay of a subset takes the same rows
 _MAX_ROOTS = 8
 
 
@@ -95,7 +94,7 @@ class Session:
         if self.recheck is not None and self.recheck.is_model(layer):
             self.recheck.after_model(0)  # step 0: the model is not known yet, but its class is
         root.output = out
-        _keep_grads(out, root.grads)
+        keep_grads(out, root.grads)
         self.roots.append(root)
         del self.roots[:-_MAX_ROOTS]
         return out
@@ -136,7 +135,7 @@ class Session:
         from nandoctor.findings import Mode
         from nandoctor.inloop.doctor import Doctor
 
-        trained = {id(p) for p in _opt_params(optimizer)}
+        trained = {id(p) for p in optimizer_params(optimizer)}
         best, best_n = None, 0
         for root in self.roots:
             n = sum(1 for p in root.layer.parameters() if id(p) in trained)
@@ -169,7 +168,7 @@ class Session:
         self.inputs = tuple(args)
         self.kwargs = dict(kwargs or {})
         if len(self.names) != len(self.inputs):
-            self.names = _input_names(self.model, len(self.inputs), self.kwargs)
+            self.names = input_names(self.model, len(self.inputs), self.kwargs)
 
     def _switch_to_hooks(self) -> None:
         """The model and the loss are known: record their calls with hooks, give Layer its own __call__ back."""
@@ -188,7 +187,7 @@ class Session:
             self.output = out
             self.grads = {}
             if self.loss_layer is None:
-                _keep_grads(out, self.grads)
+                keep_grads(out, self.grads)
 
         def on_loss(_layer: Any, args: Any) -> None:
             if not self.busy:
@@ -206,15 +205,15 @@ class Session:
         fields.update({k: v for k, v in self.kwargs.items() if isinstance(v, paddle.Tensor)})
         for i, label in enumerate(self.labels):
             fields["label" if len(self.labels) == 1 else f"label{i}"] = label
-        n = _rows(fields.values())
+        n = batch_rows(fields.values())
         if n is not None:
             fields[ROW] = paddle.arange(n, dtype="int64")
         return fields
 
-    def _own_loss(self, leaves: list[Any]) -> int | None:
+    def _own_loss(self, outs: list[Any]) -> int | None:
         """The position of the backpropagated loss among the model's outputs (a model that returns its loss)."""
         loss = self.last_loss
-        return next((i for i, t in enumerate(leaves) if t is loss), None)
+        return next((i for i, t in enumerate(outs) if t is loss), None)
 
     def _replay(self, model: Any, fields: dict[str, Any]) -> Any:
         """The step's loss from (part of) its batch: the loss layer's, the model's own, or the recorded
@@ -229,21 +228,21 @@ class Session:
         if self.loss_layer is not None:
             labels = [fields[k] for k in fields if k.startswith("label") and k not in kwargs]
             return self.loss_layer(out, *labels)
-        leaves = _leaves(out)
-        own = self._own_loss(_leaves(self.output))
-        if own is not None and own < len(leaves):
-            return leaves[own]
+        outs = leaves(out)
+        own = self._own_loss(leaves(self.output))
+        if own is not None and own < len(outs):
+            return outs[own]
         rows = fields.get(ROW)
         total = None
         for i, grad in self.grads.items():
-            if i >= len(leaves):
+            if i >= len(outs):
                 continue
             if rows is not None and int(rows.shape[0]) != int(grad.shape[0]):
                 grad = paddle.gather(grad, rows)
             # NaN/Inf rows came from loss code that is not replayed (`_loss_code_fault` named them): the
             # model's own faults show with finite gradients
             grad = paddle.where(paddle.isfinite(grad), grad, paddle.zeros_like(grad))
-            term = (leaves[i] * grad).sum()
+            term = (outs[i] * grad).sum()
             total = term if total is None else total + term
         if total is None:
             raise ReplayError("no loss to replay: the loss is not a paddle.nn.Layer and no gradient came back to a "
@@ -261,13 +260,13 @@ class Session:
         from nandoctor.findings import Phase
         from nandoctor.probe.diagnose import LossCodeFault
 
-        leaves = _leaves(self.output)
-        if self.loss_layer is not None or not leaves or self._own_loss(leaves) is not None:
+        outs = leaves(self.output)
+        if self.loss_layer is not None or not outs or self._own_loss(outs) is not None:
             return None
-        if not all(np.isfinite(to_numpy(t)).all() for t in leaves):
+        if not all(np.isfinite(to_numpy(t)).all() for t in outs):
             return None  # the model's forward went non-finite: the replay names where
         loss_ok = fault.stats is not None and math.isfinite(fault.stats.loss)
-        n = _rows(leaves)
+        n = batch_rows(outs)
         rows: set[int] = set()
         bad_grad = False
         for grad in self.grads.values():
@@ -345,38 +344,6 @@ class Session:
             raise SystemExit(1)
 
 
-def _leaves(value: Any, depth: int = 0) -> list[Any]:
-    """The float tensors of a model's output, in a fixed order: a tensor, a tuple/list, a dict, or an
-    output object (a dataclass or any object with attributes, as paddleformers' outputs are)."""
-    paddle = sys.modules["paddle"]
-    if isinstance(value, paddle.Tensor):
-        return [value] if value.dtype in (paddle.float32, paddle.float16, paddle.bfloat16, paddle.float64) else []
-    if depth > 3 or value is None or isinstance(value, (str, bytes, int, float, bool)):
-        return []
-    if isinstance(value, (tuple, list)):
-        items = list(value)
-    elif isinstance(value, dict):
-        items = list(value.values())
-    elif hasattr(value, "__dict__"):
-        items = list(vars(value).values())
-    else:
-        return []
-    out: list[Any] = []
-    for item in items:
-        out += _leaves(item, depth + 1)
-    return out
-
-
-def _keep_grads(out: Any, into: dict[int, Any]) -> None:
-    """Record into `into[i]` the gradient that comes back to each output tensor that takes one."""
-    for i, leaf in enumerate(_leaves(out)):
-        if not leaf.stop_gradient:
-            def keep(grad: Any, _i: int = i) -> None:
-                into[_i] = grad.detach()
-
-            leaf.register_hook(keep)
-
-
 def write_result(config: dict[str, Any], report: Any) -> None:
     """The report as JSON where the parent `nandoctor run` reads it (one file per rank)."""
     from nandoctor.report import json as json_report
@@ -401,36 +368,6 @@ def _sync() -> Any:
     from nandoctor.distributed import RankSync, world_size
 
     return RankSync() if world_size() > 1 else None
-
-
-def _opt_params(optimizer: Any) -> list[Any]:
-    params = getattr(optimizer, "_parameter_list", None) or []
-    out = []
-    for p in params:
-        if isinstance(p, dict):  # parameter groups
-            out += list(p.get("params", []))
-        else:
-            out.append(p)
-    return out
-
-
-def _input_names(model: Any, n: int, kwargs: dict[str, Any]) -> list[str]:
-    """The model's forward parameter names for its positional inputs (`a`, `b`), else x0, x1, ... (never a
-    name its keyword inputs already use)."""
-    try:
-        params = [p.name for p in inspect.signature(model.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        params = []
-    if len(params) >= n and not any(p.startswith("label") or p == ROW or p in kwargs for p in params[:n]):
-        return params[:n]
-    return [f"x{i}" for i in range(n)]
-
-
-def _rows(values: Any) -> int | None:
-    """The batch size: the one leading dimension every tensor shares, else None."""
-    sizes = {int(x.shape[0]) for x in values if hasattr(x, "shape") and len(x.shape) > 0}
-    return sizes.pop() if len(sizes) == 1 else None
 
 
 SESSION: Session | None = None

@@ -1,0 +1,74 @@
+"""What `nandoctor run` records of the model it finds in a user's script: the float tensors of its output
+(a tensor, tuple, dict or output object), the gradients that come back to them, the names of its
+positional inputs and the batch size; and the parameters an optimizer trains. No state: runtime.py keeps it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+ROW = "nandoctor_row"  # a field of sample positions, so a replay of a subset takes the same rows
+
+
+def leaves(value: Any, depth: int = 0) -> list[Any]:
+    """The float tensors of a model's output, in a fixed order: a tensor, a tuple/list, a dict, or an
+    output object (a dataclass or any object with attributes, as paddleformers' outputs are)."""
+    paddle = sys.modules["paddle"]
+    if isinstance(value, paddle.Tensor):
+        return [value] if value.dtype in (paddle.float32, paddle.float16, paddle.bfloat16, paddle.float64) else []
+    if depth > 3 or value is None or isinstance(value, (str, bytes, int, float, bool)):
+        return []
+    if isinstance(value, (tuple, list)):
+        items = list(value)
+    elif isinstance(value, dict):
+        items = list(value.values())
+    elif hasattr(value, "__dict__"):
+        items = list(vars(value).values())
+    else:
+        return []
+    out: list[Any] = []
+    for item in items:
+        out += leaves(item, depth + 1)
+    return out
+
+
+def keep_grads(out: Any, into: dict[int, Any]) -> None:
+    """Record into `into[i]` the gradient that comes back to each output tensor that takes one."""
+    for i, leaf in enumerate(leaves(out)):
+        if not leaf.stop_gradient:
+            def keep(grad: Any, _i: int = i) -> None:
+                into[_i] = grad.detach()
+
+            leaf.register_hook(keep)
+
+
+def optimizer_params(optimizer: Any) -> list[Any]:
+    params = getattr(optimizer, "_parameter_list", None) or []
+    out = []
+    for p in params:
+        if isinstance(p, dict):  # parameter groups
+            out += list(p.get("params", []))
+        else:
+            out.append(p)
+    return out
+
+
+def input_names(model: Any, n: int, kwargs: dict[str, Any]) -> list[str]:
+    """The model's forward parameter names for its positional inputs (`a`, `b`), else x0, x1, ... (never a
+    name its keyword inputs already use)."""
+    try:
+        params = [p.name for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    if len(params) >= n and not any(p.startswith("label") or p == ROW or p in kwargs for p in params[:n]):
+        return params[:n]
+    return [f"x{i}" for i in range(n)]
+
+
+def batch_rows(values: Any) -> int | None:
+    """The batch size: the one leading dimension every tensor shares, else None."""
+    sizes = {int(x.shape[0]) for x in values if hasattr(x, "shape") and len(x.shape) > 0}
+    return sizes.pop() if len(sizes) == 1 else None
