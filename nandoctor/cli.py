@@ -200,6 +200,7 @@ def run(
                                                    "state before the step, plots) to DIR.")] = None,
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Let the script run on after the report "
                                              "(default: stop it at the first fault).")] = False,
+    force: ForceOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Run your unmodified training script with the probe's watcher attached; report the first NaN/Inf step."""
@@ -207,7 +208,7 @@ def run(
 
     try:
         code = run_script(list(command), _console(), json_path=json_path, markdown_path=markdown_path,
-                          bundle=bundle, keep_going=keep_going, quiet=quiet)
+                          bundle=bundle, keep_going=keep_going, quiet=quiet, force=force)
     except NandoctorError as err:
         raise _fail(err) from None
     except KeyboardInterrupt as exc:

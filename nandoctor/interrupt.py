@@ -85,19 +85,23 @@ def exit_status(exc: BaseException | None = None) -> int:
     return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
 
 
-def name(exc: BaseException | None = None) -> str:
-    signum = _received or (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
+def name(exc: BaseException | None = None, signum: int | None = None) -> str:
+    signum = signum or _received or (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
     return "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C (SIGINT)"
 
 
-def interrupted_finding(command: str, done: str, *, step: int | None = None,
-                        batch_index: int | None = None, phase: Phase | None = None) -> Finding:
-    """The info finding of a partial report: what stopped it and what the findings cover."""
+def interrupted_finding(command: str, done: str, *, step: int | None = None, batch_index: int | None = None,
+                        phase: Phase | None = None, signum: int | None = None) -> Finding:
+    """The info finding of a partial report: what stopped it (`signum`, else the one this process got) and
+    what the findings cover."""
+    what = name(signum=signum)
     return Finding(
         Code.RUN_INTERRUPTED, Severity.INFO,
-        f"The {command} was stopped by {name()} after {done}; the report is partial and its findings cover "
+        f"The {command} was stopped by {what} after {done}; the report is partial and its findings cover "
         "only what ran. Run it again without interrupting for a full diagnosis.",
-        Location(step=step, batch_index=batch_index, phase=phase), {"signal": name(), "done": done},
+        Location(step=step, batch_index=batch_index, phase=phase), {"signal": what, "done": done},
+        ["Run the script again without interrupting it: nandoctor run stops it itself at the first fault."]
+        if command == "nandoctor run" else
         ["Give the run more time (--steps/--batches bound its length) or interrupt later."])
 
 

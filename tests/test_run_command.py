@@ -93,3 +93,14 @@ def test_run_watches_paddle_model_fit(tmp_path: Path, probe_fault: dict) -> None
     assert "fit finished" not in proc.stdout
     data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
     assert {k: data["first_fault"][k] for k in probe_fault} == probe_fault
+
+
+def test_run_refuses_an_existing_bundle_folder_before_the_script_starts(tmp_path: Path) -> None:
+    """As probe and scan do: the user's report.md in that folder is never overwritten without --force."""
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "report.md").write_text("my notes\n", encoding="utf-8")
+    proc = _run(tmp_path, "--bundle", "b")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "already exists" in proc.stderr + proc.stdout and "--force" in proc.stderr + proc.stdout
+    assert "step 0 loss" not in proc.stdout  # refused before the script ran
+    assert (tmp_path / "b" / "report.md").read_text(encoding="utf-8") == "my notes\n"

@@ -145,3 +145,59 @@ def test_sigterm_still_reports_after_the_users_import_reset_it_in_c(tmp_path, co
     assert data["verdict"] == "interrupted" and data["partial"] is True
     [f] = [f for f in data["findings"] if f["code"] == "run.interrupted"]
     assert "SIGTERM" in f["message"]
+
+
+RUN_SCRIPT = Path(__file__).resolve().parent / "run_scripts" / "checkpoint_on_signal.py"
+
+
+def _run_watched(tmp_path: Path, *extra: str) -> subprocess.Popen:
+    """`nandoctor run` on the checkpointing script, once it trains; a private TMPDIR to see what is left."""
+    import os
+
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "NANDOCTOR_GRACE_SECONDS": "20",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-m", "nandoctor", "run", "--json", str(tmp_path / "r.json"), "--",
+                             sys.executable, str(RUN_SCRIPT), *extra], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "started").exists():
+        if proc.poll() is not None or time.time() > deadline:
+            pytest.fail(f"the script ended or hung before training: {proc.communicate(timeout=30)}")
+        time.sleep(0.1)
+    return proc
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_run_passes_the_signal_to_the_script_and_lets_it_save(tmp_path: Path, sig: int, status: int) -> None:
+    """SIGTERM or SIGINT to `nandoctor run` alone (as timeout, Slurm or a CI cancel send it) reaches the script
+    once; its handler's one-second checkpoint save completes (no SIGKILL 0.25 s later); the report is partial;
+    nothing of nandoctor's is left in TMPDIR."""
+    proc = _run_watched(tmp_path)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == status, err[-3000:]
+    assert (tmp_path / "ckpt.txt").read_text(encoding="utf-8").startswith("saved at step")
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert data["partial"] is True and data["verdict"] == "interrupted" and data["timeline"]
+    assert [f["code"] for f in data["findings"]] == ["run.interrupted"]
+    assert "passed to the script" in err
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_run_without_a_handler_in_the_script_still_writes_the_partial_report(tmp_path: Path) -> None:
+    proc = _run_watched(tmp_path, "--no-handler")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert data["partial"] is True and len(data["timeline"]) >= 4
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_run_says_when_the_script_was_killed(tmp_path: Path) -> None:
+    """A script killed by SIGKILL (the OOM killer) is exit 137 with a message, not the shell's 247."""
+    proc = _run_watched(tmp_path, "--kill-self", "6")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 137, err[-3000:]
+    assert "killed by SIGKILL" in err and "out-of-memory" in err

@@ -9,12 +9,16 @@ watched (the variable and PYTHONPATH are inherited) and rank 0's merged report i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -30,8 +34,9 @@ def _stderr() -> Console:
 
 def run_script(command: list[str], console: Console, *, json_path: Path | None = None,
                markdown_path: Path | None = None, bundle: Path | None = None, keep_going: bool = False,
-               quiet: bool = False) -> int:
+               quiet: bool = False, force: bool = False) -> int:
     """Run `command` watched; the exit status `nandoctor run` returns."""
+    from nandoctor.report.bundle import check_bundle_target
     from nandoctor.run import check_writable_file, write_outputs
 
     if not command:
@@ -39,6 +44,8 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
     for path in (json_path, markdown_path):
         if path is not None:
             check_writable_file(path)
+    if bundle is not None:  # as probe and scan do: never over a folder of the user's, never found out late
+        check_bundle_target(bundle, force)
     with tempfile.TemporaryDirectory(prefix="nandoctor-run-") as tmp:
         result = Path(tmp) / "report.json"
         config = {"result": str(result), "report_dir": str(bundle.resolve()) if bundle is not None else None,
@@ -46,29 +53,106 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
         env = dict(os.environ)
         env["NANDOCTOR_RUN"] = json.dumps(config)
         env["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, [env.get("PYTHONPATH")])])
-        try:
-            proc = subprocess.run(command, env=env)
-        except FileNotFoundError:
-            raise SpecError(f"cannot run {command[0]!r}: no such program. Give the full command after --, e.g. "
-                            "`nandoctor run -- python train.py`.") from None
-        except PermissionError:
-            raise SpecError(f"cannot run {command[0]!r}: it is not executable.") from None
-        except KeyboardInterrupt:
-            return 130
+        script = _Script(command, env)
+        returncode, stopped_by = script.wait()
         if not result.is_file():
+            if stopped_by is not None:
+                _stderr().print(f"nandoctor run: {_signal_name(stopped_by)} stopped the script before nandoctor "
+                                "saw a training step; no report.", markup=False)
+                return 128 + stopped_by
+            if returncode is not None and returncode < 0:
+                return _killed(-returncode)
             if not (Path(tmp) / "watched").exists():
                 _stderr().print(f"nandoctor run: nothing was watched: {' '.join(command[:3])} never stepped a "
                                 "Paddle optimizer on a model in training mode (or its Python cannot import "
                                 "nandoctor). The command's own exit status follows.", markup=False)
-            return proc.returncode  # nothing found: the script's own status
+            return returncode  # nothing found: the script's own status
         try:
             report = Report.from_dict(json.loads(result.read_text(encoding="utf-8")))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise OutputError(f"the watched run's report could not be read ({exc}).") from None
+        if stopped_by is not None and not report.first_fault:
+            from nandoctor.interrupt import interrupted_finding
+
+            report.partial = True
+            steps = f"{report.run.get('steps_run', 0)} step(s)"
+            report.findings.append(interrupted_finding("nandoctor run", steps, signum=stopped_by))
     report.run["command_line"] = shlex.join(command)
     # A clean run's output stays the script's own: one line on stderr; the files are written all the same
     write_outputs(report, _stderr() if report.verdict == Verdict.HEALTHY else console, json_path=json_path,
                   markdown_path=markdown_path, quiet=quiet or report.verdict == Verdict.HEALTHY)
     if bundle is not None and (bundle / "report.json").is_file():
         console.print(f"Report folder written to [bold]{bundle}[/].")
-    return 1 if report.exit_code else (proc.returncode or 0)
+    if stopped_by is not None:
+        return 128 + stopped_by
+    if returncode is not None and returncode < 0 and not report.exit_code:
+        return _killed(-returncode)
+    return 1 if report.exit_code else (returncode or 0)
+
+
+# A script sent SIGINT/SIGTERM gets this long to run its own handlers (save a checkpoint, flush logs)
+# before nandoctor kills its process group: `NANDOCTOR_GRACE_SECONDS` overrides it.
+GRACE_SECONDS = 30.0
+
+
+class _Script:
+    """The user's command in its own process group, so a signal to `nandoctor run` reaches it once:
+    SIGINT and SIGTERM are forwarded to the group, and only after the grace period is it killed."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        try:
+            self.proc = subprocess.Popen(command, env=env, start_new_session=True)
+        except FileNotFoundError:
+            raise SpecError(f"cannot run {command[0]!r}: no such program. Give the full command after --, e.g. "
+                            "`nandoctor run -- python train.py`.") from None
+        except PermissionError:
+            raise SpecError(f"cannot run {command[0]!r}: it is not executable.") from None
+        self.signal: int | None = None
+
+    def wait(self) -> tuple[int | None, int | None]:
+        """(the script's exit status, the signal that stopped nandoctor run or None)."""
+        previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while True:
+                try:
+                    return self.proc.wait(), self.signal
+                except KeyboardInterrupt:  # a handler of ours raised it (the interrupt module's): forward
+                    self._forward(signal.SIGINT, None)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _forward(self, signum: int, _frame: Any) -> None:
+        first = self.signal is None
+        self.signal = self.signal or signum
+        try:
+            os.killpg(self.proc.pid, signum)
+        except ProcessLookupError:
+            return
+        if first:
+            grace = float(os.environ.get("NANDOCTOR_GRACE_SECONDS", GRACE_SECONDS))
+            threading.Thread(target=self._kill_after, args=(grace,), daemon=True).start()
+            _stderr().print(f"nandoctor run: {_signal_name(signum)} passed to the script; it has {grace:g} s to "
+                            "stop on its own (its handlers, a checkpoint save) before it is killed.", markup=False)
+
+    def _kill_after(self, grace: float) -> None:
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _killed(signum: int) -> int:
+    """The script died of a signal nandoctor did not send (SIGKILL from the OOM killer): 128 + its number."""
+    why = " (the kernel's out-of-memory killer sends it, and so does kill -9)" if signum == signal.SIGKILL else ""
+    _stderr().print(f"nandoctor run: the script was killed by {_signal_name(signum)}{why}; exit {128 + signum}.",
+                    markup=False)
+    return 128 + signum

@@ -422,6 +422,27 @@ def _on_paddle(session: Session) -> None:
         recheck.restore_rng(session.config["rng"])
     else:
         recheck.save_rng(session.config)
+        _report_on_sigterm()
+
+
+def _report_on_sigterm() -> None:
+    """SIGTERM (`nandoctor run` passing on a timeout or a cancel) ends a script that has no handler of its
+    own at once, without atexit: write the partial report first, then die of the signal as it would have.
+    Set after `import paddle`, whose own C handler it replaces; a handler the script sets later wins."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_sigterm(signum: int, _frame: Any) -> None:
+        try:
+            _at_exit()
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _at_exit() -> None:
