@@ -179,8 +179,10 @@ def short_path(file: Path, base_dir: Path | None) -> str:
     return str(file)
 
 
-def call_user(what: str, fn: Callable[..., Any], *args: Any, base_dir: Path | None = None, **kwargs: Any) -> Any:
-    """Call the user's code; anything it raises comes back as a UserCodeError saying what and where."""
+def call_user(what: str, fn: Callable[..., Any], /, *args: Any, base_dir: Path | None = None, **kwargs: Any) -> Any:
+    """Call the user's code; anything it raises comes back as a UserCodeError saying what and where. The
+    user's own keyword arguments (a spec's `model.args`) go in through `functools.partial`, so none of their
+    names (`fn`, `what`, `base_dir`) can collide with this function's."""
     try:
         return fn(*args, **kwargs)
     except (KeyboardInterrupt, NandoctorError):  # nandoctor's own spec message from inside `fn`: not the user's

@@ -72,6 +72,7 @@ def _run_command(command: str, config: Path, console: Console, *, json_path: Pat
             )
             nproc = int(options.get("nproc") or 1)
             if nproc > 1:  # N processes through Paddle's launcher, each training its share of the data
+                check_nproc(nproc, opts.device)
                 from nandoctor.distributed_probe import launch_probe
 
                 report = launch_probe(Path(config).resolve(), opts.steps, opts.seed, nproc, opts.device)
@@ -97,6 +98,25 @@ def _run_command(command: str, config: Path, console: Console, *, json_path: Pat
     if report.partial:
         return interrupt.exit_status()
     return report.exit_code
+
+
+def check_nproc(nproc: int, device: str) -> None:
+    """Refuse more ranks than the machine has cores (CPU) or GPUs: they would start without a word and
+    crawl, or hang waiting for one another at the first collective."""
+    import os
+
+    from nandoctor.device import resolve_device
+
+    resolved = resolve_device(device)
+    if resolved == "cpu":
+        have, what = os.cpu_count() or 1, "CPU cores"
+    else:
+        import paddle
+
+        have, what = paddle.device.cuda.device_count(), "GPUs"
+    if nproc > have:
+        raise SpecError(f"--nproc {nproc}: this machine has {have} {what}, and each rank is a process training on "
+                        f"one ({resolved}). Use --nproc {have} or fewer (or leave --nproc out).")
 
 
 def write_outputs(report: Report, console: Console, *, json_path: Path | None, markdown_path: Path | None,

@@ -7,6 +7,7 @@ is the scheduler's base rate, as in Paddle's own examples.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -52,7 +53,7 @@ def _from_entry(spec: Spec, sched: SchedulerSpec) -> Any:
     assert sched.entry is not None
     fn = load_entry(sched.entry, spec.base_dir, f"{_KEY}.entry", spec.path)
     with user_import_path(spec.base_dir):
-        made = call_user(f"{_KEY}.entry {sched.entry}", fn, base_dir=spec.base_dir, **sched.args)
+        made = call_user(f"{_KEY}.entry {sched.entry}", functools.partial(fn, **sched.args), base_dir=spec.base_dir)
     if not isinstance(made, lr.LRScheduler):
         raise SpecError(f"{spec.path}: `{_KEY}.entry` ({sched.entry}) returned a {type(made).__name__}; it must "
                         "return a paddle.optimizer.lr.LRScheduler (e.g. paddle.optimizer.lr.StepDecay(...)).")

@@ -6,6 +6,7 @@ and probe turn into a finding. Nothing here trains or checks anything.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -88,7 +89,8 @@ def build_model(spec: Spec) -> Any:
     factory = load_entry(spec.model.entry, spec.base_dir, "model.entry", spec.path)
     check_args(factory, spec.model.args, "model.args", spec.model.entry, spec.path)
     with user_import_path(spec.base_dir):
-        model = call_user(f"model.entry {spec.model.entry}", factory, base_dir=spec.base_dir, **spec.model.args)
+        model = call_user(f"model.entry {spec.model.entry}", functools.partial(factory, **spec.model.args),
+                          base_dir=spec.base_dir)
     if not isinstance(model, paddle.nn.Layer):
         raise SpecError(f"{spec.path}: `model.entry` ({spec.model.entry}) returned a {type(model).__name__}; it must "
                         "return a paddle.nn.Layer (your model instance).")
@@ -102,7 +104,8 @@ def loader_factory(spec: Spec) -> Callable[[], Iterable[Any]]:
 
     def make() -> Iterable[Any]:
         with user_import_path(spec.base_dir):
-            loader = call_user(f"data.entry {spec.data.entry}", factory, base_dir=spec.base_dir, **spec.data.args)
+            loader = call_user(f"data.entry {spec.data.entry}", functools.partial(factory, **spec.data.args),
+                               base_dir=spec.base_dir)
         if isinstance(loader, (str, bytes)) or not hasattr(loader, "__iter__"):
             raise SpecError(f"{spec.path}: `data.entry` ({spec.data.entry}) returned a {type(loader).__name__}; it "
                             "must return an iterable of batches (a paddle.io.DataLoader, a list, a generator).")

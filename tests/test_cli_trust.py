@@ -185,3 +185,13 @@ def test_sys_exit_in_the_model_factory_is_a_finding(tmp_path):
     data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
     assert [f["code"] for f in data["findings"]] == ["user_code.error"]
     assert "SystemExit" in data["findings"][0]["message"]
+
+
+def test_more_ranks_than_the_machine_has_cores_are_refused_with_the_limit(tmp_path):
+    import os
+
+    cores = os.cpu_count() or 1
+    result = _cli("probe", str(write_spec(tmp_path)), "--nproc", str(cores + 62), "--device", "cpu")
+    assert result.exit_code == 2, result.output
+    assert f"--nproc {cores + 62}" in result.output and f"has {cores} CPU cores" in result.output
+    assert f"--nproc {cores} or fewer" in result.output.replace("\n", " ")

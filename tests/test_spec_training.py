@@ -382,3 +382,31 @@ def test_step_gets_tensors_and_must_not_call_backward(project: Path):
     assert seen[-1] == {"x": "Tensor", "y": "Tensor", "text": "ndarray"}
     with pytest.raises(SpecError, match=r"step.entry must return the loss; nandoctor calls backward\(\)"):
         _loss(project, text.replace("train.py:step", "train.py:step_with_backward"), fields)
+
+
+def test_model_args_may_use_any_name_the_factory_takes(tmp_path: Path) -> None:
+    """`model.args` named like nandoctor's own helper arguments (`fn`, `what`, `base_dir`) reach the factory;
+    they once collided with them and ended in exit 3 ("multiple values for argument 'fn'")."""
+    (tmp_path / "models.py").write_text(
+        "import paddle\n\n"
+        "def build(fn=1, what='x', base_dir=None):\n"
+        "    assert (fn, what, base_dir) == (4, 'head', 'here')\n"
+        "    return paddle.nn.Linear(4, 2)\n\n"
+        "def batches():\n"
+        "    import numpy as np\n"
+        "    rng = np.random.default_rng(0)\n"
+        "    return [(rng.normal(size=(8, 4)).astype('float32'), rng.integers(0, 2, size=(8,))) for _ in range(3)]\n",
+        encoding="utf-8")
+    import yaml
+
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({
+        "version": 1, "model": {"entry": "models.py:build", "args": {"fn": 4, "what": "head", "base_dir": "here"}},
+        "data": {"entry": "models.py:batches", "fields": ["x", "label"], "label": "label"},
+        "loss": {"builtin": "cross_entropy"}, "optimizer": {"name": "SGD", "args": {"learning_rate": 0.1}}}),
+        encoding="utf-8")
+    from nandoctor.probe import ProbeOptions, run_probe
+    from nandoctor.spec import load_spec
+
+    report = run_probe(load_spec(tmp_path / "c.yaml"), ProbeOptions(steps=3, seed=0, device="cpu"))
+    assert report.verdict.value == "healthy", [f.message for f in report.findings]
+    assert report.details["steps_run"] == 3
