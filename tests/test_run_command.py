@@ -104,3 +104,33 @@ def test_run_refuses_an_existing_bundle_folder_before_the_script_starts(tmp_path
     assert "already exists" in proc.stderr + proc.stdout and "--force" in proc.stderr + proc.stdout
     assert "step 0 loss" not in proc.stdout  # refused before the script ran
     assert (tmp_path / "b" / "report.md").read_text(encoding="utf-8") == "my notes\n"
+
+
+RECURRING = """
+import numpy as np, paddle
+paddle.seed(0)
+model = paddle.nn.Linear(4, 3)
+opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+rng = np.random.default_rng(0)
+for step in range(10):
+    out = model(paddle.to_tensor(rng.normal(size=(6, 4)).astype("float32")))
+    hit = 0.0 if step in (3, 5, 7) else 1.0   # sample 2 hits its target exactly: sqrt(0), an inf gradient
+    target = out.detach() + paddle.to_tensor([[1.0], [1.0], [hit], [1.0], [1.0], [1.0]])
+    loss = paddle.sqrt(((out - target) ** 2).sum(axis=1)).mean()
+    loss.backward()
+    opt.step()
+    opt.clear_grad()
+print("finite", all(bool(paddle.isfinite(p).all()) for p in model.parameters()))
+"""
+
+
+def test_keep_going_drops_every_faulty_update_not_only_the_first(tmp_path: Path) -> None:
+    """The README's promise: with --keep-going the script finishes, and the updates of the faulty steps 3, 5
+    and 7 are all dropped (before, only step 3's was, and the weights ended NaN)."""
+    script = tmp_path / "recurring.py"
+    script.write_text(RECURRING, encoding="utf-8")
+    proc = _run(tmp_path, "--keep-going", "--json", "r.json", script=[sys.executable, str(script)])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "finite True" in proc.stdout
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert data["first_fault"]["step"] == 3 and data["details"]["skipped_steps"] == [3, 5, 7]

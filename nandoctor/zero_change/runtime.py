@@ -109,7 +109,7 @@ class Session:
 
     def before_step(self, optimizer: Any) -> bool:
         """True when the update may go ahead."""
-        if self.done or self.busy or self.last_loss is None:
+        if self.busy or self.last_loss is None or self.done and not self.config.get("keep_going"):
             return True
         if self.doctor is None and not self._attach(optimizer):
             return True
@@ -123,7 +123,8 @@ class Session:
         self.last_loss = None
         if ok:
             return True
-        self._finish()
+        if not self.done:  # the first fault; later ones (--keep-going) are counted and their updates dropped
+            self._finish()
         return False
 
     def after_step(self, optimizer: Any) -> None:
@@ -158,7 +159,7 @@ class Session:
         if sync is not None and report_dir is None:  # ranks merge through files: a folder beside the result
             report_dir = str(Path(self.config["result"]).with_name("ranks"))
         self.doctor = Doctor(self.model, optimizer, step_fn=self._replay, report_dir=report_dir,
-                             on_fault="stop", wrap_step=False, sync=sync, mode=Mode.RUN)
+                             on_fault=self._on_fault(), wrap_step=False, sync=sync, mode=Mode.RUN)
         self.doctor.loss_code_fault = self._loss_code_fault
         self.doctor.open_step(best.rng)  # step 0 ran before the model was known: replay it from its RNG
         return True
@@ -324,11 +325,15 @@ class Session:
         self.output, self.grads = best.output, best.grads
         self.roots = []
         self.doctor = Doctor(self.model, None, step_fn=self._replay, report_dir=self.config.get("report_dir"),
-                             on_fault="stop", wrap_step=False, mode=Mode.RUN)
+                             on_fault=self._on_fault(), wrap_step=False, mode=Mode.RUN)
         self.doctor.open_step(best.rng)
         return True
 
     # ---- the end -------------------------------------------------------------------------------------
+    def _on_fault(self) -> str:
+        """--keep-going: every later faulty update is dropped too (the doctor's skip_step), else stop."""
+        return "skip_step" if self.config.get("keep_going") else "stop"
+
     def _finish(self) -> None:
         """A fault: outputs written; the script stopped unless --keep-going."""
         if self.recheck is not None:
@@ -457,6 +462,9 @@ def _at_exit() -> None:
         session.doctor.close()
         if not session.done:
             write_result(session.config, session.doctor.summary())
+        elif session.doctor.report is not None and session.doctor.skipped:  # --keep-going: what was dropped
+            session.doctor.report.details["skipped_steps"] = list(session.doctor.skipped)
+            write_result(session.config, session.doctor.report)
     except Exception:  # noqa: BLE001 - never turn the user's exit into a traceback of ours
         pass
 
