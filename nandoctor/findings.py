@@ -56,6 +56,7 @@ class Code(str, Enum):
     PRECISION_FP16_OVERFLOW = "precision.fp16_overflow"
     USER_CODE_ERROR = "user_code.error"
     # nandoctor's own additions
+    REPLAY_SIDE_EFFECTS = "replay.side_effects"
     DATA_EMPTY = "data.empty"
     DATA_CONSTANT = "data.constant"
     PARAM_ZERO = "param.zero"

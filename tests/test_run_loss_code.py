@@ -115,7 +115,7 @@ def test_sandbox_keeps_the_users_files_and_still_reads_its_own_writes(tmp_path: 
 import os, sys
 sys.path.insert(0, {str(ROOT)!r})
 from pathlib import Path
-from nandoctor.zero_change.sandbox import redirect_writes
+from nandoctor.sandbox import redirect_writes
 redirect_writes(Path({str(tmp_path / 'own' / 'mirror')!r}), exempt=Path({str(tmp_path / 'own')!r}))
 with open("log.txt", "a") as f:
     f.write("replay\\n")
@@ -146,3 +146,17 @@ def test_the_model_side_of_the_same_script_needs_no_second_pass(tmp_path: Path) 
     finding = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))["findings"][0]
     assert finding["location"]["layer"] == "distance"
     assert "checked second pass" not in json.dumps(finding)
+
+
+def test_the_in_process_sandbox_puts_every_function_back() -> None:
+    """Replays in this process run inside it: afterwards open, io.open and os's file functions are Python's."""
+    import builtins
+    import io
+
+    from nandoctor.sandbox import redirected
+
+    names = ("open", "remove", "unlink", "rename", "replace", "mkdir", "makedirs", "rmdir")
+    before = (builtins.open, io.open, *(getattr(os, n) for n in names))
+    with redirected(None):
+        assert builtins.open is not before[0]
+    assert (builtins.open, io.open, *(getattr(os, n) for n in names)) == before

@@ -26,8 +26,9 @@ from typing import Any, Callable
 from nandoctor.findings import Mode, Report
 from nandoctor.inloop.batch import to_fields
 from nandoctor.inloop.history import StepHistory
-from nandoctor.probe.diagnose import StepTarget
+from nandoctor.probe.diagnose import StepTarget, note_replay_writes
 from nandoctor.probe.watcher import Fault, FaultKind, StepWatcher
+from nandoctor.sandbox import redirected
 
 log = logging.getLogger("nandoctor")
 
@@ -296,9 +297,10 @@ class Doctor:
         self._busy = True
         try:
             with _no_sync(self.wrapper):  # a replay on one rank must not wait for the others' gradients
-                rolled = None
+                rolled, changed = None, []
                 if self.history is not None and fault is not None:  # a fault that began on an unread step
-                    fault, rolled = self.history.rollback(fault, self.step_fn, rebuild, self.step)
+                    with redirected(self._target(None).base_dir) as changed:  # its writes stay off the user's files
+                        fault, rolled = self.history.rollback(fault, self.step_fn, rebuild, self.step)
                     self.fault = fault
                 target = self._target(self._replay_loss(fault, rebuild))
                 try:
@@ -312,6 +314,7 @@ class Doctor:
                                         optimizer=self.optimizer, start_bad=self.start_bad)
                 if rolled is not None:
                     report.details["rollback"] = rolled
+                note_replay_writes(report, changed, "the rollback's replay of the unread steps")
         finally:
             self._busy = False
             if not was_training:

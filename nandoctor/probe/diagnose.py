@@ -18,13 +18,14 @@ import numpy as np
 
 from nandoctor.artifacts import capture
 from nandoctor.errors import UserCodeError
-from nandoctor.findings import Location, Mode, Phase, Report, TimelinePoint
+from nandoctor.findings import Code, Finding, Location, Mode, Phase, Report, Severity, TimelinePoint
 from nandoctor.probe import faults
 from nandoctor.probe.crash import CrashContext, crash_findings
 from nandoctor.probe.trainability import loss_finding
 from nandoctor.probe.watcher import Fault, FaultKind
+from nandoctor.sandbox import redirected
 
-__all__ = ["LossCodeFault", "StepTarget", "diagnose", "record_run"]
+__all__ = ["LossCodeFault", "StepTarget", "diagnose", "note_replay_writes", "record_run"]
 
 _MAX_ROWS = 64
 _MAX_COLS = 200
@@ -97,7 +98,26 @@ def diagnose(report: Report, fault: Fault | None, target: StepTarget, optimizer:
                 capture(report, fault.fields, step=fault.step, batch_index=fault.batch_index, model=model,
                         rng=fault.rng)
         else:
-            _localise(report, fault, target)
+            with redirected(target.base_dir) as changed:  # a replay's writes never land on the user's files
+                _localise(report, fault, target)
+            note_replay_writes(report, changed, f"the replays of step {fault.step}")
+
+
+def note_replay_writes(report: Report, changed: list[str], what: str) -> None:
+    """Files of the user's folder that changed while nandoctor re-ran their code, despite the write
+    redirect (a file their code opened before, C code's own I/O): named, so nobody trusts them blindly."""
+    if not changed:
+        return
+    shown = ", ".join(changed[:10]) + ("…" if len(changed) > 10 else "")
+    report.details.setdefault("replay_changed_files", []).extend(changed[:100])
+    report.findings.append(Finding(
+        Code.REPLAY_SIDE_EFFECTS, Severity.WARNING,
+        f"{what[:1].upper()}{what[1:]} ran your code again, and it changed {len(changed)} file(s) in its folder "
+        f"that nandoctor could not redirect (written through a file opened before the replay, such as a log "
+        f"handler's, or by C code): {shown}. Check them: they may hold a replay's output, not your run's.",
+        Location(), {"files": changed[:100]},
+        ["Open log files and checkpoints by path at each write (nandoctor redirects those), or compare the "
+         "files named here with a backup."]))
 
 
 def _crash(report: Report, fault: Fault, target: StepTarget) -> None:

@@ -72,7 +72,7 @@ def run_checked_pass(config: dict[str, Any], step: int, model: Any, started: flo
     argv = list(getattr(sys, "orig_argv", []) or [])
     if not argv:
         return {"error": "the command line of this Python process is not known (Python < 3.10)"}
-    from nandoctor.zero_change.sandbox import changed_files, file_states
+    from nandoctor.sandbox import changed_files, file_states
 
     with tempfile.TemporaryDirectory(prefix="nandoctor-recheck-") as tmp:
         result = Path(tmp) / "recheck.json"

@@ -389,7 +389,7 @@ def install() -> None:
     except ValueError:
         return
     if config.get("recheck_step") is not None:  # the checked pass: the user's files stay as the real run left them
-        from nandoctor.zero_change.sandbox import redirect_writes
+        from nandoctor.sandbox import redirect_writes
 
         redirect_writes(Path(config["mirror"]), exempt=Path(config["result"]).parent)
     SESSION = Session(config)

@@ -1,20 +1,25 @@
-"""Keep the user's files as their training wrote them while `nandoctor run`'s checked pass re-runs the script.
+"""Keep the user's files as their training wrote them while nandoctor re-runs the user's code.
 
-The checked pass (recheck.py) runs the user's script a second time up to the faulting step. A script saves
-checkpoints, appends to logs, writes metrics: done again, that would overwrite what the real run wrote.
-Inside the checked pass every write through Python is redirected into a private mirror folder: `open` and
-`io.open` in a writing mode, `os.open` with a writing flag, and `os.remove`, `os.unlink`, `os.rename`,
-`os.replace`, `os.mkdir`, `os.makedirs`, `os.rmdir` act on the mirror (a read sees the mirror's copy once
-the pass wrote one). Writes from C code (a C extension's own file I/O) are not covered: `changed_files`
-compares the working folder before and after the pass, and the report names whatever changed.
+Replays run the user's code again: the probe's and the watch's replays of a failing step, the rollback
+and remedy replays, and `nandoctor run`'s checked pass, which re-runs the whole script up to the fault. A
+step or a script saves checkpoints, appends to logs, writes metrics: done again, that would overwrite what
+the real run wrote. While they run, every write through Python is redirected into a private mirror
+folder: `open` and `io.open` in a writing mode, `os.open` with a writing flag, and `os.remove`,
+`os.unlink`, `os.rename`, `os.replace`, `os.mkdir`, `os.makedirs`, `os.rmdir` act on the mirror (a read
+sees the mirror's copy once the replay wrote one). Not covered: writes through a file the user's code
+opened before the replay (a logging FileHandler) and C code's own file I/O; `file_states` before and after
+shows what changed anyway, and the report names it.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import io
 import os
 import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +28,26 @@ _SKIP_DIRS = {".git", "__pycache__", ".venv", "venv", "node_modules", ".mypy_cac
 _SCAN_LIMIT = 20000
 
 
-def redirect_writes(mirror: Path, exempt: Path) -> None:
+@contextlib.contextmanager
+def redirected(folder: Path | None = None) -> Iterator[list[str]]:
+    """Python-level writes go to a private mirror for the block, which is removed afterwards; yields the
+    list that gets the files of `folder` (the user's code's folder) that changed all the same."""
+    before = file_states(folder) if folder is not None else None
+    changed: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="nandoctor-replay-") as tmp:
+        undo = redirect_writes(Path(tmp) / "mirror", exempt=Path(tmp))
+        try:
+            yield changed
+        finally:
+            undo()
+    if before is not None and folder is not None:
+        changed += changed_files(before, file_states(folder))
+
+
+def redirect_writes(mirror: Path, exempt: Path) -> Callable[[], None]:
     """From now on in this process, Python-level writes go to `mirror` instead of the user's files
-    (writes under `exempt`, nandoctor's own folder for the pass's answer, go where they are meant to)."""
+    (writes under `exempt`, nandoctor's own folder for the pass's answer, go where they are meant to).
+    Returns the function that puts the real ones back."""
     real_open, real_os_open = builtins.open, os.open
     real = {name: getattr(os, name) for name in ("remove", "replace", "mkdir")}
     own = str(exempt.resolve())
@@ -108,6 +130,9 @@ def redirect_writes(mirror: Path, exempt: Path) -> None:
     def rmdir(path: Any, *args: Any, **kwargs: Any) -> None:
         return None
 
+    names = ("open", "remove", "unlink", "rename", "replace", "mkdir", "makedirs", "rmdir")
+    saved_os = {name: getattr(os, name) for name in names}
+    saved_open, saved_io_open = builtins.open, io.open
     builtins.open = sandboxed_open
     io.open = sandboxed_open
     os.open = sandboxed_os_open
@@ -116,6 +141,13 @@ def redirect_writes(mirror: Path, exempt: Path) -> None:
     os.mkdir = mkdir
     os.makedirs = makedirs
     os.rmdir = rmdir
+
+    def undo() -> None:
+        builtins.open, io.open = saved_open, saved_io_open
+        for name, fn in saved_os.items():
+            setattr(os, name, fn)
+
+    return undo
 
 
 def file_states(folder: Path) -> dict[str, tuple[int, int]]:
