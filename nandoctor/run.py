@@ -138,32 +138,47 @@ def write_outputs(report: Report, console: Console, *, json_path: Path | None, m
 
 
 def rerender(report_json: Path, console: Console, *, markdown_path: Path | None = None) -> int:
-    """`nandoctor report`: read a saved JSON report and show it again (terminal or Markdown)."""
+    """`nandoctor report`: read a saved JSON report and show it again (terminal or Markdown).
+
+    The report may be anyone's: the renderers make its text inert and its images stay inside its folder;
+    here a file nested too deeply to walk is refused (exit 2) rather than overflowing the stack.
+    """
+    from nandoctor.report.common import MAX_NESTING, inert, nesting_exceeds
+
     if report_json.is_dir() and (report_json / "report.json").is_file():
         report_json = report_json / "report.json"
+    too_deep = SpecError(f"{report_json}: a malformed report: its lists and objects are nested more than "
+                         f"{MAX_NESTING} levels deep (too deeply nested to be a nandoctor report). "
+                         "Was it edited by hand or made by another tool? Re-create it with --json.")
     try:
         data = json.loads(report_json.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SpecError(f"{report_json}: no such file. Pass a report.json written by --json or --bundle.") from None
+    except RecursionError:  # the JSON parser's own stack, at about a thousand levels
+        raise too_deep from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SpecError(f"{report_json}: not a readable JSON report ({exc}).") from None
+    if nesting_exceeds(data):
+        raise too_deep
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        found = f"schema {data.get('schema')!r}" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+        found = inert(f"schema {data.get('schema')!r}", 300) if isinstance(data, dict) else \
+            f"a JSON {type(data).__name__}"
         raise SpecError(f"{report_json}: not a nandoctor report ({found}; expected \"schema\": \"{SCHEMA}\"). "
                         "Pass a report.json written by --json or --bundle.")
     check_report_keys(report_json, data)
     try:
         report = Report.from_dict(data)
     except (ValueError, KeyError, TypeError) as exc:
-        problem = f"the key {exc} is missing" if isinstance(exc, KeyError) else str(exc)
+        problem = inert(f"the key {exc} is missing" if isinstance(exc, KeyError) else str(exc), 300)
         raise SpecError(f"{report_json}: not a complete nandoctor report ({problem}). Was it edited by hand or "
                         "cut short? Re-create it with --json.") from None
     if markdown_path is not None:
         check_writable_file(markdown_path)
         from nandoctor.report import markdown as markdown_report
 
-        write_text(markdown_path, markdown_report.render(report))
-        console.print(f"Markdown written to {markdown_path}")
+        write_text(markdown_path, markdown_report.render(report, report_dir=report_json.parent,
+                                                         markdown_dir=markdown_path.parent))
+        console.print(f"Markdown written to {markdown_path}", markup=False)
     else:
         from nandoctor.report import console as console_report
 
@@ -174,18 +189,19 @@ def rerender(report_json: Path, console: Console, *, markdown_path: Path | None 
 def check_report_keys(path: Path, data: dict[str, Any]) -> None:
     """A report without its required keys is not 'healthy': it is not a report (exit 2)."""
     from nandoctor.findings import Verdict
+    from nandoctor.report.common import inert
 
     missing = [k for k in REQUIRED_REPORT_KEYS if k not in data]
     problem = f"it has no {', '.join(repr(k) for k in missing)}" if missing else None
     if problem is None and not isinstance(data["findings"], list):
         problem = f"'findings' is a {type(data['findings']).__name__}, not a list"
-    if problem is None and data["verdict"] not in {v.value for v in Verdict}:
+    if problem is None and data["verdict"] not in [v.value for v in Verdict]:  # a list: a [] verdict is no TypeError
         problem = f"'verdict' is {data['verdict']!r}, not one of {', '.join(v.value for v in Verdict)}"
     if problem is None and data["command"] not in ("scan", "probe"):
         problem = f"'command' is {data['command']!r}, not 'scan' or 'probe'"
-    if problem is not None:
-        raise SpecError(f"{path}: not a complete nandoctor report ({problem}). Was it edited by hand or cut "
-                        "short? Re-create it with --json.")
+    if problem is not None:  # the values are quoted with repr (no raw control character), but may be long
+        raise SpecError(f"{path}: not a complete nandoctor report ({inert(problem, 300)}). Was it edited by hand "
+                        "or cut short? Re-create it with --json.")
 
 
 REQUIRED_REPORT_KEYS = ("schema", "command", "verdict", "findings")

@@ -4,6 +4,10 @@ Kept in one place so the two views of a report never disagree on a count or on h
 
 A timeline value may be a float, None, or (after a JSON round trip) the strings "nan"/"inf"/"-inf" that
 `findings._jsonable` writes because JSON has no NaN; every renderer reads them through `as_float`.
+
+A report may be a teammate's file, so every renderer first takes `shown_report(report)`: each string made
+inert (`inert`: no terminal escape sequence, control or bidi-override character) and cut at `TEXT_LIMIT`
+characters, nesting cut at `MAX_NESTING` levels, and for public output paths made relative (`public_paths`).
 """
 
 from __future__ import annotations
@@ -271,6 +275,81 @@ def project_dir(report: Report) -> Path | None:
         return None
     path = Path(str(config)).expanduser()
     return path.parent if path.is_absolute() else None
+
+
+# --- what a renderer may show of a (maybe foreign) report ----------------------------------------------
+
+TEXT_LIMIT = 2000  # characters of one string that a renderer shows; the JSON file keeps every character
+MAX_NESTING = 32  # levels of lists and dicts a renderer walks into; nandoctor's own reports use under ten
+
+# Whole escape sequences first, so their parameters (a window title, a hyperlink's URL) go with them:
+# CSI (colours, cursor moves, clear screen, hide cursor), then OSC/DCS/SOS/PM/APC up to their terminator
+# (BEL or ST: window titles, OSC 8 hyperlinks), then any other ESC + final byte. Both 7-bit (ESC [) and
+# 8-bit (C1) introducers.
+_ESCAPE_SEQUENCE = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
+    r"|(?:\x1b[]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c\n]*(?:\x07|\x1b\\|\x9c)"
+    r"|\x1b[ -/]*[0-~]")
+# What is left of C0 (tab and newline kept: messages and source lines span lines), DEL, C1, and the
+# bidi overrides and isolates that make text read differently from what it is (Trojan Source).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def inert(text: str, limit: int | None = TEXT_LIMIT) -> str:
+    """`text` safe to show in a terminal or a ticket: escape sequences, control characters (but newline and
+    tab) and bidi overrides removed, a carriage return read as a newline, then cut at `limit` characters
+    with a '… (N characters cut)' tail."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return _cut(_CONTROL.sub("", _ESCAPE_SEQUENCE.sub("", text)), limit)
+
+
+def _cut(text: str, limit: int | None) -> str:
+    if limit is not None and len(text) > limit:
+        return f"{text[:limit]}… ({len(text) - limit} characters cut)"
+    return text
+
+
+def shown_report(report: Report, *, public: bool = False, limit: int | None = TEXT_LIMIT) -> Report:
+    """A copy of `report` that a renderer can show whatever its file held: every string (keys included)
+    through `inert`, values nested deeper than `MAX_NESTING` replaced by a note, and with `public` (tickets)
+    the project's and home folder's absolute paths rewritten as `public_paths` does."""
+    project = project_dir(report) if public else None
+    rules = _path_rules(project) if public else []
+    return Report.from_dict(_shown(report.to_dict(), rules, limit, 0))
+
+
+def shown_value(value: Any, *, limit: int | None = TEXT_LIMIT) -> Any:
+    """`shown_report` for any other JSON-ish value (the environment table of `nandoctor env`)."""
+    return _shown(value, [], limit, 0)
+
+
+def _shown(value: Any, rules: list[tuple[re.Pattern[str], str]], limit: int | None, depth: int) -> Any:
+    # Made inert before the path rules (an escape inside a path would hide it from them), cut after.
+    if isinstance(value, str):
+        return _cut(_apply(inert(value, None), rules), limit)
+    if isinstance(value, (dict, list, tuple)) and depth >= MAX_NESTING:
+        return f"… (nested more than {MAX_NESTING} levels deep, not shown)"
+    if isinstance(value, dict):
+        # A key is a name, one line: its newlines and tabs become spaces.
+        return {(" ".join(_shown(k, rules, limit, depth).split()) if isinstance(k, str) else k):
+                _shown(v, rules, limit, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_shown(v, rules, limit, depth + 1) for v in value)
+    return value
+
+
+def nesting_exceeds(value: Any, limit: int = MAX_NESTING) -> bool:
+    """Whether lists and dicts in `value` nest more than `limit` levels (checked without recursion, so a
+    hostile file nested 100,000 levels deep is measured, not overflowed)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list, tuple)):
+            if depth >= limit:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def public_paths(value: Any, project: Path | None = None) -> Any:

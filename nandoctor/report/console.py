@@ -2,7 +2,10 @@
 
 One of the three places allowed to write to the terminal (with cli.py and run.py). Every piece of user
 text (layer names, messages, advice) goes in as `rich.text.Text`, never as markup, so a `[` in a
-parameter name cannot break or restyle the output.
+parameter name cannot break or restyle the output. And the report itself first goes through
+`common.shown_report`, since rich passes escape sequences through: a teammate's report cannot clear the
+screen, retitle the window, hide a hyperlink or the cursor, and no string prints more than
+`common.TEXT_LIMIT` characters.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from nandoctor.report.common import (
     fmt_value,
     ordered_stats,
     range_text,
+    shown_report,
+    shown_value,
     sparkline,
     summary_parts,
 )
@@ -40,6 +45,7 @@ SPARK_WIDTH = 60
 
 def render(report: Report, console: Console) -> None:
     """The full report, top to bottom in the order a tired reader needs it."""
+    report = shown_report(report)
     console.print(_headline(report))
     if report.partial:
         console.print(Text("Partial report: the run was interrupted; only what was seen before it stopped "
@@ -62,6 +68,7 @@ def render(report: Report, console: Console) -> None:
 
 def render_verdict_line(report: Report, console: Console) -> None:
     """One line for --quiet: verdict, counts, and where the first fault is."""
+    report = shown_report(report)
     line = Text()
     line.append(report.verdict.value, style=VERDICT_STYLE[report.verdict])
     line.append(": " + ", ".join(summary_parts(report)))
@@ -83,7 +90,7 @@ def render_environment(env: dict[str, Any], console: Console) -> None:
     table = Table(title="nandoctor environment", show_header=True, header_style="bold", title_justify="left")
     table.add_column("item", style="bold", no_wrap=True)
     table.add_column("value", overflow="fold")
-    for key, value in env.items():
+    for key, value in shown_value(env).items():
         table.add_row(Text(str(key)), Text(fmt_value(value, limit=400)))
     console.print(table)
 

@@ -6,13 +6,18 @@ out; the output is byte-stable for a given Report (golden tests rely on it).
 
 Everything that comes from the user (exception messages, layer, parameter and field names, source
 lines, paths) goes through `text`, `code` or `cell`, so no message can open or close a code fence,
-inject HTML, start a heading or swallow a section. Paths are shown relative to the project or with ~.
+inject HTML, start a heading or swallow a section. Before that, every string of the report is made inert
+and cut at `common.TEXT_LIMIT` characters (`common.shown_report`): no escape sequence or control character
+reaches a ticket. Paths are shown relative to the project or with ~. An image is referenced only when its
+path stays inside the report's folder (see `_image_path`).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
+from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import quote
 
@@ -26,17 +31,21 @@ from nandoctor.report.common import (
     fmt_number,
     fmt_value,
     ordered_stats,
-    project_dir,
-    public_paths,
+    shown_report,
     summary_parts,
 )
 
 TIMELINE_ROWS = 30
 
 
-def render(report: Report) -> str:
-    """The whole report as Markdown, ending in a newline."""
-    report = _public(report)
+def render(report: Report, *, report_dir: Path | None = None, markdown_dir: Path | None = None) -> str:
+    """The whole report as Markdown, ending in a newline.
+
+    `report_dir` is the folder of a saved report being re-rendered (`nandoctor report`): its images are
+    then checked against that folder and referenced from `markdown_dir` (where the Markdown goes; the
+    report's folder by default). Without it the report is nandoctor's own, whose plots sit beside it.
+    """
+    report = shown_report(report, public=True)
     out: list[str] = [f"# {report.title}: {VERDICT_TEXT[report.verdict]}", ""]
     if report.partial:
         out += ["> **Partial report.** The run was interrupted before it finished; everything below covers "
@@ -50,18 +59,12 @@ def render(report: Report) -> str:
     out += _advice(report)
     out += _timeline(report)
     out += _fields(report)
-    out += _plots(report)
+    out += _plots(report, report_dir, markdown_dir)
     out += _environment(report)
     out += _reproduce(report)
     while out and out[-1] == "":
         out.pop()
     return "\n".join(out) + "\n"
-
-
-def _public(report: Report) -> Report:
-    """A copy of `report` whose text shows no absolute project or home path."""
-    project = project_dir(report)
-    return Report.from_dict(public_paths(report.to_dict(), project))
 
 
 _SPECIAL = re.compile(r"([\\`*<>#|~]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))")  # intraword _ is inert in GFM
@@ -235,14 +238,42 @@ def _fields(report: Report) -> list[str]:
                                                     for row in rows])
 
 
-def _plots(report: Report) -> list[str]:
+def _plots(report: Report, report_dir: Path | None, markdown_dir: Path | None) -> list[str]:
     plots = report.details.get("plots")
     if not isinstance(plots, dict) or not plots:
         return []
     out = ["## Plots", ""]
     for title, path in plots.items():
-        out += [f"![{text(title)}]({quote(str(path))})", ""]
+        link = _image_path(path, report_dir, markdown_dir)
+        if link is None:
+            out += [f"Plot {text(title)} left out: {code(path)} is not an image file inside the report's "
+                    "folder.", ""]
+        else:
+            out += [f"![{text(title)}]({quote(link)})", ""]
     return out
+
+
+def _image_path(path: Any, report_dir: Path | None, markdown_dir: Path | None) -> str | None:
+    """The link to put in the Markdown for a plot path of the report, or None when it may not be shown.
+
+    A teammate's report could name `../../../../etc/passwd` or `/home/x/.ssh/id_rsa.png`: only a relative
+    path with no `..`, no backslash and no scheme is taken; with `report_dir`, it must also stay inside that
+    folder once symlinks are resolved, and name a file there if anything exists at it. A plot that is
+    missing is kept, as nandoctor's own reports keep it: the link then shows nothing and reveals nothing.
+    """
+    raw = path if isinstance(path, str) else ""
+    parts = PurePosixPath(raw).parts
+    if (not raw.strip() or raw.startswith(("/", "~")) or "\\" in raw or ":" in raw or ".." in parts
+            or not parts):
+        return None
+    if report_dir is None:
+        return raw
+    root = report_dir.resolve()
+    target = (root / raw).resolve()
+    if not target.is_relative_to(root) or (target.exists() and not target.is_file()):
+        return None
+    base = (markdown_dir or report_dir).resolve()
+    return Path(os.path.relpath(target, base)).as_posix()
 
 
 def _environment(report: Report) -> list[str]:
