@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_configs"
 SCRIPT = ROOT / "tests" / "parity" / "plain_train.py"
 LIMIT = 300  # seconds per subprocess; each takes a few seconds on 2 cores
-KEYS = ("step", "phase", "layer", "op", "sample_indices")
+KEYS = ("step", "phase", "layer", "op", "parameter", "sample_indices")
 ENTRIES = ("run", "watch")
 
 # "folder" = folder/config.yaml; "folder/variant" = folder/variant.yaml
