@@ -307,3 +307,33 @@ def test_an_exception_in_the_loop_is_reported_where_it_came_from(tmp_path: Path)
     assert "KeyError" in doctor.report.findings[0].message
     doctor = _crashing_loop(tmp_path / "between", between_at=1)
     assert doctor.report is None and not (tmp_path / "between" / "r").exists()
+
+
+def test_nothing_of_nandoctors_raises_inside_the_users_loop(tmp_path: Path) -> None:
+    """A step_fn that raises when nandoctor replays it, and a report_dir that cannot be written: check()
+    still returns False at the fault (the loop stops as asked) and says why, instead of raising into the loop."""
+    def flaky_step(model: Any, batch: Any) -> Any:  # (the loop trains with _sqrt_step: this runs in replays)
+        raise RuntimeError("a global counter the step did not expect")
+
+    doctor, _, _ = _sqrt_loop(tmp_path, step_fn=flaky_step)
+    ff = fault_of(doctor.report)
+    assert (ff["step"], ff["phase"], ff["layer"]) == (6, "backward", None)  # what the step's numbers say
+    assert "your step_fn raised RuntimeError" in doctor.report.details["replay_failed"]
+    assert "flaky_step" in doctor.report.details["replay_failed"]
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder", encoding="utf-8")
+    paddle.seed(0)
+    model = sample_module("sqrt_at_zero", "model").build_model(in_features=10, dim=8)
+    data = sample_module("sqrt_at_zero", "data").build_loader(batches=20, batch_size=8, bad_batch=6,
+                                                              duplicate_sample=3)
+    opt = paddle.optimizer.Adam(learning_rate=0.003, parameters=model.parameters())
+    with nandoctor.watch(model, opt, step_fn=_sqrt_step, report_dir=blocker / "report") as doctor:
+        for batch in data:
+            loss = _sqrt_step(model, batch)
+            loss.backward()
+            if not doctor.check(loss, batch):
+                break
+            opt.step()
+            opt.clear_grad()
+    assert fault_of(doctor.report)["op"] == "sqrt_grad" and doctor.step == 7

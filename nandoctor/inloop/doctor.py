@@ -306,12 +306,15 @@ class Doctor:
                 try:
                     outcome.fill_report(report, self.watcher, None if peer else fault, self.step,
                                         target=target, optimizer=self.optimizer, start_bad=self.start_bad)
-                except ReplayError as exc:  # the replay could not run: what the step's numbers say
-                    log.warning("nandoctor: the failing step could not be replayed (%s)", exc)
+                except Exception as exc:  # noqa: BLE001 - inside the user's loop nothing of ours may raise
+                    # the replay could not run (step_fn raised, or our replay failed): what the step's numbers say
+                    why = _replay_failure(exc)
+                    log.warning("nandoctor: the failing step could not be replayed: %s", why)
                     report = outcome.new_report(device, self.mode)
                     outcome.fill_report(report, self.watcher, None if peer else fault, self.step,
                                         target=dataclasses.replace(target, replay_loss=None),
                                         optimizer=self.optimizer, start_bad=self.start_bad)
+                    report.details["replay_failed"] = why
                 if rolled is not None:
                     report.details["rollback"] = rolled
                 note_replay_writes(report, changed, "the rollback's replay of the unread steps")
@@ -326,8 +329,13 @@ class Doctor:
         text = outcome.render_text(report)
         (log.error if report.exit_code else log.warning)("nandoctor report\n%s", text)
         if self.report_dir is not None and (self.sync is None or self.sync.writes_report):
-            written = outcome.write_report(report, self.report_dir)
-            log.error("nandoctor: report written to %s", written)
+            try:
+                written = outcome.write_report(report, self.report_dir)
+                log.error("nandoctor: report written to %s", written)
+            except OSError as exc:  # the loop trains on; the report stays in doctor.report
+                log.error("nandoctor: could not write the report to %s (%s); it is in doctor.report, and the "
+                          "report above is the same. Pass a writable report_dir= to nandoctor.watch.",
+                          self.report_dir, exc.strerror or exc)
         if self.sync is not None:
             self.sync.barrier()  # no rank exits (and gets the launcher to kill the others) before rank 0 wrote
 
@@ -386,6 +394,19 @@ def watch(model: Any, optimizer: Any = None, step_fn: Callable[[Any, Any], Any] 
         sync = RankSync()
     return Doctor(model, optimizer, step_fn=step_fn, report_dir=report_dir, on_fault=on_fault, scaler=scaler,
                   fields=fields, fp16=fp16, sync=sync, defer_reads=True)
+
+
+def _replay_failure(exc: BaseException) -> str:
+    """Why a replay failed, and whose it is: the user's step_fn (their file and line) or nandoctor."""
+    from nandoctor.entrypoints import user_origin
+
+    if isinstance(exc, ReplayError):
+        return str(exc)
+    origin = user_origin(exc, None)
+    text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+    if origin:
+        return f"your step_fn raised {text} at {origin} when called again on the failing batch"
+    return f"nandoctor's own replay failed ({text}); this is a nandoctor bug, please report it"
 
 
 def _base_dir(fn: Any, model: Any) -> Path:
