@@ -41,7 +41,8 @@ def _log_step(model: Any, batch: Any) -> Any:
 
 
 def _sqrt_loop(tmp_path: Path, *, on_fault: str = "stop", step_fn: Any = _sqrt_step, accumulate: int = 1,
-               scheduler: bool = False, fail_at: int | None = None) -> tuple[Any, Any, Any]:
+               scheduler: bool = False, fail_at: int | None = None, report_dir: Path | None = None
+               ) -> tuple[Any, Any, Any]:
     paddle.seed(0)
     model = sample_module("sqrt_at_zero", "model").build_model(in_features=10, dim=8)
     data = sample_module("sqrt_at_zero", "data").build_loader(batches=20, batch_size=8, bad_batch=6,
@@ -50,8 +51,8 @@ def _sqrt_loop(tmp_path: Path, *, on_fault: str = "stop", step_fn: Any = _sqrt_s
     if scheduler:
         lr = paddle.optimizer.lr.StepDecay(learning_rate=0.003, step_size=2, gamma=0.5)
     opt = paddle.optimizer.Adam(learning_rate=lr, parameters=model.parameters())
-    doctor = nandoctor.watch(model, opt, step_fn=step_fn, report_dir=tmp_path / "report", on_fault=on_fault,
-                             fields=["a", "b", "target"])
+    doctor = nandoctor.watch(model, opt, step_fn=step_fn, report_dir=report_dir or tmp_path / "report",
+                             on_fault=on_fault, fields=["a", "b", "target"])
     with doctor:
         for i, batch in enumerate(data):
             if fail_at is not None and i == fail_at:
@@ -323,17 +324,5 @@ def test_nothing_of_nandoctors_raises_inside_the_users_loop(tmp_path: Path) -> N
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder", encoding="utf-8")
-    paddle.seed(0)
-    model = sample_module("sqrt_at_zero", "model").build_model(in_features=10, dim=8)
-    data = sample_module("sqrt_at_zero", "data").build_loader(batches=20, batch_size=8, bad_batch=6,
-                                                              duplicate_sample=3)
-    opt = paddle.optimizer.Adam(learning_rate=0.003, parameters=model.parameters())
-    with nandoctor.watch(model, opt, step_fn=_sqrt_step, report_dir=blocker / "report") as doctor:
-        for batch in data:
-            loss = _sqrt_step(model, batch)
-            loss.backward()
-            if not doctor.check(loss, batch):
-                break
-            opt.step()
-            opt.clear_grad()
+    doctor, _, _ = _sqrt_loop(tmp_path, report_dir=blocker / "report")
     assert fault_of(doctor.report)["op"] == "sqrt_grad" and doctor.step == 7
