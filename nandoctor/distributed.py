@@ -34,6 +34,18 @@ def world_size() -> int:
     return int(os.environ.get("PADDLE_TRAINERS_NUM", "1") or 1)
 
 
+def joined_ranks() -> int:
+    """How many processes share the process group the user's own code set up (`init_parallel_env`); 1 when
+    it set up none. Only such a group may carry nandoctor's per-step collective: processes started by the
+    launcher that never joined one would wait on each other's all-reduce until gloo times out."""
+    try:
+        import paddle.distributed as dist
+
+        return int(dist.get_world_size()) if dist.is_initialized() else 1
+    except Exception:  # noqa: BLE001 - no distributed support in this build: one process
+        return 1
+
+
 def rank() -> int:
     try:
         import paddle.distributed as dist

@@ -166,3 +166,17 @@ def test_probe_nproc_shards_a_dataloader_and_finds_nothing_when_healthy(tmp_path
     rc, data = _probe_nproc(tmp_path, "loader", {})
     assert rc == 0 and data["verdict"] == "healthy" and data["first_fault"] is None
     assert len(data["timeline"]) == 8  # 12 batches per rank through DistributedBatchSampler; 8 steps asked
+
+
+def test_watch_starts_no_collective_in_processes_that_joined_no_group(monkeypatch) -> None:
+    """Independent processes under the launcher (PADDLE_TRAINERS_NUM set, no init_parallel_env): a per-step
+    all-reduce of nandoctor's would wait for the other ranks until gloo times out, so there is none."""
+    import paddle
+
+    import nandoctor
+
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "1")
+    model = paddle.nn.Linear(4, 2)
+    with nandoctor.watch(model, paddle.optimizer.SGD(parameters=model.parameters()), report_dir=None) as doctor:
+        assert doctor.sync is None

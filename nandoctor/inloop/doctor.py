@@ -384,13 +384,14 @@ def watch(model: Any, optimizer: Any = None, step_fn: Callable[[Any, Any], Any] 
 
     `step_fn(model, batch) -> loss` (the forward and loss of one step) lets the doctor replay a faulty
     step for its layer, op, parameter, source line and samples. `fields` names the parts of a tuple
-    batch. Under `paddle.distributed.launch` with more than one process (or `distributed=True`), every
-    rank must call `check` every step: the ranks agree on a fault with one collective per step.
+    batch. In a process group the script set up itself (`init_parallel_env`, more than one process; or
+    `distributed=True`), every rank must call `check` every step: the ranks agree on a fault with one
+    collective per step. Processes that joined no group are each watched alone.
     """
-    from nandoctor.distributed import RankSync, world_size
+    from nandoctor.distributed import RankSync, joined_ranks
 
     sync = None
-    if distributed or (distributed is None and world_size() > 1):
+    if distributed or (distributed is None and joined_ranks() > 1):
         sync = RankSync()
     return Doctor(model, optimizer, step_fn=step_fn, report_dir=report_dir, on_fault=on_fault, scaler=scaler,
                   fields=fields, fp16=fp16, sync=sync, defer_reads=True)

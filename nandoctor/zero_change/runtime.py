@@ -370,9 +370,9 @@ def mark(config: dict[str, Any], what: str) -> None:
 
 
 def _sync() -> Any:
-    from nandoctor.distributed import RankSync, world_size
+    from nandoctor.distributed import RankSync, joined_ranks
 
-    return RankSync() if world_size() > 1 else None
+    return RankSync() if joined_ranks() > 1 else None
 
 
 SESSION: Session | None = None
