@@ -80,7 +80,12 @@ def diagnose(report: Report, fault: Fault | None, target: StepTarget, optimizer:
         if fault.fields is not None:  # the step already ran: the batch for --bundle, but no pre-step state
             capture(report, fault.fields, step=fault.step, batch_index=fault.batch_index)
     elif kind == FaultKind.LOSS:
-        report.findings.append(loss_finding(fault, target.loss_source))
+        finding = loss_finding(fault, target.loss_source)
+        if target.mode != Mode.PROBE and fault.code == Code.LOSS_NO_GRAD and fault.phase == Phase.BACKWARD:
+            # in a user's own loop the same picture comes from checking before backward() ran
+            finding.message += (" If your loop calls check() before loss.backward(), move it after: no gradient "
+                                "exists yet at that point.")
+        report.findings.append(finding)
         report.crashed = True  # training cannot go on with such a loss
         faults.set_first(report, Location(step=fault.step, phase=fault.phase, batch_index=fault.batch_index))
     elif kind == FaultKind.CRASH:
