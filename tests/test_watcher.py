@@ -308,3 +308,34 @@ def test_loss_that_is_not_a_tensor_names_the_step_and_what_to_return(tmp_path):
     assert "step.entry" in f.message and "step_float" in f.message and "is a float" in f.message
     assert ".item()" in f.message and f.location.phase == Phase.LOSS and f.location.step == 0
     assert report.verdict.value == "crashed" and report.exit_code == 1
+
+
+def test_a_long_run_keeps_bounded_records_and_every_recent_step(monkeypatch) -> None:
+    """Memory constant per step: over many steps the records are thinned (old ones every 2nd, 4th ... step,
+    their per-tensor arrays on every 8th), the recent ones kept in full; the report says so."""
+    import nandoctor
+    from nandoctor.probe import watcher as watcher_module
+
+    monkeypatch.setattr(watcher_module, "MAX_RECORDS", 64)
+    monkeypatch.setattr(watcher_module, "RECENT_STEPS", 16)
+    paddle.seed(0)
+    model = paddle.nn.Linear(4, 1)
+    opt = paddle.optimizer.SGD(learning_rate=0.01, parameters=model.parameters())
+    steps = 500
+    with nandoctor.watch(model, opt, report_dir=None) as doctor:
+        for _ in range(steps):
+            loss = (model(paddle.randn([8, 4])) ** 2).mean()
+            loss.backward()
+            assert doctor.check(loss)
+            opt.step()
+            opt.clear_grad()
+        records = doctor.watcher.records
+        assert len(records) <= 64 and len(doctor.watcher.stats_every) <= 64
+        assert [r.step for r in records[-16:]] == list(range(steps - 16, steps))  # the recent steps, all
+        steps_kept = [r.step for r in records]
+        assert steps_kept == sorted(steps_kept) and steps_kept[0] == 0
+        with_arrays = [r.step for r in records if r.grad_sq is not None]
+        assert len(with_arrays) < len(records) - 16  # the thinned part lost most of its per-tensor arrays
+    report = doctor.summary()
+    assert report.details["timeline_thinned"]["steps_run"] == steps
+    assert len(report.timeline) == len(records)

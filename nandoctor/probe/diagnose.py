@@ -22,7 +22,7 @@ from nandoctor.findings import Code, Finding, Location, Mode, Phase, Report, Sev
 from nandoctor.probe import faults
 from nandoctor.probe.crash import CrashContext, crash_findings
 from nandoctor.probe.trainability import loss_finding
-from nandoctor.probe.watcher import Fault, FaultKind
+from nandoctor.probe.watcher import RECENT_STEPS, Fault, FaultKind
 from nandoctor.sandbox import redirected
 
 __all__ = ["LossCodeFault", "StepTarget", "diagnose", "note_replay_writes", "record_run"]
@@ -183,6 +183,9 @@ def record_run(report: Report, records: list[Any], monitor: Any, *, steps_run: i
                                      skipped=r.skipped, lr=r.lr) for r in records]
     report.details["steps_run"] = steps_run
     report.details["epochs"] = epochs
+    if len(records) < steps_run:  # a long run's older steps were thinned (watcher._record): say so
+        report.details["timeline_thinned"] = {"steps_kept": len(records), "steps_run": steps_run,
+                                              "recent_in_full": min(steps_run, RECENT_STEPS)}
     report.run["steps_run"] = steps_run
     if stats_every:
         report.details["stats_every"] = stats_every[-1]

@@ -32,6 +32,9 @@ from nandoctor.probe.monitors import StepMonitor, StepStats
 # ring (~1% of a 16 ms step) are not in the measured share, and the stats fill whatever is left (with
 # steps of the probe and of a plain loop taken in turn, 3% put a 4-layer Transformer at 1.04x a step).
 _TOTAL_BUDGET = 0.02
+# A long run's records (the timeline): the most kept, and how many recent steps are always kept in full
+MAX_RECORDS = 4096
+RECENT_STEPS = 1024
 _MIN_STATS_BUDGET = 0.0025
 
 
@@ -148,6 +151,7 @@ class StepWatcher:
         self.tracker = WarningTracker(self.monitor.layer_names, self.monitor.param_names, fp16=fp16, amp=amp,
                                       learning_rate=current_lr(optimizer))
         self.records: list[StepRecord] = []
+        self.thinned = False  # old records were thinned out (`_record`): the timeline has gaps there
         self.stats_every: list[int] = []
         # updates since the parameters were last seen finite: (step, batch_index, epoch, grad_norm, fields)
         self.history: list[tuple[int, int | None, int, float | None, Any]] = []
@@ -247,6 +251,9 @@ class StepWatcher:
                     return fault
             else:
                 self.history = []
+                # the parameters are finite: no earlier unread step can be an update fault's cause any more
+                # (and the set stays small over a long run)
+                self.unread = {u for u in self.unread if u >= step}
         lr = current_lr(self.optimizer)
         record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, st.loss_scale, lr=lr)
         skipped = scaler is not None and math.isfinite(st.loss) and not st.grads_finite
@@ -263,12 +270,29 @@ class StepWatcher:
                 fault = self._update_fault(step, latest=True) if self.history else None
                 if fault is not None:
                     return fault
-                self.records.append(record)
+                self._record(record)
                 return self._fault(FaultKind.NONFINITE, rng=self._rng, stats=st)
-        self.records.append(record)
+        self._record(record)
         self.schedule.alert = bool(self.tracker.update(record))
         self._last_norm = st.grad_norm
         return None
+
+    def _record(self, record: StepRecord) -> None:
+        """Keep the step's record, in memory that stays bounded over any run length: the last RECENT_STEPS in
+        full; older ones thinned by half whenever more than MAX_RECORDS are kept (so an old stretch keeps
+        every 2nd, 4th, ... step), and their per-tensor arrays kept on every 8th only. Warnings and causes
+        read the recent steps; the report's matrices show ~200 columns anyway."""
+        records = self.records
+        records.append(record)
+        if len(records) <= MAX_RECORDS:
+            return
+        older, recent = records[:-RECENT_STEPS], records[-RECENT_STEPS:]
+        kept = older[::2]
+        for i, r in enumerate(kept):
+            if i % 8 and (r.grad_sq is not None or r.act_max is not None):
+                kept[i] = StepRecord(r.step, r.loss, r.grad_norm, None, None, r.loss_scale, r.skipped, r.lr)
+        self.records = kept + recent
+        self.thinned = True
 
     def after_update(self, stepped: bool = True) -> None:
         """The step is over (`stepped`: the optimizer did update): timing, next schedule, parameter check."""
@@ -289,6 +313,8 @@ class StepWatcher:
                 history[-1] = (s, b, e, n, None)
             history.append((step, self._batch_index, self._epoch, self._last_norm, self._fields))
         self.stats_every.append(self.schedule.k)
+        if len(self.stats_every) > 64:  # only the latest is read: a long run must not grow a list per step
+            del self.stats_every[:-1]
 
     def finish(self) -> Fault | None:
         """After the last step: the last update, checked once more (one extra sync per run)."""
