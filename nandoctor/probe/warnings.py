@@ -24,6 +24,10 @@ _EXPLODE_RATIO = 100.0  # a norm this many times its early level is an explosion
 _ALERT_RATIO = 10.0  # from here on, collect per-layer stats every step
 
 
+# Steps of norms and learning rates kept besides the early ones: a growth is walked back at most this far
+_KEPT_STEPS = 4096
+
+
 class WarningTracker:
     """Fed one StepRecord per healthy step; `findings()` gives the warnings once the run is over."""
 
@@ -58,6 +62,9 @@ class WarningTracker:
         self.lrs[record.step] = record.lr  # the watcher records the scheduler's value
         if record.grad_norm is not None and math.isfinite(record.grad_norm):
             self.norms.append((record.step, record.grad_norm))
+        if len(self.lrs) > 2 * _KEPT_STEPS:  # a long run: the early steps and the recent ones are what is read
+            self.lrs = dict(list(self.lrs.items())[-_KEPT_STEPS:])
+            del self.norms[_EARLY_STEPS:max(_EARLY_STEPS, len(self.norms) - _KEPT_STEPS)]
             early = self.early_level()
             if early is not None and early > 0:
                 ratio = record.grad_norm / early
