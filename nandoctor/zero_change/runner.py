@@ -57,8 +57,9 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
         returncode, stopped_by = script.wait()
         if not result.is_file():
             if stopped_by is not None:
-                _stderr().print(f"nandoctor run: {_signal_name(stopped_by)} stopped the script before nandoctor "
-                                "saw a training step; no report.", markup=False)
+                _stderr().print(f"nandoctor run: {_signal_name(stopped_by)} stopped the script before it wrote a "
+                                "report (before its first training step, or a library it imports had taken over "
+                                "the signal); no report.", markup=False)
                 return 128 + stopped_by
             if returncode is not None and returncode < 0:
                 return _killed(-returncode)
