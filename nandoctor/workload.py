@@ -78,7 +78,7 @@ class Workload:
         spec = self.spec
         return StepTarget(model=self.model, replay_loss=self.compute_loss, base_dir=spec.base_dir, mode=Mode.PROBE,
                           loss_source=loss_source(spec, self.uses_step), data_source=f"data.entry {spec.data.entry}",
-                          uses_step=self.uses_step, label_name=self.layout.label_name,
+                          label_name=self.layout.label_name,
                           label_bounds=spec.checks.label_bounds())
 
 

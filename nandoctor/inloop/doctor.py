@@ -235,7 +235,6 @@ class Doctor:
             return None
         from nandoctor.findings import Phase
         from nandoctor.probe.crash import in_backward, in_data_loading, label_in_traceback
-        from nandoctor.probe.watcher import Fault
 
         if self._checked:
             phase = Phase.OPTIMIZER  # checked, not yet updated: the optimizer's step raised
@@ -347,7 +346,7 @@ class Doctor:
         what = "step_fn" if self.step_fn is not None and self.mode != Mode.RUN else "your loss code"
         data = "your script's data loading" if self.mode == Mode.RUN else "the loop's batches"
         return StepTarget(model=self.model, replay_loss=replay_loss, base_dir=_base_dir(self.step_fn, self.model),
-                          mode=self.mode, loss_source=what, data_source=data, uses_step=True,
+                          mode=self.mode, loss_source=what, data_source=data,
                           label_name=lambda fields: "label" if "label" in fields else None,
                           loss_code_fault=self.loss_code_fault)
 

@@ -8,10 +8,14 @@ says which batch and samples to fix, because "IndexError in cross_entropy.cc:65"
 
 from __future__ import annotations
 
+import inspect
 import re
+import sys
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -39,59 +43,53 @@ class CrashContext:
 _LOADING = {"__next__", "__getitem__", "__getitems__", "__iter__", "_next_data", "fetch"}
 
 
+def _frames(exc: BaseException) -> Iterator[FrameType]:
+    """The frames the exception passed through, outermost first."""
+    tb = exc.__traceback__
+    while tb is not None:
+        yield tb.tb_frame
+        tb = tb.tb_next
+
+
 def in_data_loading(exc: BaseException) -> bool:
     """Whether the exception came out of making a batch: a generator, a dataset's `__getitem__`, an
     iterator's `__next__`, or Paddle's DataLoader (paddle/io)."""
-    import inspect
-
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
+    for frame in _frames(exc):
+        code = frame.f_code
         path = code.co_filename.replace("\\", "/")
         if (code.co_flags & inspect.CO_GENERATOR or code.co_name in _LOADING or "/paddle/io/" in path
                 or "/paddle/fluid/dataloader/" in path):
             return True
-        tb = tb.tb_next
     return False
 
 
 def in_backward(exc: BaseException) -> bool:
     """Whether the exception came out of a `Tensor.backward()` call (Paddle's own frame on the traceback)."""
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_name == "backward" and "paddle" in code.co_filename.replace("\\", "/"):
-            return True
-        tb = tb.tb_next
-    return False
+    return any(frame.f_code.co_name == "backward" and "paddle" in frame.f_code.co_filename.replace("\\", "/")
+               for frame in _frames(exc))
 
 
 def label_in_traceback(exc: BaseException) -> Any:
     """The `label` tensor of the Paddle loss function the exception came out of (F.cross_entropy raises on
     an out-of-range label there), else None: a user's own loop may name its label anything, Paddle does not."""
-    import sys
-
     paddle = sys.modules.get("paddle")
-    tb = exc.__traceback__
+    if paddle is None:
+        return None
     found = None
-    while tb is not None and paddle is not None:
-        frame = tb.tb_frame
+    for frame in _frames(exc):
         value = frame.f_locals.get("label")
         if isinstance(value, paddle.Tensor) and "paddle" in frame.f_code.co_filename:
             found = value
-        tb = tb.tb_next
     return found
 
 
 def innermost_layer(exc: BaseException, layer_ids: dict[int, str]) -> str | None:
     """The dotted name of the deepest model sublayer whose method is on the traceback, via `self`."""
     found = None
-    tb = exc.__traceback__
-    while tb is not None:
-        obj = tb.tb_frame.f_locals.get("self")
+    for frame in _frames(exc):
+        obj = frame.f_locals.get("self")
         if obj is not None and id(obj) in layer_ids:
             found = layer_ids[id(obj)]
-        tb = tb.tb_next
     return found
 
 

@@ -58,7 +58,6 @@ class StepTarget:
     mode: Mode = Mode.PROBE
     loss_source: str = "the loss"  # how a message names the loss's code ("loss.entry losses.py:bce")
     data_source: str = "your data"
-    uses_step: bool = False
     label_name: Callable[[dict[str, Any]], str | None] = field(default=lambda fields: None)
     label_bounds: tuple[float, float] | None = None
     # Before any replay: a fault that began in loss code no replay can reach (`nandoctor run`), else None
@@ -92,20 +91,18 @@ def diagnose(report: Report, fault: Fault | None, target: StepTarget, optimizer:
         _crash(report, fault, target)
     else:
         outside = target.loss_code_fault(fault) if target.loss_code_fault is not None else None
-        if outside is not None:
-            faults.loss_code_fault(report, fault, outside, target.mode.value)
-            if fault.fields:
-                capture(report, fault.fields, step=fault.step, batch_index=fault.batch_index, model=model,
-                        rng=fault.rng)
-        elif target.replay_loss is None:
-            faults.detection_only(report, fault, model, target.mode.value)
-            if fault.fields:
-                capture(report, fault.fields, step=fault.step, batch_index=fault.batch_index, model=model,
-                        rng=fault.rng)
-        else:
+        if outside is None and target.replay_loss is not None:
             with redirected(target.base_dir) as changed:  # a replay's writes never land on the user's files
                 _localise(report, fault, target)
             note_replay_writes(report, changed, f"the replays of step {fault.step}")
+            return
+        if outside is not None:
+            faults.loss_code_fault(report, fault, outside, target.mode.value)
+        else:
+            faults.detection_only(report, fault, model, target.mode.value)
+        if fault.fields:
+            capture(report, fault.fields, step=fault.step, batch_index=fault.batch_index, model=model,
+                    rng=fault.rng)
 
 
 def note_replay_writes(report: Report, changed: list[str], what: str) -> None:

@@ -6,6 +6,7 @@ advice text itself comes from `nandoctor.advice`.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from nandoctor.advice import advice_for
@@ -179,8 +180,6 @@ _REPLAY_HOW = {
 def detection_only(report: Report, fault: Fault, model: Any, mode: str) -> None:
     """No replay: what the step's numbers say (loss or gradient, the first parameter whose gradient is
     non-finite), and how this way in gets the rest."""
-    import math
-
     import paddle
 
     from nandoctor.probe.monitors import float_dtypes
@@ -207,8 +206,6 @@ def detection_only(report: Report, fault: Fault, model: Any, mode: str) -> None:
 def loss_code_fault(report: Report, fault: Fault, outside: Any, mode: str) -> None:
     """A fault that began in the user's loss code, outside the model (`diagnose.LossCodeFault`): its phase,
     its samples from the rows of the gradient at the model's output, and its op where a pass saw it."""
-    import math
-
     st = fault.stats
     phase = outside.phase
     code = Code.LOSS_NONFINITE if phase == Phase.LOSS else Code.GRAD_NONFINITE

@@ -66,7 +66,8 @@ class ProbeLoop:
     def __init__(self, workload: Workload, engine: StepEngine, steps: int, progress: Any, *, fp16: bool = False,
                  amp: bool = False, start_nonfinite: list[str] | None = None) -> None:
         self.w = workload
-        # One optimizer step per `accumulate` batches; a probe step stays one batch, so steps name batches.
+        # Each of the user's calls inside the engine's step goes through `_user`, the loop's boundary. One
+        # optimizer step per `accumulate` batches; a probe step stays one batch, so steps name batches.
         self.engine = engine.with_boundary(_user)
         self.opt = engine.optimizer
         self.steps = steps

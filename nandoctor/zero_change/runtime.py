@@ -133,36 +133,56 @@ class Session:
 
     # ---- finding the model and the loss ------------------------------------------------------------------
     def _attach(self, optimizer: Any) -> bool:
-        from nandoctor.findings import Mode
-        from nandoctor.inloop.doctor import Doctor
-
+        """The first update: the model is the outermost layer whose parameters the optimizer trains."""
         trained = {id(p) for p in optimizer_params(optimizer)}
-        best, best_n = None, 0
-        for root in self.roots:
-            n = sum(1 for p in root.layer.parameters() if id(p) in trained)
-            if n > best_n:
-                best, best_n = root, n
+        best = self._model_call(lambda layer: sum(1 for p in layer.parameters() if id(p) in trained))
         if best is None:
             return False
-        self.model = best.layer
-        self._record(best.args, best.kwargs)
-        self.output, self.grads = best.output, best.grads
-        self.optimizer = optimizer
-        for root in self.roots:
-            if root.layer is not self.model and root.args and root.args[0] is self.output:
-                self.loss_layer, self.labels = root.layer, tuple(root.args[1:])
-        self.roots = []
-        self._switch_to_hooks()
-        mark(self.config, "watched")
         report_dir = self.config.get("report_dir")
         sync = _sync()
         if sync is not None and report_dir is None:  # ranks merge through files: a folder beside the result
             report_dir = str(Path(self.config["result"]).with_name("ranks"))
+        self._watch(best, optimizer, report_dir, sync)
+        self._switch_to_hooks()
+        mark(self.config, "watched")
+        return True
+
+    def _attach_without_update(self) -> bool:
+        """The script dies before its first update: the model is the outermost layer with most parameters
+        (no collective: the other ranks are not checking with this one)."""
+        best = self._model_call(lambda layer: len(list(layer.parameters())))
+        if best is None:
+            return False
+        self._watch(best, None, self.config.get("report_dir"), None)
+        return True
+
+    def _model_call(self, score: Any) -> _Call | None:
+        """The outermost call since the last step whose layer scores highest (above 0), and the loss layer
+        called on its output."""
+        best, best_n = None, 0
+        for root in self.roots:
+            n = score(root.layer)
+            if n > best_n:
+                best, best_n = root, n
+        if best is not None:
+            for root in self.roots:
+                if root.layer is not best.layer and root.args and root.args[0] is best.output:
+                    self.loss_layer, self.labels = root.layer, tuple(root.args[1:])
+        return best
+
+    def _watch(self, best: _Call, optimizer: Any, report_dir: str | None, sync: Any) -> None:
+        """The Doctor on the model found, with step 0 (which ran before it was known) open from its RNG."""
+        from nandoctor.findings import Mode
+        from nandoctor.inloop.doctor import Doctor
+
+        self.model, self.optimizer = best.layer, optimizer
+        self._record(best.args, best.kwargs)
+        self.output, self.grads = best.output, best.grads
+        self.roots = []
         self.doctor = Doctor(self.model, optimizer, step_fn=self._replay, report_dir=report_dir,
                              on_fault=self._on_fault(), wrap_step=False, sync=sync, mode=Mode.RUN)
         self.doctor.loss_code_fault = self._loss_code_fault
-        self.doctor.open_step(best.rng)  # step 0 ran before the model was known: replay it from its RNG
-        return True
+        self.doctor.open_step(best.rng)
 
     def _record(self, args: tuple, kwargs: dict) -> None:
         """A model call's inputs: positional ones named after forward's parameters, keyword ones by keyword."""
@@ -311,23 +331,6 @@ class Session:
         if report is not None:
             self.done = True
             write_result(self.config, report)
-
-    def _attach_without_update(self) -> bool:
-        roots = [r for r in self.roots if list(r.layer.parameters())]
-        if not roots:
-            return False
-        best = max(roots, key=lambda r: len(list(r.layer.parameters())))
-        from nandoctor.findings import Mode
-        from nandoctor.inloop.doctor import Doctor
-
-        self.model = best.layer
-        self._record(best.args, best.kwargs)
-        self.output, self.grads = best.output, best.grads
-        self.roots = []
-        self.doctor = Doctor(self.model, None, step_fn=self._replay, report_dir=self.config.get("report_dir"),
-                             on_fault=self._on_fault(), wrap_step=False, mode=Mode.RUN)
-        self.doctor.open_step(best.rng)
-        return True
 
     # ---- the end -------------------------------------------------------------------------------------
     def _on_fault(self) -> str:
