@@ -154,14 +154,7 @@ class NanDoctorCallback(paddle.callbacks.Callback):
         if doctor is None:
             return
         batch = self._flat()
-        fields = to_fields(batch, doctor.names)[0] if batch is not None else None
-        try:
-            doctor.crashed(exc, fields)
-        except Exception as ours:  # noqa: BLE001 - never replace the user's exception with ours
-            import logging
-
-            logging.getLogger("nandoctor").error("nandoctor: could not report the exception (%s: %s); please "
-                                                 "report this as a nandoctor bug", type(ours).__name__, ours)
+        doctor.crashed(exc, to_fields(batch, doctor.names)[0] if batch is not None else None)
 
     def _finish(self) -> None:
         """Undo the patches and close the doctor (which removes its hook); safe to call twice."""

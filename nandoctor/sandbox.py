@@ -48,8 +48,10 @@ def redirect_writes(mirror: Path, exempt: Path) -> Callable[[], None]:
     """From now on in this process, Python-level writes go to `mirror` instead of the user's files
     (writes under `exempt`, nandoctor's own folder for the pass's answer, go where they are meant to).
     Returns the function that puts the real ones back."""
-    real_open, real_os_open = builtins.open, os.open
-    real = {name: getattr(os, name) for name in ("remove", "replace", "mkdir")}
+    # the originals: what the replacements call, and what `undo` puts back
+    real = {name: getattr(os, name) for name in ("open", "remove", "unlink", "rename", "replace", "mkdir",
+                                                 "makedirs", "rmdir")}
+    real_open, real_io_open = builtins.open, io.open
     own = str(exempt.resolve())
 
     def make_dirs(path: str) -> None:
@@ -97,10 +99,10 @@ def redirect_writes(mirror: Path, exempt: Path) -> Callable[[], None]:
 
     def sandboxed_os_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
         if kwargs.get("dir_fd") is None and flags & _WRITE_FLAGS:
-            return real_os_open(prepare(path, keep=not flags & os.O_TRUNC), flags, *args, **kwargs)
+            return real["open"](prepare(path, keep=not flags & os.O_TRUNC), flags, *args, **kwargs)
         if kwargs.get("dir_fd") is None:
             path = read_path(path)
-        return real_os_open(path, flags, *args, **kwargs)
+        return real["open"](path, flags, *args, **kwargs)
 
     def remove(path: Any, *args: Any, **kwargs: Any) -> None:
         target = mirrored(path)
@@ -130,9 +132,6 @@ def redirect_writes(mirror: Path, exempt: Path) -> Callable[[], None]:
     def rmdir(path: Any, *args: Any, **kwargs: Any) -> None:
         return None
 
-    names = ("open", "remove", "unlink", "rename", "replace", "mkdir", "makedirs", "rmdir")
-    saved_os = {name: getattr(os, name) for name in names}
-    saved_open, saved_io_open = builtins.open, io.open
     builtins.open = sandboxed_open
     io.open = sandboxed_open
     os.open = sandboxed_os_open
@@ -143,8 +142,8 @@ def redirect_writes(mirror: Path, exempt: Path) -> Callable[[], None]:
     os.rmdir = rmdir
 
     def undo() -> None:
-        builtins.open, io.open = saved_open, saved_io_open
-        for name, fn in saved_os.items():
+        builtins.open, io.open = real_open, real_io_open
+        for name, fn in real.items():
             setattr(os, name, fn)
 
     return undo

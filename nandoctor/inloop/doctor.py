@@ -230,9 +230,18 @@ class Doctor:
     def crashed(self, exc: BaseException, fields: dict[str, Any] | None = None) -> Report | None:
         """The user's code raised in the loop (their loader, forward, loss, backward or update): the report
         names the step, the phase and the layer the exception came out of, as the probe's does, and is
-        written; `fields` is the step's batch where known (`{}`: unknown). None once a fault was reported."""
+        written; `fields` is the step's batch where known (`{}`: unknown). None once a fault was reported.
+        Called while the user's exception propagates: a failure of ours is logged, never raised instead."""
         if self._closed or self.fault is not None or isinstance(exc, NonFiniteError):
             return None
+        try:
+            return self._crashed(exc, fields)
+        except Exception as ours:  # noqa: BLE001 - never replace the user's exception with ours
+            log.error("nandoctor: could not report the exception (%s: %s); please report this as a nandoctor bug",
+                      type(ours).__name__, ours)
+            return None
+
+    def _crashed(self, exc: BaseException, fields: dict[str, Any] | None) -> Report | None:
         from nandoctor.findings import Phase
         from nandoctor.probe.crash import in_backward, in_data_loading, label_in_traceback
 
@@ -250,8 +259,8 @@ class Doctor:
             if not fields:  # the batch is given only to check(): the model's inputs of this step stand in
                 fields = {f"input{i}": t for i, t in enumerate(self._inputs or ())}
             label = label_in_traceback(exc)
-            if label is not None and "label" not in (fields or {}):
-                fields = {**(fields or {}), "label": label}  # the label a functional loss raised on
+            if label is not None and "label" not in fields:
+                fields = {**fields, "label": label}  # the label a functional loss raised on
         self.fault = Fault(FaultKind.CRASH, self.step, self.step, 0, fields, exc=exc, phase=phase)
         self._report(self.fault, lambda f: None)
         return self.report
@@ -275,11 +284,7 @@ class Doctor:
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         if isinstance(exc, Exception):  # the user's loop raised: their error is the finding (it still propagates)
-            try:
-                self.crashed(exc, {})
-            except Exception as ours:  # noqa: BLE001 - never replace the user's exception with ours
-                log.error("nandoctor: could not report the exception (%s: %s); please report this as a nandoctor "
-                          "bug", type(ours).__name__, ours)
+            self.crashed(exc, {})
         self.close()
 
     # ---- helpers ------------------------------------------------------------------------------------

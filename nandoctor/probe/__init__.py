@@ -23,12 +23,11 @@ from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity
 from nandoctor.interrupt import interrupted_finding, reassert
 from nandoctor.probe import causes, faults
 from nandoctor.probe.crash import CrashContext, crash_findings
-from nandoctor.probe.diagnose import diagnose, note_replay_writes, record_run
+from nandoctor.probe.diagnose import diagnose, record_run, replaying
 from nandoctor.probe.loop import LoopResult, ProbeLoop
 from nandoctor.probe.trainability import no_trainable_finding
 from nandoctor.probe.watcher import current_lr, trainable_names
 from nandoctor.progress import ProgressFn, no_progress
-from nandoctor.sandbox import redirected
 from nandoctor.spec import Spec
 from nandoctor.training import StepEngine
 from nandoctor.workload import build_optimizer, build_workload
@@ -130,9 +129,8 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
             from nandoctor.probe import rollback
 
             if rollback.needs_rollback(res.fault, loop.snapshots):
-                with redirected(spec.base_dir) as changed:  # the replayed steps' writes stay off the user's files
+                with replaying(report, spec.base_dir, "the rollback's replay of the unread steps"):
                     report.details["rollback"] = rollback.rollback(res, workload, optimizer, loop.snapshots)
-                note_replay_writes(report, changed, "the rollback's replay of the unread steps")
         record_run(report, res.records, loop.monitor, steps_run=res.steps_run, epochs=res.epochs,
                    stats_every=res.stats_every)
         diagnose(report, res.fault, workload.target(), optimizer)
@@ -166,10 +164,9 @@ def _remedies(report: Report, res: LoopResult, workload: Any, optimizer: Any, lo
     loop.close()
     _disable_checker()
     try:
-        with redirected(workload.spec.base_dir) as changed:  # the replayed steps' writes stay off the user's files
+        with replaying(report, workload.spec.base_dir, "the remedy replays"):
             try_remedies(report, res, workload, optimizer, loop.snapshots, fix_steps=options.fix_steps,
                          probe_seconds=probe_seconds, amp=workload.spec.amp.enabled, device=device)
-        note_replay_writes(report, changed, "the remedy replays")
     except Exception as exc:  # noqa: BLE001 - a bug in our replays must not cost the user the diagnosis
         report.remedies = []
         report.details["remedies"] = {"error": f"nandoctor's own remedy replay failed (a nandoctor bug, not "

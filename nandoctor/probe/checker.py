@@ -6,9 +6,19 @@ span at a time (one layer call, the loss, a backward pass) and the flags it sets
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
+
+_OP_RE = re.compile(r"op=([A-Za-z0-9_]+)")
+
+
+def aborted_op(exc: BaseException) -> str | None:
+    """The op type the checker's abort names ("... in [device=cpu, op=log, ...]"), None for any other error."""
+    m = _OP_RE.search(str(exc))
+    return m.group(1) if m else None
+
 
 FLAGS = ("FLAGS_check_nan_inf", "FLAGS_check_nan_inf_level", "FLAGS_call_stack_level", "FLAGS_cudnn_deterministic")
 

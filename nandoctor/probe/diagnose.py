@@ -9,7 +9,9 @@ makes its target in `Workload.target()`, an in-loop watch from the user's `step_
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -25,7 +27,7 @@ from nandoctor.probe.trainability import loss_finding
 from nandoctor.probe.watcher import RECENT_STEPS, Fault, FaultKind
 from nandoctor.sandbox import redirected
 
-__all__ = ["LossCodeFault", "StepTarget", "diagnose", "note_replay_writes", "record_run"]
+__all__ = ["LossCodeFault", "StepTarget", "diagnose", "note_replay_writes", "record_run", "replaying"]
 
 _MAX_ROWS = 64
 _MAX_COLS = 200
@@ -92,9 +94,8 @@ def diagnose(report: Report, fault: Fault | None, target: StepTarget, optimizer:
     else:
         outside = target.loss_code_fault(fault) if target.loss_code_fault is not None else None
         if outside is None and target.replay_loss is not None:
-            with redirected(target.base_dir) as changed:  # a replay's writes never land on the user's files
+            with replaying(report, target.base_dir, f"the replays of step {fault.step}"):
                 _localise(report, fault, target)
-            note_replay_writes(report, changed, f"the replays of step {fault.step}")
             return
         if outside is not None:
             faults.loss_code_fault(report, fault, outside, target.mode.value)
@@ -103,6 +104,15 @@ def diagnose(report: Report, fault: Fault | None, target: StepTarget, optimizer:
         if fault.fields:
             capture(report, fault.fields, step=fault.step, batch_index=fault.batch_index, model=model,
                     rng=fault.rng)
+
+
+@contextlib.contextmanager
+def replaying(report: Report, folder: Path, what: str) -> Iterator[None]:
+    """The block re-runs the user's code (`what`): its writes go to a private folder (sandbox.py), and the
+    files of `folder` that changed all the same are named in the report afterwards."""
+    with redirected(folder) as changed:
+        yield
+    note_replay_writes(report, changed, what)
 
 
 def note_replay_writes(report: Report, changed: list[str], what: str) -> None:

@@ -18,7 +18,6 @@ statistics), RNG states, device and flags back when it is restored, so nothing t
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,11 +26,10 @@ import numpy as np
 from nandoctor.findings import Phase
 from nandoctor.probe import frames, origin
 from nandoctor.probe.checker import FLAGS as _FLAGS
-from nandoctor.probe.checker import enable_checker, get_flags
+from nandoctor.probe.checker import aborted_op, enable_checker, get_flags
 from nandoctor.probe.monitors import float_dtypes
 from nandoctor.probe.native import capture_native_output, user_frame
 
-_OP_RE = re.compile(r"op=([A-Za-z0-9_]+)")
 _enable_checker = enable_checker  # the name it had here before checker.py
 
 
@@ -197,10 +195,9 @@ class Replayer:
                 with capture_native_output() as native:
                     loss.backward()
             except Exception as exc:  # noqa: BLE001
-                m = _OP_RE.search(str(exc))
-                if not m:
+                op = aborted_op(exc)
+                if op is None:
                     raise
-                op = m.group(1)
                 self.source = user_frame(native.text, self.w.base_dir)
                 layers = frames.layers_on_stack(frames.printed_frames(native.text), self.sublayers, sites)
         finally:

@@ -48,7 +48,7 @@ def inspect(model: Any, optimizer: Any, names: list[str]) -> list[BadParam]:
     """The facts for each non-finite state-dict entry in `names` (from monitors.param_nonfinite)."""
     own = owners(model)
     params = dict(model.named_parameters())
-    trained = {id(p) for p in _optimizer_params(optimizer)}
+    trained = {id(p) for p in optimizer_params(optimizer)}
     layers = dict(model.named_sublayers(include_self=True))
     state = model.state_dict()
     out = []
@@ -74,7 +74,7 @@ def inspect(model: Any, optimizer: Any, names: list[str]) -> list[BadParam]:
     return out
 
 
-def _optimizer_params(optimizer: Any) -> list[Any]:
+def optimizer_params(optimizer: Any) -> list[Any]:
     """The parameters the optimizer updates; param groups ([{'params': [...]}, ...]) flattened."""
     out: list[Any] = []
     for item in getattr(optimizer, "_parameter_list", None) or []:

@@ -1,6 +1,6 @@
 """What `nandoctor run` records of the model it finds in a user's script: the float tensors of its output
 (a tensor, tuple, dict or output object), the gradients that come back to them, the names of its
-positional inputs and the batch size; and the parameters an optimizer trains. No state: runtime.py keeps it.
+positional inputs and the batch size. No state: runtime.py keeps it.
 """
 
 from __future__ import annotations
@@ -42,17 +42,6 @@ def keep_grads(out: Any, into: dict[int, Any]) -> None:
                 into[_i] = grad.detach()
 
             leaf.register_hook(keep)
-
-
-def optimizer_params(optimizer: Any) -> list[Any]:
-    params = getattr(optimizer, "_parameter_list", None) or []
-    out = []
-    for p in params:
-        if isinstance(p, dict):  # parameter groups
-            out += list(p.get("params", []))
-        else:
-            out.append(p)
-    return out
 
 
 def input_names(model: Any, n: int, kwargs: dict[str, Any]) -> list[str]:

@@ -22,7 +22,6 @@ import json
 import os
 import pickle
 import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-_OP_RE = re.compile(r"op=([A-Za-z0-9_]+)")
 # The checked pass may take this many times as long as the first pass took to reach the fault, plus slack
 _TIME_FACTOR = 3.0
 _TIME_SLACK = 60.0
@@ -150,11 +148,13 @@ class CheckedPass:
     def answer(self, exc: BaseException, source: str | None, phase: str) -> None:
         """The checker's abort: its op, the user's line, and whether the loss code's forward (`loss`) or its
         backward (`backward`) made the first NaN/Inf."""
-        m = _OP_RE.search(str(exc))
-        if m is None:
+        from nandoctor.probe.checker import aborted_op
+
+        op = aborted_op(exc)
+        if op is None:
             self._write({"error": f"the checked step raised {type(exc).__name__}, not the tensor checker"})
             return
-        self._write({"op": m.group(1), "source": source, "step": self.step, "phase": phase})
+        self._write({"op": op, "source": source, "step": self.step, "phase": phase})
 
     def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
         self.answer(exc, self._innermost([(f.filename, f.lineno, f.name) for f in traceback.extract_tb(tb)]), "loss")
@@ -166,8 +166,8 @@ class CheckedPass:
 
         found = None
         for file, line, func in frames:
-            path = Path(os.path.normpath(file))  # "run/../train.py" as the user would write it
-            if is_user_file(path, None):
+            path = Path(file)
+            if is_user_file(path, None):  # (short_path resolves "run/../train.py")
                 found = f"{short_path(path, self.base)}:{line} in {func}"
         return found
 

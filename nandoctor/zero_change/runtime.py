@@ -32,8 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nandoctor.zero_change.capture import ROW, batch_rows, input_names, keep_grads, leaves, optimizer_params
-from nandoctor.zero_change.recheck import CheckedPass
+from nandoctor.zero_change.capture import ROW, batch_rows, input_names, keep_grads, leaves
 
 ENV = "NANDOCTOR_RUN"
 _MAX_ROOTS = 8
@@ -70,7 +69,11 @@ class Session:
         self.orig: dict[str, Any] = {}
         self.started = time.monotonic()
         # The checked pass (recheck.py): this process re-runs the command to name a loss-code op
-        self.recheck = CheckedPass(config) if config.get("recheck_step") is not None else None
+        self.recheck: Any = None
+        if config.get("recheck_step") is not None:  # (imported only there: every watched process starts here)
+            from nandoctor.zero_change.recheck import CheckedPass
+
+            self.recheck = CheckedPass(config)
 
     @property
     def busy(self) -> bool:
@@ -134,6 +137,8 @@ class Session:
     # ---- finding the model and the loss ------------------------------------------------------------------
     def _attach(self, optimizer: Any) -> bool:
         """The first update: the model is the outermost layer whose parameters the optimizer trains."""
+        from nandoctor.probe.nan_params import optimizer_params
+
         trained = {id(p) for p in optimizer_params(optimizer)}
         best = self._model_call(lambda layer: sum(1 for p in layer.parameters() if id(p) in trained))
         if best is None:
