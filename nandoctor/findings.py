@@ -70,6 +70,8 @@ class Code(str, Enum):
     MODEL_NO_TRAINABLE = "model.no_trainable"
     DATA_UNBOUNDED = "data.unbounded"
     DATA_NOT_TENSOR = "data.not_tensor"
+    RANK_HUNG = "rank.hung"  # a rank of a multi-process run stopped moving; the others waited for it
+    RANK_KILLED = "rank.killed"  # a rank of a multi-process run died of a signal (the OOM killer's SIGKILL)
 
 
 # Codes that mean "a non-finite value was found": they make the verdict `nan_found`.
