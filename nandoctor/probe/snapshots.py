@@ -76,6 +76,7 @@ class SnapshotRing:
     first: Snapshot | None = None
     ring: deque[Snapshot] = field(default_factory=lambda: deque(maxlen=MAX_SNAPSHOTS))
     epoch_rng: dict[int, RngState] = field(default_factory=dict)  # the RNG as each epoch's loader was made
+    batches: Any = None  # remedy_replay.BatchTape: the batches the loop read, so replays need not re-read them
     seconds: float = 0.0
     saves: int = 0
     _last_t: float | None = None
