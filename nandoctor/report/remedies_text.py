@@ -40,7 +40,8 @@ def notice(report: Any) -> str | None:
 
 
 def summary_line(report: Any) -> str | None:
-    """'Remedies replayed in 0.3 s (budget 20 s; the probe took 0.2 s); fault reproduced without a change.'"""
+    """'Each remedy was replayed from a saved state to step 36; the fault reproduced in a replay without any
+    change.' The replays' timings, budget and snapshot ring are nandoctor's own figures: JSON only."""
     info = report.details.get("remedies")
     if not isinstance(info, dict):
         return None
@@ -55,12 +56,9 @@ def summary_line(report: Any) -> str | None:
         repro = "the fault reproduced in a replay without any change"
     else:
         repro = "the fault did NOT reproduce in a replay without any change, so outcomes are not evidence"
-    ring = report.details.get("snapshots") or {}
-    snap = (f"snapshots kept at steps {ring.get('kept_steps')} ({fmt_value(ring.get('bytes', 0) / 2**20)} MB, "
-            f"every {ring.get('every')} steps)" if ring.get("enabled") else str(ring.get("note") or "no snapshots"))
-    return (f"Replayed each remedy to step {info.get('end_step')} in {fmt_value(info.get('seconds'))} s (budget "
-            f"{fmt_value(info.get('budget_seconds'))} s; the probe itself took {fmt_value(info.get('probe_seconds'))} "
-            f"s); {repro}; {snap}.")
+    end = info.get("end_step")
+    to = f" to step {end}" if end is not None else ""
+    return f"Each remedy was replayed from a saved state{to}; {repro}."
 
 
 def skip_list_text(row: dict[str, Any]) -> str | None:
