@@ -65,6 +65,7 @@ class WarningTracker:
         if len(self.lrs) > 2 * _KEPT_STEPS:  # a long run: the early steps and the recent ones are what is read
             self.lrs = dict(list(self.lrs.items())[-_KEPT_STEPS:])
             del self.norms[_EARLY_STEPS:max(_EARLY_STEPS, len(self.norms) - _KEPT_STEPS)]
+        if record.grad_norm is not None and math.isfinite(record.grad_norm):
             early = self.early_level()
             if early is not None and early > 0:
                 ratio = record.grad_norm / early
