@@ -20,6 +20,7 @@ frame in the user's code" finds it.
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 import threading
 from pathlib import Path
@@ -131,6 +132,40 @@ class _RecordingSampler:
         return getattr(self.inner, name)
 
 
+class _SkippingSampler:
+    """A batch sampler past its first `skip` batches: their indices are drawn (a shuffle's order stays the
+    same) but never loaded from the dataset or collated."""
+
+    def __init__(self, inner: Any, skip: int) -> None:
+        self.inner = inner
+        self.skip = skip
+
+    def __iter__(self) -> Any:
+        it = iter(self.inner)
+        for _ in itertools.islice(it, self.skip):
+            pass
+        yield from it
+
+    def __len__(self) -> int:
+        return max(len(self.inner) - self.skip, 0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def skip_batches(loader: Any, skip: int) -> Any:
+    """An iterator over `loader` past its first `skip` batches (a resumed run's trained ones): through the
+    batch sampler of a DataLoader over a map-style dataset, otherwise by iterating and dropping them."""
+    if skip > 0 and isinstance(loader, GuardedLoader):
+        it = loader.iter_from(skip)
+        if it is not None:
+            return it
+    it = iter(loader)
+    for _ in itertools.islice(it, skip):
+        pass
+    return it
+
+
 class GuardedLoader:
     """A DataLoader whose iterators raise the user's exception; every other attribute is the loader's."""
 
@@ -139,13 +174,23 @@ class GuardedLoader:
         self._base_dir = base_dir
 
     def __iter__(self) -> _GuardedIterator:
+        it = self.iter_from(0)
+        assert it is not None
+        return it
+
+    def iter_from(self, skip: int) -> _GuardedIterator | None:
+        """An iterator from batch `skip` on; None when skipping needs the batches themselves (an
+        IterableDataset, or no batch sampler), which the caller then iterates and drops."""
         import paddle
 
         loader = self._loader
         sampler = getattr(loader, "batch_sampler", None)
         recorder = None
-        if sampler is not None and not isinstance(getattr(loader, "dataset", None), paddle.io.IterableDataset):
-            recorder = _RecordingSampler(sampler)
+        map_style = sampler is not None and not isinstance(getattr(loader, "dataset", None), paddle.io.IterableDataset)
+        if skip and not map_style:
+            return None
+        if map_style:
+            recorder = _RecordingSampler(_SkippingSampler(sampler, skip) if skip else sampler)
             loader.batch_sampler = recorder  # read once, by the iterator made below
         watch = _Watch(None)
         _arm(watch)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from nandoctor import outputs as model_outputs
 from nandoctor.batches import BatchLayout, to_tensor
 from nandoctor.entrypoints import call_user, load_entry, user_import_path
 from nandoctor.errors import SpecError
-from nandoctor.loader import guard_loader
+from nandoctor.loader import guard_loader, skip_batches
 from nandoctor.schedulers import build_scheduler
 from nandoctor.schedulers import lr_scheduler as lr_scheduler
 from nandoctor.spec import OUTPUT_LOSS, Spec
@@ -68,6 +69,29 @@ class Workload:
                 return inner(model, fields)
 
         return dataclasses.replace(self, compute_loss=compute)
+
+    def resume_at(self, step: int, before_epoch: Callable[[int], None]) -> tuple[int, int, Any]:
+        """(epoch, batch index, iterator) of a run resumed after `step` batches: the trained batches are
+        skipped, counting across epochs, never trained on (nor loaded, where the loader's batch sampler
+        allows). `before_epoch(e)` is called before epoch e's batches are drawn, as the probe loop does
+        (the snapshot ring keeps the RNG a shuffle draws from)."""
+        loader = self.make_loader()
+        try:
+            per_epoch = len(loader)  # type: ignore[arg-type]
+        except TypeError:  # a generator or an IterableDataset: count by iterating
+            per_epoch = None
+        if per_epoch is not None:
+            epoch, batch_index = divmod(step, per_epoch) if per_epoch else (0, 0)
+            before_epoch(epoch)
+            return epoch, batch_index, skip_batches(loader, batch_index)
+        epoch, left = 0, step
+        while True:
+            before_epoch(epoch)
+            it = iter(loader)
+            dropped = sum(1 for _ in itertools.islice(it, left))
+            if dropped == left or dropped == 0:  # there, or an empty loader (the probe reports that)
+                return epoch, dropped, it
+            epoch, left, loader = epoch + 1, left - dropped, self.make_loader()
 
     def target(self) -> StepTarget:
         """What the diagnosis of a fault reads of this workload (probe/diagnose.py)."""

@@ -36,6 +36,7 @@ class LoopResult:
     steps_run: int = 0
     epochs: int = 1
     stats_every: list[int] = field(default_factory=list)
+    start_step: int = 0  # a resumed run's first step (steps_run counts from it)
 
 
 class _Raised(Exception):
@@ -64,7 +65,7 @@ class ProbeLoop:
     """Runs up to `steps` steps of the user's training; stops at the first fault, crash or Ctrl-C."""
 
     def __init__(self, workload: Workload, engine: StepEngine, steps: int, progress: Any, *, fp16: bool = False,
-                 amp: bool = False, start_nonfinite: list[str] | None = None) -> None:
+                 amp: bool = False, start_nonfinite: list[str] | None = None, start_step: int = 0) -> None:
         self.w = workload
         # Each of the user's calls inside the engine's step goes through `_user`, the loop's boundary. One
         # optimizer step per `accumulate` batches; a probe step stays one batch, so steps name batches.
@@ -75,23 +76,30 @@ class ProbeLoop:
         self.watcher = StepWatcher(workload.model, engine.optimizer, scaler=engine.scaler, fp16=fp16, amp=amp,
                                    start_nonfinite=start_nonfinite)
         self.snapshots: Any = None  # a SnapshotRing (probe/snapshots.py) when remedies will be tried
+        # resumed from the user's checkpoint after this many batches: steps are numbered on from it
+        self.start_step = start_step
 
     @property
     def monitor(self) -> Any:
         return self.watcher.monitor
 
     def run(self) -> LoopResult:
-        res = LoopResult()
+        res = LoopResult(start_step=self.start_step)
         watch = self.watcher
         engine = self.engine
-        epoch, batch_index, step = 0, 0, 0
+        epoch, batch_index, step = 0, 0, self.start_step
+        first_epoch, end = 0, self.start_step + self.steps
         it: Any = None
         fields: dict[str, Any] | None = None
         if self.snapshots is not None and self.snapshots.disabled is None:
             # a fault on a step whose gradients went unread can be replayed from the ring (rollback.py)
             watch.defer_grads(DEFER_EVERY)
         try:
-            while step < self.steps:
+            if self.start_step:  # the loader past the batches trained before the checkpoint (workload.py)
+                epoch, batch_index, it = _user(Phase.DATA, self.w.resume_at, self.start_step, self._on_epoch)
+                first_epoch = epoch
+                reassert()
+            while step < end:
                 fields = None
                 if it is None:
                     if self.snapshots is not None:
@@ -104,7 +112,7 @@ class ProbeLoop:
                         break
                     engine.end_epoch()
                     epoch, batch_index, it = epoch + 1, 0, None
-                    res.epochs = epoch + 1
+                    res.epochs = epoch + 1 - first_epoch
                     continue
                 fields = self.w.layout.fields(batch, batch_index)
                 if self.snapshots is not None:
@@ -124,8 +132,8 @@ class ProbeLoop:
                 watch.after_update(stepped=stepped)
                 step += 1
                 batch_index += 1
-                res.steps_run = step
-                self.progress(step, self.steps, "probe step")
+                res.steps_run = step - self.start_step
+                self.progress(res.steps_run, self.steps, "probe step")
             if res.fault is None:
                 res.fault = watch.finish()
         except _Raised as raised:
@@ -142,6 +150,10 @@ class ProbeLoop:
         res.records = watch.records
         res.stats_every = watch.stats_every
         return res
+
+    def _on_epoch(self, epoch: int) -> None:
+        if self.snapshots is not None:
+            self.snapshots.on_epoch(epoch)
 
     def close(self) -> None:
         self.watcher.close()
