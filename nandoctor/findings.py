@@ -72,6 +72,7 @@ class Code(str, Enum):
     DATA_NOT_TENSOR = "data.not_tensor"
     RANK_HUNG = "rank.hung"  # a rank of a multi-process run stopped moving; the others waited for it
     RANK_KILLED = "rank.killed"  # a rank of a multi-process run died of a signal (the OOM killer's SIGKILL)
+    RUN_RESUMED = "run.resumed"  # info: the probe started from the user's checkpoint (resume / --resume)
 
 
 # Codes that mean "a non-finite value was found": they make the verdict `nan_found`.
