@@ -264,6 +264,138 @@ def range_text(values: Sequence[Any], *, log: bool = False) -> str:
     return text
 
 
+# --- remedies: a change's code, and advice that repeats a remedy ----------------------------------------
+
+_CODE_HEAD = re.compile(r"^[A-Za-z_][\w.\[\]'\"-]*\s*[:=(]")  # a key path or a call: `a.b: 1`, `f(...)`
+
+
+def change_parts(change: Any) -> list[tuple[str, bool]]:
+    """A remedy's change as (text, is_code) pieces, so renderers can show the code as code.
+
+    Backtick spans are code and the rest prose. Without backticks, each line is read as code then words:
+    'optimizer.args.learning_rate: 0.003  # was 0.03' (YAML and its comment), 'grad_clip=paddle.nn.
+    ClipGradByGlobalNorm(126) passed to your optimizer (was none)' (code up to the first word outside
+    brackets, then prose); a sentence ('leave out the offending samples') is prose. Lines are joined by
+    a newline piece.
+    """
+    raw = "" if change is None else str(change)
+    if raw.count("`") >= 2 and raw.count("`") % 2 == 0:
+        return [(part, i % 2 == 1) for i, part in enumerate(raw.split("`")) if part]
+    out: list[tuple[str, bool]] = []
+    for n, line in enumerate(raw.split("\n")):
+        if n:
+            out.append(("\n", False))
+        for k, part in enumerate(_split_top(line, "; ")):
+            if k:
+                out.append(("; ", False))
+            out += _code_then_words(part)
+    return out
+
+
+def _code_then_words(text: str) -> list[tuple[str, bool]]:
+    code, sep, comment = text.partition("  # ")
+    if sep:  # a YAML line with its comment: all of it is valid YAML, the comment shown as a note
+        return [(code, True), ("  # " + comment, False)]
+    if not _CODE_HEAD.match(text):
+        return [(text, False)] if text else []
+    depth = 0
+    for i, char in enumerate(text):
+        depth += {"(": 1, "[": 1, "{": 1, "<": 1, ")": -1, "]": -1, "}": -1, ">": -1}.get(char, 0)
+        if char == " " and depth <= 0 and i and text[i - 1] not in ":,=":
+            return [(text[:i], True), (text[i:], False)]
+    return [(text, True)]
+
+
+def _split_top(text: str, sep: str) -> list[str]:
+    """`text` split at `sep` outside brackets."""
+    parts, depth, last = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(char, 0)
+        if depth == 0 and text.startswith(sep, i):
+            parts.append(text[last:i])
+            last = i + len(sep)
+    return parts + [text[last:]]
+
+
+_VERIFIED = re.compile(r"^Verified by replay \(([^)]*)\)")
+
+
+def finding_advice(advice: Sequence[str], remedies: Sequence[dict[str, Any]]) -> list[str]:
+    """A finding's advice without the lines that repeat a replayed remedy's change (the remedies section
+    above shows each change once): they become one line naming the verified remedies."""
+    listed = {str(r.get("remedy")) for r in remedies}
+    out: list[str] = []
+    verified: list[str] = []
+    for line in advice:
+        match = _VERIFIED.match(line)
+        if match and match.group(1) in listed:
+            if not verified:
+                out.append("")  # the summary line's place: where the first repeated line stood
+            verified.append(match.group(1))
+            continue
+        out.append(line)
+    if verified:
+        out[out.index("")] = (f"Verified by replay: {', '.join(verified)} (each change is listed under "
+                              "remedies above).")
+    return out
+
+
+# --- the faulting source line ---------------------------------------------------------------------------
+
+_SOURCE = re.compile(r"^(?P<path>.+?\.py):(?P<line>\d+)(?: in \S+)?$")
+
+
+def source_text(report: Report) -> str | None:
+    """The text of the user's line the report names ('model.py:16 in forward'), for the terminal.
+
+    Taken from `details["source_line"]` when the report carries it; else read from the file, relative to
+    the spec's folder (as the command was given, so relative to the working folder) or to the working
+    folder, right after the run that found it. Only a `.py` file is read, so a foreign report cannot have a
+    renderer print a line of some other file.
+    """
+    carried = report.details.get("source_line")
+    if isinstance(carried, str) and carried.strip():
+        return carried.strip()
+    match = _SOURCE.match(str(report.details.get("source") or "").strip())
+    if match is None:
+        return None
+    path, number = Path(match["path"]).expanduser(), int(match["line"])
+    config = report.run.get("config")
+    bases = ([Path(str(config)).expanduser().parent] if config else []) + [Path.cwd()]
+    for base in bases:
+        candidate = path if path.is_absolute() else base / path
+        try:
+            if not candidate.is_file():
+                continue
+            with candidate.open(encoding="utf-8", errors="replace") as handle:
+                for i, line in enumerate(handle, 1):
+                    if i == number:
+                        return inert(line.strip(), 200) or None
+        except OSError:
+            continue
+        return None
+    return None
+
+
+# --- gradient norms: a float32 overflow is not a fault -------------------------------------------------
+
+def overflowed_norm(report: Report, step: int | None, value: Any, skipped: bool | None = None) -> bool:
+    """A non-finite gradient norm recorded at a step whose gradients were finite: float32's sum of squares
+    overflowed (norms above ~1.8e19), the gradients did not. The watcher stops at the first step with a
+    non-finite gradient, so every step before the first fault had finite ones; a step the loss scaler
+    skipped did have non-finite gradients (that is why it was skipped)."""
+    number = as_float(value)
+    if number is None or math.isfinite(number) or skipped or step is None:
+        return False
+    fault = fault_step(report)
+    if fault is None:
+        return report.first_fault is None and report.verdict in (Verdict.HEALTHY, Verdict.AT_RISK)
+    return step < fault
+
+
+OVERFLOW_NOTE = "overflowed in float32"
+
+
 def project_dir(report: Report) -> Path | None:
     """The folder of the spec the report came from, when the report names it by an absolute path.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich import box
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
@@ -21,12 +22,15 @@ from nandoctor.findings import Finding, Report, Severity, Verdict
 from nandoctor.report.common import (
     VERDICT_TEXT,
     as_float,
+    change_parts,
     field_table,
+    finding_advice,
     fmt_value,
     ordered_stats,
     range_text,
     shown_report,
     shown_value,
+    source_text,
     sparkline,
     summary_parts,
 )
@@ -56,8 +60,8 @@ def render(report: Report, console: Console) -> None:
     if report.remedies or _remedies_notice(report):
         console.print(_remedies(report))
     for i, finding in enumerate(report.sorted_findings(), 1):
-        console.print(_finding(i, finding))
-    fields = _fields_table(report)
+        console.print(_finding(i, finding, report.remedies))
+    fields = _fields_table(report, console)
     if fields is not None:
         console.print()
         console.print(fields)
@@ -150,6 +154,9 @@ def _first_fault_panel(report: Report) -> Panel:
                          ("source", report.details.get("source"))):
         if value is not None:  # a data fault has no step, layer or op: rows of dashes would only be noise
             grid.add_row(label, Text(fmt_value(value)))
+            line = source_text(report) if label == "source" else None
+            if line:
+                grid.add_row("", Text(line, style="cyan"))
     parts: list[Any] = [grid]
     stats = report.details.get("offending_tensor")
     if isinstance(stats, dict) and stats:
@@ -158,14 +165,14 @@ def _first_fault_panel(report: Report) -> Panel:
     return Panel(Group(*parts), title="first fault", title_align="left", border_style="red", expand=False)
 
 
-def _finding(index: int, finding: Finding) -> Group:
+def _finding(index: int, finding: Finding, remedies: list[dict[str, Any]]) -> Group:
     head = Text(f"{index}. ")
     head.append(finding.severity.value.upper(), style=SEVERITY_STYLE[finding.severity])
     head.append(" ")
     head.append(_code(finding), style="bold")
     head.append("  " + finding.location.describe(), style="dim")
     lines: list[Any] = [Text(""), head, Text("   " + finding.message)]
-    for advice in finding.advice:
+    for advice in finding_advice(finding.advice, remedies):
         bullet = Text("   • ", style="green")
         bullet.append(advice)
         lines.append(bullet)
@@ -179,43 +186,80 @@ def _remedies_notice(report: Report) -> str | None:
 
 
 def _remedies(report: Report) -> Group:
-    """Each candidate fix, replayed: verified ones first, with the exact change to make."""
+    """Each candidate fix, replayed: a list (a table at 80 columns broke identifiers mid-word), each entry
+    with its outcome, then the change to make as code on its own line, so it can be copied whole."""
     from nandoctor.report import remedies_text as rt
 
-    table = Table(title="remedies (replayed from a saved state)", title_justify="left", header_style="bold")
-    table.add_column("outcome", no_wrap=True)
-    table.add_column("remedy", no_wrap=True)
-    table.add_column("change to make", overflow="fold", ratio=3)
-    table.add_column("loss", no_wrap=True)
-    table.add_column("replay", overflow="fold", ratio=2)
-    style = {"fixed": "bold green", "not_fixed": "red", "not_applicable": "dim"}
-    for row in report.remedies:
-        table.add_row(Text(rt.outcome_label(row), style=style.get(str(row.get("outcome")), "")),
-                      Text(str(row.get("remedy"))), Text(str(row.get("change"))), Text(rt.loss_text(row)),
-                      Text(rt.run_text(row), style="dim"))
-    parts: list[Any] = [Text(""), table] if report.remedies else [Text("")]
+    parts: list[Any] = [Text(""), Text("remedies (replayed from a saved state)", style="bold")]
     summary = rt.summary_line(report)
     if summary:
         parts.append(Text(summary, style="dim"))
+    style = {"fixed": "bold green", "not_fixed": "red", "not_applicable": "dim"}
+    mark = {"fixed": "✓", "not_fixed": "✗", "not_applicable": "·"}
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column()
     for row in report.remedies:
+        outcome = str(row.get("outcome"))
+        head = Text()
+        head.append(str(row.get("remedy")), style="bold")
+        head.append(": ")
+        head.append(rt.outcome_label(row), style=style.get(outcome, ""))
+        loss = rt.loss_text(row)
+        run = rt.run_text(row)
+        if loss != "-":
+            head.append(f", loss {loss}")
+        if run:
+            head.append(f"; {run}" if outcome != "not_applicable" else f": {run}", style="dim")
+        grid.add_row(Text(mark.get(outcome, "-"), style=style.get(outcome, "")), head)
+        if outcome != "not_applicable":
+            grid.add_row(Text(""), _change_text(row.get("change")))
         skip = rt.skip_list_text(row)
         if skip:
-            parts.append(Text(f"Skip list to resume with: {skip}"))
+            grid.add_row(Text(""), Text(f"Skip list to resume with: {skip}"))
+    if report.remedies:
+        parts.append(grid)
     return Group(*parts)
 
 
-def _fields_table(report: Report) -> Table | None:
+def _change_text(change: Any) -> Text:
+    """A remedy's change with its code in colour (a note in parentheses dim), wrapped only at spaces."""
+    text = Text()
+    for piece, is_code in change_parts(change):
+        text.append(piece, style="cyan" if is_code else "dim")
+    return text
+
+
+def _fields_table(report: Report, console: Console) -> Table | Group | None:
+    """The scan's per-field statistics. Names and dtypes are never cut (an 'attention…' names nothing): a
+    table without vertical rules when every column fits whole, else one entry per field."""
     found = field_table(report.details.get("fields"))
     if found is None:
         return None
     headers, rows = found
-    table = Table(title="data fields", title_justify="left", header_style="bold")
+    table = Table(title="data fields", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
+                  show_edge=False, padding=(0, 1), collapse_padding=True)
     for header in headers:
         table.add_column(header, justify="left" if header in ("field", "role", "dtype", "shape") else "right",
-                         style="bold" if header == "field" else "")
+                         style="bold" if header == "field" else "", no_wrap=True)
     for row in rows:
         table.add_row(*[Text(x) for x in row])
-    return table
+    natural = console.measure(table, options=console.options.update_width(10_000)).maximum
+    return table if natural <= console.width else _fields_list(headers, rows)
+
+
+def _fields_list(headers: list[str], rows: list[list[str]]) -> Group:
+    """The fields table as a list, for names or shapes too long for the terminal's width."""
+    lines: list[Any] = [Text("data fields", style="bold")]
+    for row in rows:
+        cells = dict(zip(headers, row))
+        line = Text("  ")
+        line.append(cells.pop("field"), style="bold")
+        kind = [cells.pop(k) for k in ("role", "dtype", "shape") if k in cells]
+        line.append("  " + ", ".join(kind))
+        lines.append(line)
+        lines.append(Text("    " + ", ".join(f"{k} {v}" for k, v in cells.items())))
+    return Group(*lines)
 
 
 def _timeline(report: Report, width: int) -> Group:
