@@ -19,7 +19,16 @@ from rich.console import Console
 from rich.markup import escape
 
 from nandoctor import __version__, interrupt
-from nandoctor.errors import INTERNAL_EXIT, NandoctorError, save_internal_error
+from nandoctor.errors import (
+    INTERNAL_EXIT,
+    NandoctorError,
+    PaddleMissing,
+    internal_error_message,
+    paddle_installed,
+    paddle_missing,
+    path_error,
+    save_internal_error,
+)
 
 # Paddle's import warns about a missing ccache (a build tool for C++ extensions) on every machine without
 # one: noise under a diagnosis, and nothing the user needs to act on.
@@ -78,8 +87,9 @@ def main(
 
 ConfigArg = Annotated[Path, typer.Argument(help="The nandoctor YAML spec naming your model, data, loss and optimizer.",
                                            show_default=False, metavar="CONFIG")]
-JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="PATH",
-                                                 help="Also write the report as JSON to this file.")]
+JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="PATH", help="Also write the report as JSON to "
+                                                 "this file; `--json -` writes it to standard output (and the "
+                                                 "report for people to standard error).")]
 MarkdownOpt = Annotated[Optional[Path], typer.Option("--markdown", metavar="PATH", help="Also write the report as "
                                                      "Markdown (for bug tickets) to this file.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the verdict line, no progress bar.")]
@@ -91,8 +101,11 @@ NoCodeOpt = Annotated[bool, typer.Option("--no-code", help="Leave your source fi
                                          "(code/ and reproduce.py's imports of it).")]
 
 
-def _console() -> Console:
-    return Console(stderr=False, highlight=False)
+def _console(*outputs: Path | None) -> Console:
+    """Where the report for people goes: standard output, unless `--json -` (or `--markdown -`) took it."""
+    from nandoctor.run import is_stdout
+
+    return Console(stderr=any(is_stdout(p) for p in outputs), highlight=False)
 
 
 def _fail(err: NandoctorError) -> typer.Exit:
@@ -112,14 +125,14 @@ def _internal(exc: BaseException, near: Path | None) -> typer.Exit:
     """nandoctor's own bug: one message asking to report it, the traceback in a file, exit 3."""
     import sys
 
-    folder = near.parent if near is not None and str(near.parent) else Path(".")
-    saved = save_internal_error(exc, folder if folder.is_dir() else Path("."), sys.argv)
+    folder = near.parent if near is not None and str(near.parent) and str(near) != "-" else Path(".")
+    try:
+        folder = folder if folder.is_dir() else Path(".")
+    except OSError:  # a --json folder name too long to look at
+        folder = Path(".")
+    saved = save_internal_error(exc, folder, sys.argv)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
-    where = (f"The traceback is saved in {saved}; attach it." if saved is not None else
-             "The traceback could not be saved to a file, so here it is:")
-    err.print(f"nandoctor: internal error, a bug in nandoctor (not in your code or spec): {type(exc).__name__}: "
-              f"{str(exc)[:300]}. Please report it on nandoctor's issue tracker with the title "
-              f"\"nandoctor bug: {type(exc).__name__}\". {where}", markup=False)
+    err.print(internal_error_message(exc, saved), markup=False)
     if saved is None:
         import traceback
 
@@ -127,17 +140,32 @@ def _internal(exc: BaseException, near: Path | None) -> typer.Exit:
     return typer.Exit(INTERNAL_EXIT)
 
 
+def _user_error(exc: Exception, paths: dict[str, Path | None]) -> NandoctorError | None:
+    """An exception that is the user's set-up after all: Paddle not installed, or a path they gave that the
+    file system refuses (too long, read-only, full). Anything else that reaches the CLI is ours."""
+    if isinstance(exc, ImportError):
+        return paddle_missing(exc)
+    if isinstance(exc, OSError):
+        return path_error(exc, paths)
+    return None
+
+
 def _run(command: str, config: Path, **options: Any) -> NoReturn:
     """One call into the core for scan and probe; its exit status, or 2 with one message for our errors."""
     from nandoctor.run import run_command
 
+    paths = {"spec": config, "--json": options.get("json_path"), "--markdown": options.get("markdown_path"),
+             "--bundle": options.get("bundle")}
     try:
-        code = run_command(command, config, _console(), **options)
+        code = run_command(command, config, _console(options.get("json_path"), options.get("markdown_path")), **options)
     except NandoctorError as err:
         raise _fail(err) from None
     except KeyboardInterrupt as exc:
         raise _interrupted(exc) from None
     except Exception as exc:  # noqa: BLE001 - the user's errors became findings or NandoctorError: this is ours
+        mistake = _user_error(exc, paths)
+        if mistake is not None:
+            raise _fail(mistake) from None
         raise _internal(exc, options.get("json_path") or options.get("markdown_path")) from None
     raise typer.Exit(code)
 
@@ -207,13 +235,18 @@ def run(
     from nandoctor.zero_change.runner import run_script
 
     try:
-        code = run_script(list(command), _console(), json_path=json_path, markdown_path=markdown_path,
-                          bundle=bundle, keep_going=keep_going, quiet=quiet, force=force)
+        if not paddle_installed():  # the script would fail at its `import paddle`, or train unwatched
+            raise PaddleMissing()
+        code = run_script(list(command), _console(json_path, markdown_path), json_path=json_path,
+                          markdown_path=markdown_path, bundle=bundle, keep_going=keep_going, quiet=quiet, force=force)
     except NandoctorError as err:
         raise _fail(err) from None
     except KeyboardInterrupt as exc:
         raise _interrupted(exc) from None
     except Exception as exc:  # noqa: BLE001 - the script's own errors are its exit status: this is ours
+        mistake = _user_error(exc, {"--json": json_path, "--markdown": markdown_path, "--bundle": bundle})
+        if mistake is not None:
+            raise _fail(mistake) from None
         raise _internal(exc, json_path or markdown_path) from None
     raise typer.Exit(code)
 
@@ -228,12 +261,15 @@ def report(
     from nandoctor.run import rerender
 
     try:
-        code = rerender(report_json, _console(), markdown_path=markdown_path)
+        code = rerender(report_json, _console(markdown_path), markdown_path=markdown_path)
     except NandoctorError as err:
         raise _fail(err) from None
     except KeyboardInterrupt as exc:
         raise _interrupted(exc) from None
     except Exception as exc:  # noqa: BLE001 - a report that loads but breaks a renderer is our bug
+        mistake = _user_error(exc, {"--markdown": markdown_path})
+        if mistake is not None:
+            raise _fail(mistake) from None
         raise _internal(exc, markdown_path) from None
     raise typer.Exit(code)
 
@@ -248,6 +284,8 @@ def env() -> None:
         render_environment(collect(), _console())
     except Exception as exc:  # noqa: BLE001 - no user code runs here: any failure is ours
         raise _internal(exc, None) from None
+    if not paddle_installed():  # the table says "not importable"; this says what to do about it
+        raise _fail(PaddleMissing())
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -28,6 +28,61 @@ class OutputError(NandoctorError):
     """A report or bundle cannot be written where the user asked."""
 
 
+# The command that installs Paddle with nandoctor (the `cpu` extra), and the wheel for a GPU.
+INSTALL_PADDLE = ('pip install "nandoctor[cpu]" (or, for an NVIDIA GPU, pip install paddlepaddle-gpu: the wheel for '
+                  "your CUDA version, see PaddlePaddle's install page)")
+
+
+class PaddleMissing(NandoctorError):
+    """Paddle is not installed where nandoctor runs: the user's set-up, not a bug of ours (exit 2)."""
+
+    def __init__(self, detail: str = "") -> None:
+        import sys
+
+        why = f" ({detail})" if detail else ""
+        super().__init__(f"PaddlePaddle is not installed in this Python ({sys.executable}){why}. nandoctor runs "
+                         f"your training with it: install it with {INSTALL_PADDLE}, then run the command again.")
+
+
+def paddle_installed() -> bool:
+    """Whether `import paddle` can find Paddle, without importing it (a second of start-up)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("paddle") is not None
+    except (ImportError, ValueError):  # a broken or hidden installation says the same as a missing one
+        return False
+
+
+def paddle_missing(exc: BaseException) -> PaddleMissing | None:
+    """The message for an ImportError that means "Paddle is not installed"; None for any other (a missing
+    Paddle submodule or a broken install is not fixed by installing it, so it stays what it is)."""
+    if not isinstance(exc, ModuleNotFoundError) or exc.name is None or exc.name.split(".")[0] != "paddle":
+        return None
+    return None if paddle_installed() else PaddleMissing()
+
+
+def path_error(exc: OSError, paths: dict[str, Path | None]) -> NandoctorError | None:
+    """An OSError on a path the user gave (`--json`, `--markdown`, `--bundle` or the spec), or on a file
+    inside it (a bundle's files), as a message naming that path (exit 2): a name too long for the file
+    system, a read-only disk, a full one are the user's to change. None when the error is on a path of
+    ours: that one is a bug."""
+    import os
+
+    failed = [os.path.abspath(os.fsdecode(f)) for f in (exc.filename, exc.filename2) if f is not None]
+    for what, path in paths.items():
+        if path is None:
+            continue
+        mine = os.path.abspath(os.fspath(path))
+        if any(f == mine or f.startswith(mine.rstrip(os.sep) + os.sep) for f in failed):
+            reason = exc.strerror or str(exc)
+            if what == "spec":
+                return SpecError(f"cannot read the spec {path}: {reason}. Pass the path of your nandoctor YAML "
+                                 "spec.")
+            return OutputError(f"cannot write {what} {path}: {reason}. Pick another path.")
+    return None
+
+
 class UserCodeError(Exception):
     """The user's model, data, loss or step code raised; carries where, so it can become a finding.
 
@@ -44,6 +99,34 @@ class UserCodeError(Exception):
 
 
 INTERNAL_EXIT = 3
+# Where a bug is reported when the installed package's metadata names no tracker (a source checkout).
+_TRACKER_FALLBACK = "the issue tracker named in nandoctor's package metadata (pip show nandoctor)"
+
+
+def issue_tracker() -> str:
+    """Where nandoctor's bugs are reported: the `Issues` (else `Bug Tracker`, else first) project URL of
+    the installed package's metadata, so the message follows pyproject.toml."""
+    from importlib import metadata
+
+    try:
+        urls = metadata.metadata("nandoctor").get_all("Project-URL") or []
+    except metadata.PackageNotFoundError:
+        return _TRACKER_FALLBACK
+    named = dict(u.split(",", 1) for u in urls if "," in u)
+    named = {k.strip().lower(): v.strip() for k, v in named.items()}
+    for key in ("issues", "bug tracker", "tracker"):
+        if named.get(key):
+            return named[key]
+    return next(iter(named.values()), _TRACKER_FALLBACK)
+
+
+def internal_error_message(exc: BaseException, saved: Path | None) -> str:
+    """The one paragraph for nandoctor's own failure: what, where to report it, where the traceback is."""
+    where = (f"The traceback is saved in {saved.resolve()}; attach that file." if saved is not None else
+             "The traceback could not be saved to a file, so it follows; copy it into the report.")
+    return (f"nandoctor: internal error, a bug in nandoctor (not in your code or spec): {type(exc).__name__}: "
+            f"{str(exc)[:300]}. Please report it at {issue_tracker()} with the title \"nandoctor bug: "
+            f"{type(exc).__name__}\". {where}")
 
 
 def save_internal_error(exc: BaseException, folder: Path, argv: list[str]) -> Path | None:

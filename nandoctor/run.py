@@ -132,7 +132,7 @@ def write_outputs(report: Report, console: Console, *, json_path: Path | None, m
     else:
         console_report.render(report, console)
     if json_path is not None:
-        write_text(json_path, json_report.render(report))
+        write_text(json_path, json_report.render(report))  # `--json -`: standard output
     if markdown_path is not None:
         write_text(markdown_path, markdown_report.render(report))
 
@@ -178,7 +178,8 @@ def rerender(report_json: Path, console: Console, *, markdown_path: Path | None 
 
         write_text(markdown_path, markdown_report.render(report, report_dir=report_json.parent,
                                                          markdown_dir=markdown_path.parent))
-        console.print(f"Markdown written to {markdown_path}", markup=False)
+        if not is_stdout(markdown_path):
+            console.print(f"Markdown written to {markdown_path}", markup=False)
     else:
         from nandoctor.report import console as console_report
 
@@ -207,9 +208,16 @@ def check_report_keys(path: Path, data: dict[str, Any]) -> None:
 REQUIRED_REPORT_KEYS = ("schema", "command", "verdict", "findings")
 
 
+def is_stdout(path: Path | None) -> bool:
+    """`--json -`: the JSON goes to standard output (and the report for people to standard error)."""
+    return path is not None and str(path) == "-"
+
+
 def check_writable_file(path: Path) -> None:
     """Fail before the run, with exit 2, if `path` cannot be written: by creating it (and removing it
     again), since `os.access` misses names too long for the filesystem and read-only mounts."""
+    if is_stdout(path):
+        return
     try:
         if path.is_dir():
             raise OutputError(f"{path} is a folder; give a file name such as {path / 'report.json'}.")
@@ -245,6 +253,8 @@ def imported_files(base_dir: Path) -> set[Path]:
 def check_not_an_input(outputs: list[Path], inputs: set[Path]) -> None:
     """A report must never overwrite the spec or the code the run imports (exit 2)."""
     for out in outputs:
+        if is_stdout(out):
+            continue
         target = out.resolve()
         if target in inputs:
             what = "the spec" if target.suffix in (".yaml", ".yml") else "a file the run imports"
@@ -253,6 +263,12 @@ def check_not_an_input(outputs: list[Path], inputs: set[Path]) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
+    if is_stdout(path):
+        import sys
+
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
     try:
         path.write_text(text, encoding="utf-8")
     except OSError as exc:

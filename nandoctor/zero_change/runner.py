@@ -37,7 +37,7 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
                quiet: bool = False, force: bool = False) -> int:
     """Run `command` watched; the exit status `nandoctor run` returns."""
     from nandoctor.report.bundle import check_bundle_target
-    from nandoctor.run import check_writable_file, write_outputs
+    from nandoctor.run import check_writable_file, is_stdout, write_outputs
 
     if not command:
         raise SpecError("nothing to run: give the command after --, e.g. `nandoctor run -- python train.py`.")
@@ -53,7 +53,8 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
         env = dict(os.environ)
         env["NANDOCTOR_RUN"] = json.dumps(config)
         env["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, [env.get("PYTHONPATH")])])
-        script = _Script(command, env)
+        # `--json -` gives standard output to the report: the script's own output goes to standard error
+        script = _Script(command, env, stdout=2 if is_stdout(json_path) or is_stdout(markdown_path) else None)
         returncode, stopped_by = script.wait()
         if not result.is_file():
             if stopped_by is not None:
@@ -100,9 +101,9 @@ class _Script:
     """The user's command in its own process group, so a signal to `nandoctor run` reaches it once:
     SIGINT and SIGTERM are forwarded to the group, and only after the grace period is it killed."""
 
-    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+    def __init__(self, command: list[str], env: dict[str, str], stdout: int | None = None) -> None:
         try:
-            self.proc = subprocess.Popen(command, env=env, start_new_session=True)
+            self.proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=stdout)
         except FileNotFoundError:
             raise SpecError(f"cannot run {command[0]!r}: no such program. Give the full command after --, e.g. "
                             "`nandoctor run -- python train.py`.") from None
