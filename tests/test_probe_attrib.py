@@ -309,12 +309,13 @@ def test_fault_in_the_models_own_forward_reads_so_in_message_and_markdown(tmp_pa
 
 
 class _CountReplayer:
-    """The loss is NaN when the subset holds all of `together`, or any sample of `alone`."""
+    """The loss is NaN when the subset holds all of `together`, or any sample of `alone`, or at least
+    `size` samples (a loss whose sum overflows over any large enough part of the batch)."""
 
     params: list = []
 
-    def __init__(self, together: set[int], alone: set[int]) -> None:
-        self.together, self.alone = together, alone
+    def __init__(self, together: set[int], alone: set[int], size: int = 0) -> None:
+        self.together, self.alone, self.size = together, alone, size
 
     def reset_rng(self) -> None:
         pass
@@ -325,17 +326,20 @@ class _CountReplayer:
     def loss(self, part: dict) -> paddle.Tensor:
         ids = {int(i) for i in np.asarray(part["id"]).ravel()}
         bad = bool(ids & self.alone) or (bool(self.together) and self.together <= ids)
+        bad = bad or bool(self.size and len(ids) >= self.size)
         return paddle.to_tensor(float("nan") if bad else 1.0)
 
 
-@pytest.mark.parametrize(("together", "alone", "samples", "scope"), [
-    (set(), {0, 1, 2, 3, 4, 5}, None, "every_sample"),
-    (set(range(6)), set(), None, "whole_batch"),
-    (set(), {1, 4}, [1, 4], "samples"),
+@pytest.mark.parametrize(("together", "alone", "size", "samples", "scope", "reason"), [
+    (set(), {0, 1, 2, 3, 4, 5}, 0, None, "not_sample_specific", "every_sample"),
+    (set(range(6)), set(), 0, None, "not_sample_specific", "whole_batch"),
+    # any two samples fault together: the parts found ([1, 2], [4, 5]) are no more to blame than the rest
+    (set(), set(), 2, None, "not_sample_specific", "rest_of_batch_faults"),
+    (set(), {1, 4}, 0, [1, 4], "samples", None),
 ])
-def test_bisection_says_which_case_it_measured(together, alone, samples, scope) -> None:
+def test_bisection_says_which_case_it_measured(together, alone, size, samples, scope, reason) -> None:
     from nandoctor.probe.samples import find_samples
 
     fields = {"id": np.arange(6, dtype="int64")}
-    bis = find_samples(_CountReplayer(together, alone), fields, "loss")
-    assert (bis.samples, bis.scope) == (samples, scope)
+    bis = find_samples(_CountReplayer(together, alone, size), fields, "loss")
+    assert (bis.samples, bis.scope, bis.reason) == (samples, scope, reason)

@@ -136,6 +136,16 @@ EXPECTED: dict[str, Expect] = {
     # two residual blocks, both fed the zero rows; backward meets blocks.1's act first
     "gated_mlp_backward/residual": Expect(NAN, 1, fault(4, "backward", "blocks.1.mlp.act_fn", "sqrt_grad", ANY, 4,
                                                         [2, 5]), {"grad.nonfinite"}),
+    # log(0) = -inf on two all-zero records, then -inf * 0 = NaN: the checker in abort mode stops at log
+    # (tests/test_attribution_truth.py measures it, with the layer and samples)
+    "log_inf_before_nan": Expect(NAN, 1, fault(4, "forward", "scale", "log", None, 4, [2, 5]),
+                                 {"activation.nonfinite"}),
+    # sqrt of a negative total in the root model's own forward; head, called by keyword, only carries it
+    "root_forward_sqrt": Expect(NAN, 1, fault(5, "forward", None, "sqrt", None, 5, [6]), {"activation.nonfinite"}),
+    # a steady divergence overflows the loss's sum: no strict subset of the batch is special
+    "whole_batch_overflow": Expect(NAN, 1, fault(17, "loss", None, "mean", None, 17, None),
+                                   {"loss.nonfinite", "grad.explosion"}, before_fault={"grad.explosion"},
+                                   where={"grad.explosion": {"step": 0}}),
 }
 # healthy_mlp and healthy_cnn are the scan helper's; they have no probe defaults, hence the step count
 HEALTHY_STEPS = {"healthy_rnn": None, "healthy_transformer": None, "healthy_mlp": 30, "healthy_cnn": 30,
@@ -274,7 +284,8 @@ def test_every_sample_faulting_alone_is_said_as_such(name, batch, probe):
     [f] = [f for f in report["findings"] if f["severity"] == "error" and f["location"]["step"] == batch]
     assert f"every sample of batch {batch} faults on its own" in f["message"], f["message"]
     assert "no subset" not in f["message"] and "as a whole" not in f["message"]
-    assert f["evidence"]["samples_scope"] == "every_sample"
+    assert f["evidence"]["samples_scope"] == "not_sample_specific"
+    assert f["evidence"]["samples_reason"] == "every_sample" and "not sample-specific" in f["message"]
 
 
 def test_samples_named_when_a_strict_subset_faults(probe):

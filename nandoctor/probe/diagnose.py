@@ -174,7 +174,7 @@ def _localise(report: Report, fault: Fault, target: StepTarget) -> None:
                      "condition); subsets see different batch statistics")
     report.details["bisection"] = {"evaluations": bis.evaluations, "capped": bis.capped}
     report.details["localization_seconds"] = round(time.perf_counter() - t0, 3)
-    faults.nonfinite_fault(report, fault, loc, bis.samples, notes, bis.scope)
+    faults.nonfinite_fault(report, fault, loc, bis.samples, notes, bis.scope, bis.reason)
 
 
 def _bn_types() -> tuple[type, ...]:

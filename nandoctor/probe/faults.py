@@ -96,8 +96,8 @@ def update_fault(report: Report, fault: Fault, optimizer: Any) -> None:
 
 
 def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: list[int] | None,
-                    sample_notes: list[str], scope: str | None = None) -> None:
-    from nandoctor.probe.samples import EVERY_SAMPLE, WHOLE_BATCH
+                    sample_notes: list[str], scope: str | None = None, reason: str | None = None) -> None:
+    from nandoctor.probe.samples import EVERY_SAMPLE, REST_FAULTS, WHOLE_BATCH
 
     st = fault.stats
     phase = loc_.phase
@@ -105,14 +105,25 @@ def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: l
             Phase.BACKWARD: Code.GRAD_NONFINITE}[phase]
     loc = Location(step=fault.step, phase=phase, layer=loc_.layer, op=loc_.op, parameter=loc_.parameter,
                    batch_index=fault.batch_index, sample_indices=samples)
-    where = f"in layer {loc_.layer}" if loc_.layer else "outside every model layer (the loss or step code)"
+    if loc_.layer:
+        where = f"in layer {loc_.layer}"
+    elif loc_.model_forward:
+        where = "in the model's own forward (outside every sublayer)"
+    else:
+        where = "outside every model layer (the loss or step code)"
     op = f" (op {loc_.op})" if loc_.op else ""
+    if loc_.op and loc_.nan_op:  # the harmful Inf came first; the op that made NaN of it follows
+        op = f" (op {loc_.op}, whose Inf op {loc_.nan_op} then turned into NaN)"
     if samples:
         who = f"sample(s) {', '.join(str(s) for s in samples[:10])} of batch {fault.batch_index}"
-    elif scope == EVERY_SAMPLE:
-        who = f"no particular sample: every sample of batch {fault.batch_index} faults on its own"
-    elif scope == WHOLE_BATCH:
-        who = f"batch {fault.batch_index} as a whole (no subset of its samples faults alone)"
+    elif reason == EVERY_SAMPLE:
+        who = (f"no particular sample (not sample-specific): every sample of batch {fault.batch_index} faults on "
+               "its own")
+    elif reason == WHOLE_BATCH:
+        who = f"batch {fault.batch_index} as a whole, not sample-specific (no subset of its samples faults alone)"
+    elif reason == REST_FAULTS:
+        who = (f"no particular sample (not sample-specific): parts of batch {fault.batch_index} fault on their own, "
+               "and so does the rest of the batch without them")
     else:
         who = f"batch {fault.batch_index} (its samples could not be tried apart)"
     if phase == Phase.BACKWARD:
@@ -129,11 +140,15 @@ def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: l
     if loc_.source:
         what += f" The op was created at {loc_.source}."
     evidence: dict[str, Any] = {"epoch": fault.epoch, "loss": st.loss, "grad_norm": st.grad_norm}
+    if loc_.nan_op:
+        evidence["nan_op"] = loc_.nan_op
     if loc_.source:
         evidence["source"] = loc_.source
         report.details["source"] = loc_.source  # the first-fault panel shows it beside layer and op
     if scope is not None:
         evidence["samples_scope"] = scope
+    if reason is not None:
+        evidence["samples_reason"] = reason
     if loc_.bad_parameters:
         evidence["nonfinite_grad_parameters"] = loc_.bad_parameters[:50]
     if loc_.offending:

@@ -71,6 +71,12 @@ class CallSites:
         return out
 
 
+def in_forward_of(frames: list[tuple[str, int, str]], layer: Any) -> bool:
+    """Whether `layer`'s own `forward` is on `frames` (for the root model: its own forward made the op)."""
+    rng = _code_range(layer)
+    return rng is not None and any(f == rng[0] and rng[1] <= n <= rng[2] and fn == "forward" for f, n, fn in frames)
+
+
 def layers_on_stack(frames: list[tuple[str, int, str]], sublayers: list[tuple[str, Any]],
                     sites: CallSites) -> list[str]:
     """The innermost sublayer whose forward is on `frames`; several names when the stack cannot tell them

@@ -44,6 +44,10 @@ class Localization:
     notes: list[str] = field(default_factory=list)
     # The user's source line that created the offending op ("model.py:23 in forward"), when known.
     source: str | None = None
+    # The op that first made a NaN, when a harmful Inf before it is the fault (`op`): log's -inf, then multiply
+    nan_op: str | None = None
+    # layer is None because the op was made in the root model's own forward, outside every sublayer
+    model_forward: bool = False
 
 
 def tensor_stats(t: Any, what: str) -> dict[str, Any] | None:
@@ -76,6 +80,7 @@ class Replayer:
         self.model = target.model
         self.rng = rng
         self.source: str | None = None  # set by the checked replays: the user's line that made the op
+        self.model_forward = False  # set by checked_backward: the op was made in the root's own forward
         self.bad_input_grads: dict[str, Any] = {}
         self.sublayers = list(self.model.named_sublayers())
         self.params = [(n, p) for n, p in self.model.named_parameters() if not p.stop_gradient]
@@ -140,10 +145,18 @@ class Replayer:
         self.reset_rng()
         lines, tracer = origin.scoped_ops(self.model, dict(self.sublayers), call, lambda: self.loss(fields),
                                           self.w.base_dir)
-        chosen = origin.pick(lines, (call.seek or call.output) if call is not None else None)
+        if call is not None:
+            masks = call.masked_inputs
+        else:  # the loss's span: its inputs are the model's outputs
+            root = next((c for c in reversed(tr.calls) if c.name == ""), None)
+            masks = root is not None and root.tensor is not None and not origin.all_finite([root.tensor])
+        chosen = origin.pick(lines, (call.seek or call.output) if call is not None else None, masks)
         loc = Localization(Phase.FORWARD if call is not None else Phase.LOSS,
                            layer=call.name or None if call is not None else None,
                            op=chosen.op if chosen is not None else None)
+        nan_op = origin.first_nan_op(lines)
+        if chosen is not None and not chosen.nan and nan_op is not None:
+            loc.nan_op = nan_op
         if chosen is not None:
             self.source = tracer.line_at(chosen.offset)
         else:
@@ -188,6 +201,7 @@ class Replayer:
             for h in hooks:
                 h.remove()
         op, layers = None, []
+        self.model_forward = False
         try:
             enable_checker()
             try:
@@ -199,7 +213,9 @@ class Replayer:
                 if op is None:
                     raise
                 self.source = user_frame(native.text, self.w.base_dir)
-                layers = frames.layers_on_stack(frames.printed_frames(native.text), self.sublayers, sites)
+                stack = frames.printed_frames(native.text)
+                layers = frames.layers_on_stack(stack, self.sublayers, sites)
+                self.model_forward = not layers and frames.in_forward_of(stack, self.model)
         finally:
             debugging.disable_tensor_checker()
             self.clear()
@@ -236,8 +252,8 @@ class Replayer:
             return bool(paddle.isfinite(g).all())
 
         for name, layer in self.sublayers:
-            def pre(_layer: Any, inputs: Any, _name: str = name) -> None:
-                for t in _tensors(inputs):
+            def pre(_layer: Any, inputs: Any, kwargs: Any, _name: str = name) -> None:
+                for t in _tensors(inputs) + _tensors(kwargs):
                     if not t.stop_gradient:
                         def on_grad(g: Any, _n: str = _name) -> None:
                             ok = finite(g)
@@ -254,7 +270,7 @@ class Replayer:
                         tensor_hooks.append(t.register_hook(on_grad))
                 return None
 
-            hooks.append(layer.register_forward_pre_hook(pre))
+            hooks.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
             hooks.append(layer.register_forward_post_hook(post))
         for pname, p in self.params:
             def on_param(g: Any, _n: str = pname) -> None:
@@ -354,8 +370,16 @@ def localize(target: Any, fields: dict[str, Any], rng: Any, loss_finite: bool) -
         layer = named
     else:
         loc_note = None
+    if rp.model_forward and not confirmed:
+        # The op was made in the root model's own forward, outside every sublayer: the root is the layer (null),
+        # not a sublayer the gradient hooks saw (a sibling sharing that tensor sees its gradient too).
+        if layer is not None:
+            notes.append(f"the op was created in the model's own forward, outside every sublayer; the gradient "
+                         f"hooks alone would have named {layer}")
+        layer, loc_note = None, None
     loc = Localization(Phase.BACKWARD, layer=layer, op=op, parameter=params[0] if params else None,
-                       bad_parameters=params, offending=grad_stats, source=rp.source)
+                       bad_parameters=params, offending=grad_stats, source=rp.source,
+                       model_forward=rp.model_forward and layer is None)
     loc.notes += notes
     if loc_note:
         loc.notes.append(loc_note)

@@ -10,9 +10,14 @@ added to scores, reduced by `max`), so "the first op that outputs an Inf" blames
    input), the first call that made a harmful Inf from clean inputs. None of them: the fault is in the loss.
 2. A second forward runs Paddle's tensor checker in log mode only while that one call runs (or after the
    model's forward, for the loss), with a line tracer on the user's files, and keeps what it prints: the
-   op is the first NaN op (or an op before it that made +inf, the overflow that the NaN came from; masks
-   are -inf); with no NaN, the first Inf op that is not mask-like. The tracer maps the op's log
-   line to the user's line that was running when it was printed (Paddle writes unbuffered, in order).
+   op is the first op whose output was non-finite, not counting a mask's Inf. That is the first NaN op,
+   unless a harmful Inf came before it: an op that made +inf (an overflow; masks are -inf), or an op that
+   makes Inf from finite values (`log(0)`, `x / 0`: `_INF_MAKERS`) while nothing in the span carried a
+   mask (no mask-like tensor logged before it, none among the call's inputs). So `log(|x|.sum()) * x` on
+   an all-zero row names `log`, as Paddle's own checker in abort mode does, and `multiply`, which turned
+   the -inf into NaN, follows as the NaN op. With no NaN, the first Inf op that is not mask-like. The
+   tracer maps the op's log line to the user's line that was running when it was printed (Paddle writes
+   unbuffered, in order).
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ from nandoctor.probe.checker import enable_checker
 from nandoctor.probe.native import capture_native_output
 
 NAN, INF = "nan", "inf"
+# Ops that turn finite inputs into an Inf of either sign (log(0) = -inf, -1 / 0 = -inf, 0 ** -1 = inf). A
+# mask's -inf is written by full/where/masked_fill/triu and carried by add/max/subtract: none of these.
+_INF_MAKERS = frozenset({"log", "log2", "log10", "log1p", "divide", "elementwise_div", "reciprocal", "pow",
+                         "elementwise_pow", "rsqrt", "tan", "atanh", "lgamma", "digamma", "floor_divide"})
 _LOG_RE = re.compile(r"op=([A-Za-z0-9_]+),[^\n]*?numel=(\d+), num_nan=(\d+), num_inf=(\d+), num_zero=(\d+), "
                      r"max=([^,]+), min=([^,]+)")
 
@@ -42,6 +51,8 @@ class LayerCall:
     tensor: Any = None  # the output tensor (for its statistics)
     seek: str | None = None  # the kind of op to look for inside this call, when not its output's kind
     parent: str | None = None  # the enclosing call's name (None for the outermost)
+    # its inputs held non-finite values of any kind, a mask's included (read only for a non-finite output)
+    masked_inputs: bool = False
 
 
 @dataclass
@@ -108,12 +119,16 @@ def kind(t: Any) -> str | None:
     return None if bool(maskish.all()) else INF
 
 
-def worst(tensors: list[Any]) -> str | None:
+def all_finite(tensors: list[Any]) -> bool:
     if not tensors:
-        return None
+        return True
     import paddle
 
-    if bool(paddle.stack([paddle.isfinite(t).all() for t in tensors]).all()):
+    return bool(paddle.stack([paddle.isfinite(t).all() for t in tensors]).all())
+
+
+def worst(tensors: list[Any]) -> str | None:
+    if all_finite(tensors):
         return None
     kinds = {kind(t) for t in tensors}
     return NAN if NAN in kinds else INF if INF in kinds else None
@@ -130,11 +145,13 @@ def trace(layers: list[tuple[str, Any]], run: Callable[[], Any], tensors: Callab
     suspects: set[str] = set()  # calls inside which a NaN was made from an Inf no sublayer produced
     hooks = []
     for name, layer in layers:
-        def pre(_layer: Any, inputs: Any, _n: str = name) -> None:
-            pending.setdefault(_n, []).append(tensors(inputs))
+        # keyword arguments are inputs too: `self.head(x=h)` with a NaN h must not make head look like the
+        # layer that turned clean inputs into NaN
+        def pre(_layer: Any, inputs: Any, kwargs: Any, _n: str = name) -> None:
+            pending.setdefault(_n, []).append(tensors(inputs) + tensors(kwargs))
             running.append(_n)
 
-        def post(_layer: Any, _inputs: Any, outputs: Any, _n: str = name) -> None:
+        def post(_layer: Any, _inputs: Any, _kwargs: Any, outputs: Any, _n: str = name) -> None:
             ins = pending[_n].pop() if pending.get(_n) else []
             while running and running[-1] != _n:  # a sublayer that raised left its name behind
                 running.pop()
@@ -147,14 +164,16 @@ def trace(layers: list[tuple[str, Any]], run: Callable[[], Any], tensors: Callab
             # inputs matter only for a non-finite output (or an enclosing call under suspicion): one host
             # sync per call on a clean forward
             ins_kind = worst(ins) if made or _n in suspects else None
+            raw_in = bool(made) and ins_kind is None and not all_finite(ins)
             parent = running[-1] if running else None
-            out.calls.append(LayerCall(_n, nth, ins_kind, made, ts[0] if ts else None, parent=parent))
+            out.calls.append(LayerCall(_n, nth, ins_kind, made, ts[0] if ts else None, parent=parent,
+                                       masked_inputs=raw_in or ins_kind is not None))
             if made == NAN and ins_kind == INF and parent is not None:
                 suspects.add(parent)
             return None
 
-        hooks.append(layer.register_forward_pre_hook(pre))
-        hooks.append(layer.register_forward_post_hook(post))
+        hooks.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(layer.register_forward_post_hook(post, with_kwargs=True))
     try:
         with paddle.no_grad():
             out.loss = run()
@@ -297,10 +316,22 @@ def logged_ops(text: str) -> list[OpLine]:
                    m.start()) for m in _LOG_RE.finditer(text)]
 
 
-def pick(lines: list[OpLine], level: str | None) -> OpLine | None:
-    """The op whose non-finite output is the fault (see the module docstring)."""
+def pick(lines: list[OpLine], level: str | None, masks: bool = True) -> OpLine | None:
+    """The op whose non-finite output is the fault (see the module docstring). `masks`: the span's inputs may
+    carry a mask's -inf, so an Inf-making op's -inf there may be a mask's, not a fault."""
     first_nan = next((i for i, ln in enumerate(lines) if ln.nan), None)
     if first_nan is not None and level != INF:
-        overflow = next((ln for ln in lines[:first_nan] if ln.positive_inf), None)
-        return overflow or lines[first_nan]
+        before = lines[:first_nan]
+        overflow = next((ln for ln in before if ln.positive_inf), None)
+        if overflow is not None:
+            return overflow
+        if not masks and not any(ln.mask_like for ln in before):
+            made = next((ln for ln in before if ln.inf and ln.op in _INF_MAKERS), None)
+            if made is not None:
+                return made
+        return lines[first_nan]
     return next((ln for ln in lines if ln.inf and not ln.mask_like), None)
+
+
+def first_nan_op(lines: list[OpLine]) -> str | None:
+    return next((ln.op for ln in lines if ln.nan), None)

@@ -1,11 +1,17 @@
 """Which samples of the failing batch cause the fault: bisection by replaying the failing phase on halves.
 
-A half that still faults on its own is split again; the leaves found are the minimal set. When no half
-faults alone (the fault needs the batch as a whole: an empty mask over the batch, weights that already
-diverged) or every sample does, no sample is to blame and the answer is None; `scope` says which of
-the two was measured, because they point at different causes (the batch's make-up vs. the weights or
-the step size). Batch-norm layers stay in train mode (the failing condition), so a subset sees
-different batch statistics: the caller notes it.
+A half that still faults on its own is split again; the leaves found are the minimal set. Samples are named
+only when they are special: the rest of the batch without them must replay clean. When no strict subset is
+special the answer is None ("not sample-specific", `scope`), and `reason` says which case was measured,
+because they point at different causes:
+
+- every sample faults on its own (the weights, the step size, something all samples share);
+- no part faults alone, only the batch together (an empty mask over the batch);
+- the parts found fault, but so does the rest of the batch without them (a loss whose sum overflows once
+  the weights diverged: any half of the batch overflows it, so the half bisection meets first says nothing).
+
+Batch-norm layers stay in train mode (the failing condition), so a subset sees different batch
+statistics: the caller notes it.
 """
 
 from __future__ import annotations
@@ -17,9 +23,13 @@ from nandoctor.batches import batch_size, subset
 
 MAX_EVALS = 64
 
-SAMPLES = "samples"  # a strict subset of the batch faults alone: those are named
+# `scope`: the report's evidence.samples_scope
+SAMPLES = "samples"  # a strict subset of the batch faults alone, and the rest without it does not: named
+NOT_SPECIFIC = "not_sample_specific"  # no strict subset is special: sample_indices stays null
+# `reason` (evidence.samples_reason) when NOT_SPECIFIC
 EVERY_SAMPLE = "every_sample"  # each sample of the batch faults on its own
 WHOLE_BATCH = "whole_batch"  # no part faults alone, only the batch together (or part of it together)
+REST_FAULTS = "rest_of_batch_faults"  # the parts found fault alone, and so does the batch without them
 
 
 @dataclass
@@ -28,7 +38,8 @@ class Bisection:
     evaluations: int = 0
     capped: bool = False
     notes: list[str] = field(default_factory=list)
-    scope: str | None = None  # SAMPLES, EVERY_SAMPLE or WHOLE_BATCH; None when nothing could be tried
+    scope: str | None = None  # SAMPLES or NOT_SPECIFIC; None when nothing could be tried apart
+    reason: str | None = None  # EVERY_SAMPLE, WHOLE_BATCH or REST_FAULTS when NOT_SPECIFIC
 
 
 def find_samples(replayer: Any, fields: dict[str, Any], phase: str) -> Bisection:
@@ -96,20 +107,37 @@ def find_samples(replayer: Any, fields: dict[str, Any], phase: str) -> Bisection
         out.notes.append(f"bisection stopped after {MAX_EVALS} replays; the samples named may be more than needed")
     if len(found) == n:
         # Every position would be no attribution at all (and "leave these samples out" would drop the
-        # batch), so sample_indices stays null and the scope says which case was measured.
+        # batch), so sample_indices stays null and the reason says which case was measured.
         out.samples = None
         if together:
-            out.scope = WHOLE_BATCH
-            out.notes.append("no strict subset of the samples faults alone: the batch as a whole is at fault, "
-                             "not particular samples")
+            _not_specific(out, WHOLE_BATCH, "no strict subset of the samples faults alone: the batch as a whole is "
+                                            "at fault, not particular samples")
         elif capped:
             out.scope = None
             out.notes.append("the replays ran out before the samples could all be tried apart")
         else:
-            out.scope = EVERY_SAMPLE
-            out.notes.append(f"every one of the {n} samples faults on its own: the cause is common to all of them "
-                             "(the weights, the step, or something every sample shares), not particular samples")
+            _not_specific(out, EVERY_SAMPLE, f"every one of the {n} samples faults on its own: the cause is common "
+                                             "to all of them (the weights, the step, or something every sample "
+                                             "shares), not particular samples")
+    else:
+        # Named samples must be why the batch faults: without them it must replay clean. When the rest faults
+        # too (a loss's sum that overflows over any large enough part), the parts found are only the first
+        # the bisection met, and dropping them would change nothing.
+        rest = [i for i in range(n) if i not in set(found)]
+        rest_faults = faults(rest)
+        out.evaluations = evals
+        if rest_faults:
+            out.samples = None
+            _not_specific(out, REST_FAULTS, f"the parts of the batch the bisection found ({len(found)} sample(s)) "
+                                            f"fault on their own, and so do the other {len(rest)} samples without "
+                                            "them: no strict subset of the batch is special (the weights or the "
+                                            "scale of the values, not particular samples)")
     return out
+
+
+def _not_specific(out: Bisection, reason: str, note: str) -> None:
+    out.scope, out.reason = NOT_SPECIFIC, reason
+    out.notes.append(note)
 
 
 def _finite(loss: Any) -> bool:

@@ -87,31 +87,35 @@ class WarningTracker:
         return alert
 
     def _explosion(self, step: int, early: float) -> Finding:
-        """Reported where the growth began: walk back while the norm kept rising and was above early."""
-        start_i = len(self.norms) - 1
-        while start_i > 0:
-            prev = self.norms[start_i - 1][1]
-            if prev < self.norms[start_i][1] and prev > 2 * early:
-                start_i -= 1
-            else:
-                break
-        start_step, start_norm = self.norms[start_i]
+        """Reported where the growth began: the norm is walked back while it kept rising (the same rule as
+        the lookback after a fault, `_rise_to`). Every figure in the finding is measured against one level,
+        the median of the norms before that start (the start's own norm when the growth began at the first
+        step): a steady x10-per-step growth from step 0 puts the first steps' median inside the growth, so
+        "early" and "typical" would disagree, and the start would be placed where the norm passed it."""
+        xs = [(s, v) for s, v in self.norms if v > 0]
+        rise = _rise_to(xs, len(xs) - 1, 1.0) if len(xs) >= 2 else None
+        if rise is None:  # not rising into this step (a spike that fell back): the step itself, over the early level
+            start_step, start_norm, level = step, self.norms[-1][1], early
+        else:
+            start_step, start_norm, level = rise.start_step, rise.start, rise.level
         now = self.norms[-1][1]
-        before = [n for s, n in self.norms if s < start_step] or [early]
-        typical = float(statistics.median(before[-10:]))
-        clip = typical * CLIP_FACTOR
+        clip = level * CLIP_FACTOR
         lr = self.lrs.get(start_step)
         lr = lr if lr is not None else self.learning_rate
+        since = (f"from {start_norm:.3g} at step {start_step}, where the growth began" if start_step < step else
+                 f"in one step, from a level of about {level:.3g}")
+        before = (f" (about {level:.3g} before it)" if start_step < step and xs and xs[0][0] < start_step else "")
         return Finding(
             Code.GRAD_EXPLOSION, Severity.WARNING,
-            f"The global gradient norm grew from about {early:.3g} (early steps) to {now:.3g} at step {step} "
-            f"({now / early:.3g}x); the growth began at step {start_step} (norm {start_norm:.3g}). Training is "
-            "heading for overflow: clip gradients or lower the learning rate.",
+            f"The global gradient norm grew {now / start_norm if start_step < step else now / level:.3g}x {since}"
+            f"{before}, to {now:.3g} at step {step}. Training is heading for overflow: clip gradients or lower the "
+            "learning rate.",
             Location(step=start_step, phase=Phase.BACKWARD),
-            {"early_norm": early, "norm_at_start": start_norm, "norm_now": now, "step_now": step,
-             "growth": now / early, "learning_rate": lr, "clip_threshold": clip},
+            {"early_norm": level, "norm_at_start": start_norm, "norm_now": now, "step_now": step,
+             "growth": now / start_norm if start_step < step else now / level, "learning_rate": lr,
+             "typical_grad_norm": level, "clip_threshold": clip},
             advice_for(Code.GRAD_EXPLOSION.value, clip_norm=clip, learning_rate=lr, lr_step=start_step,
-                       typical_norm=typical))
+                       typical_norm=level))
 
     def _fp16_finding(self) -> Finding:
         """One finding a run, at the layer with the largest output: every layer past float16's range is
