@@ -1,13 +1,18 @@
 """The remedies, in one place: what to change for each kind of finding, and for each Paddle op.
 
 Scan and probe ask `advice_for(code, op=..., **facts)`; nothing else in nandoctor writes advice text,
-so the domain knowledge can be read and improved here alone.
+so the domain knowledge can be read and improved here alone. A setting (clipping, learning rate, warmup)
+is written for the way the user ran: spec keys in YAML for `scan`/`probe` (`mode` None or PROBE), Python
+for their own script under `run`, `watch` and the hapi callback, TrainingArguments under the Trainer
+(`setting_text`; `fit_mode` re-writes a report's findings for its mode once they are all made).
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+from nandoctor.findings import Code, Mode, Report
 
 # Starting points for ClipGradByGlobalNorm that practitioners use per architecture.
 CLIP_NORM_BY_ARCH = {"transformer": 1.0, "rnn": 0.25, "cnn": 5.0}
@@ -72,8 +77,6 @@ _BY_CODE: dict[str, list[str]] = {
                        "unstable (log of 0, division by 0). Use the fused, stable loss functions."],
     "grad.nonfinite": ["A gradient went non-finite in backward while the forward pass was finite: an op with an "
                        "infinite derivative at the input it got (sqrt, log, pow, acos at their edge)."],
-    "grad.explosion": ["Clip gradients: `optimizer.grad_clip: {global_norm: 1.0}` (ClipGradByGlobalNorm).",
-                       "Lower the learning rate (by 3-10x) and add a warmup of a few hundred steps."],
     "update.nonfinite": ["The optimizer step turned finite parameters non-finite: lower the learning rate, raise "
                          "the optimizer's epsilon (1e-8 -> 1e-6), and clip gradients."],
     "precision.fp16_overflow": ["float16 tops out at 65504: keep this layer in float32 (a custom black list for "
@@ -89,10 +92,43 @@ _BY_CODE: dict[str, list[str]] = {
 }
 
 
-def lower_lr_advice(lr: float | None, at: str = "") -> str:
-    """How far to lower the learning rate, scaled to the one in use: 3-10x is right for 3e-3, not for 1000."""
+WARMUP_STEPS = 200  # "a few hundred steps": the example a warmup line gives when nothing measured says more
+
+
+def spec_mode(mode: Mode | str | None) -> bool:
+    """A spec's run (`scan`, `probe`, `--nproc` ranks): its settings are YAML keys of that spec."""
+    return mode is None or Mode(mode) == Mode.PROBE
+
+
+def setting_text(what: str, value: Any, mode: Mode | str | None = None, *, lr: float | None = None) -> str:
+    """One setting as the user writes it where they ran: `what` is `clip` (a global norm), `lr` (a
+    learning rate) or `warmup` (steps; `lr` the rate it warms up to). A code span, ready for a sentence."""
+    v = f"{value:.3g}" if isinstance(value, float) else str(value)
+    if spec_mode(mode):
+        key = {"clip": "optimizer.grad_clip", "lr": "optimizer.args.learning_rate",
+               "warmup": "optimizer.lr_scheduler.warmup"}[what]
+        shown = {"clip": f"{{global_norm: {v}}}", "lr": v, "warmup": f"{{steps: {v}, start_lr: 0.0}}"}[what]
+        return f"`{key}: {shown}` in the spec"
+    if Mode(mode) == Mode.TRAINER:
+        arg = {"clip": "max_grad_norm", "lr": "learning_rate", "warmup": "warmup_steps"}[what]
+        return f"`{arg}={v}` in your TrainingArguments"
+    if what == "clip":
+        return f"`grad_clip=paddle.nn.ClipGradByGlobalNorm({v})` passed to your optimizer"
+    if what == "lr":
+        return f"`learning_rate={v}` for your optimizer or its LR scheduler"
+    end = f"{lr:.3g}" if isinstance(lr, (int, float)) else "<your learning rate>"
+    stepped = ("(Model.fit steps it each batch)" if Mode(mode) == Mode.HAPI else
+               "with `scheduler.step()` after each `optimizer.step()`")
+    return (f"`paddle.optimizer.lr.LinearWarmup(learning_rate=<your rate or scheduler>, warmup_steps={v}, "
+            f"start_lr=0.0, end_lr={end})` as the optimizer's learning_rate, {stepped}")
+
+
+def lower_lr_advice(lr: float | None, at: str = "", mode: Mode | str | None = None) -> str:
+    """How far to lower the learning rate, scaled to the one in use: 3-10x is right for 3e-3, not for 1000;
+    the new rate and the warmup written for `mode`."""
+    warm = f"add a warmup of a few hundred steps ({setting_text('warmup', WARMUP_STEPS, mode, lr=lr)})"
     if not isinstance(lr, (int, float)) or lr <= 0 or lr != lr:
-        return "Lower the learning rate by 3-10x and add a warmup of a few hundred steps."
+        return f"Lower the learning rate by 3-10x and {warm}."
     where = f" ({lr:g}{' ' + at if at else ''})"
     if lr > 1.0:
         exponent = math.log10(lr)
@@ -102,24 +138,60 @@ def lower_lr_advice(lr: float | None, at: str = "") -> str:
                     f"1e-3 to 0.1 for SGD/Momentum): set it in that range. If 1e-{k} was meant, the exponent's "
                     f"minus sign is missing (1e{k}).")
         return (f"The learning rate{where} is far beyond any usual value (about 1e-5 to 1e-3 for Adam/AdamW, "
-                "1e-3 to 0.1 for SGD/Momentum): set it in that range, e.g. 1e-3, and add a warmup.")
+                f"1e-3 to 0.1 for SGD/Momentum): set it in that range, e.g. 1e-3 ({setting_text('lr', 1e-3, mode)}), "
+                f"and {warm}.")
     if lr >= 0.1:
-        return f"Lower the learning rate{where} by about 10x (to {lr / 10:.2g} or less) and add a warmup."
-    return f"Lower the learning rate{where} by 3-10x and add a warmup of a few hundred steps."
+        return (f"Lower the learning rate{where} by about 10x (to {lr / 10:.2g} or less), e.g. "
+                f"{setting_text('lr', float(f'{lr / 10:.2g}'), mode)}, and {warm}.")
+    return (f"Lower the learning rate{where} by 3-10x (e.g. {setting_text('lr', float(f'{lr / 5:.2g}'), mode)}) "
+            f"and {warm}.")
+
+
+def clip_advice(clip: float | None, mode: Mode | str | None = None, why: str = "") -> str:
+    """Clip the gradients' global norm, at a threshold from the norms seen when there is one."""
+    return f"Clip gradients{why}: {setting_text('clip', float(clip) if clip else 1.0, mode)}."
+
+
+# Ops that overflow on large inputs: their advice still fits a divergence. The others' (log of 0, a mean
+# over an empty selection, a division by 0) speaks of a singular input, which a divergence is not.
+_OVERFLOW_OPS = {"matmul", "exp", "exp_grad", "softmax", "adam_", "adamw_", "sgd_"}
+
+
+def scale_advice(scales: list[dict[str, Any]] | None) -> str:
+    """Normalise inputs and targets, citing the fields whose measured scale is far from 1 (`scales`:
+    {field, role (input/target), mean, std, rms, batch} measured in float64 on the faulting batch)."""
+    cited = []
+    for s in scales or []:
+        orders = int(math.floor(math.log10(s["rms"]))) if s.get("rms") else 0
+        if orders < 1:
+            continue
+        what = {"target": "the target", "input": "the input"}.get(str(s.get("role")), "the")
+        cited.append(f"{what} field '{s['field']}' of batch {s['batch']} has mean {s['mean']:.3g} and standard "
+                     f"deviation {s['std']:.3g} (root mean square {s['rms']:.3g}, {orders} order(s) of magnitude "
+                     "above unit scale)")
+    head = ("Standardise the inputs and the regression targets (subtract the mean, divide by the standard "
+            "deviation, computed on the training set; un-scale the predictions afterwards)")
+    if not cited:
+        return head + ": features or targets far from unit scale make large errors and large gradients."
+    return (f"{head}: {'; '.join(cited)}. Errors and gradients start that large, so a learning rate that suits "
+            "unit-scale data overshoots.")
 
 
 def cause_advice(cause: str, **facts: Any) -> list[str]:
     """What to change for the cause the probe found before the fault (grad.explosion, a loss jump, a NaN
     parameter read, weights initialised too large): asked before the op's generic advice, which only
-    says what such an op does wrong in general."""
-    lr, at = facts.get("learning_rate"), facts.get("lr_step")
+    says what such an op does wrong in general. `mode` writes the settings where the user ran."""
+    lr, at, mode = facts.get("learning_rate"), facts.get("lr_step"), facts.get("mode")
     at_text = f"at step {at}" if at is not None else ""
     if cause in ("grad.explosion", "loss.jump"):
         what = ("the gradient norm grew step after step" if cause == "grad.explosion" else
                 "the loss jumped in one update")
-        return [f"The fault follows from the step size: {what} before it. " + lower_lr_advice(lr, at_text),
-                f"Clip gradients (`optimizer.grad_clip: {{global_norm: {facts.get('clip_norm') or 1.0:.3g}}}`) so "
-                "one large gradient cannot throw the weights this far."]
+        out = [f"The fault follows from the step size: {what} before it. " + lower_lr_advice(lr, at_text, mode),
+               clip_advice(facts.get("clip_norm"), mode, " so one large gradient cannot throw the weights this far")]
+        scaled = scale_advice(facts.get("scales"))
+        # data measured far from unit scale is the root: the learning rate only suits data of that scale
+        far = any((s.get("rms") or 0) >= 100 for s in facts.get("scales") or [])
+        return [scaled, *out] if far else [*out, scaled]
     if cause == "param.nonfinite":
         name = facts.get("parameter") or "the parameter"
         return [f"Nothing overflowed here: the op read {name}, which held NaN/Inf before training (see "
@@ -128,6 +200,13 @@ def cause_advice(cause: str, **facts: Any) -> list[str]:
         return ["The weights start far above their fan-in's scale (see param.init_scale): re-initialise with "
                 "`nn.initializer.XavierUniform()` (tanh/linear) or `nn.initializer.KaimingNormal()` (ReLU)."]
     return []
+
+
+def _op_advice(op: str | None) -> list[str]:
+    if not op:
+        return []
+    base = op.removesuffix("_grad") if op not in _BY_OP else op
+    return list(_BY_OP.get(op, _BY_OP.get(base, [])))
 
 
 def advice_for(code: str, op: str | None = None, **facts: Any) -> list[str]:
@@ -140,30 +219,31 @@ def advice_for(code: str, op: str | None = None, **facts: Any) -> list[str]:
     `lr_step`, `parameter`, `expected_std`, `arch`.
     """
     cause = facts.pop("cause", None)
+    mode = facts.get("mode")
     if cause:
         out = cause_advice(cause, **facts)
         if out:
-            if cause != "param.nonfinite" and op:
-                base = op.removesuffix("_grad") if op not in _BY_OP else op
-                out += _BY_OP.get(op, _BY_OP.get(base, []))
+            if cause in ("grad.explosion", "loss.jump"):  # the op overflowed; its input was not singular
+                out += [a for a in _op_advice(op) if op in _OVERFLOW_OPS]
+            elif cause != "param.nonfinite":
+                out += _op_advice(op)
             return list(dict.fromkeys(out))
-    out: list[str] = []
-    if op:
-        base = op.removesuffix("_grad") if op not in _BY_OP else op
-        out += _BY_OP.get(op, _BY_OP.get(base, []))
-    if code == "grad.explosion" and facts.get("clip_norm") is not None:
+    out: list[str] = _op_advice(op)
+    if code == "grad.explosion":
         lr = facts.get("learning_rate")
         at = f"at step {facts['lr_step']}" if facts.get("lr_step") is not None else "now"
         lr_text = f" ({lr:g} {at})" if isinstance(lr, (int, float)) else ""
-        typical = facts.get("typical_norm")
-        seen = (f"{facts['clip_norm'] / typical:.2g}x the typical norm before the growth began ({typical:.3g})"
-                if typical else "the norm seen before the growth began")
-        clip = [f"Clip gradients at about {facts['clip_norm']:.3g}, {seen}: "
-                f"`optimizer.grad_clip: {{global_norm: {facts['clip_norm']:.3g}}}`."]
-        lower = lower_lr_advice(lr, at if lr_text else "")
+        typical, clip_norm = facts.get("typical_norm"), facts.get("clip_norm")
+        seen = (f" at about {clip_norm:.3g}, {clip_norm / typical:.2g}x the typical norm before the growth began "
+                f"({typical:.3g})" if clip_norm and typical else
+                f" at about {clip_norm:.3g}, from the norm seen before the growth began" if clip_norm else "")
+        clip = [clip_advice(clip_norm, mode, seen)]
+        lower = lower_lr_advice(lr, at if lr_text else "", mode)
         # a learning rate beyond any usual value is the thing to fix first; clipping would only hide it
         out += [lower, *clip] if isinstance(lr, (int, float)) and lr > 1.0 else [*clip, lower]
         return out
+    if code == "data.nonfinite" and facts.get("shapes"):
+        return [nonfinite_filter_advice(facts["shapes"]), *_BY_CODE[code]]
     if code == "param.nonfinite" and facts.get("frozen"):
         return ["The parameter is frozen, so training will never repair it: load it from a finite checkpoint, "
                 "or drop it from the model if nothing reads it."]
@@ -179,3 +259,37 @@ def advice_for(code: str, op: str | None = None, **facts: Any) -> list[str]:
         return out
     out += _BY_CODE.get(code, [])
     return list(dict.fromkeys(out))  # op and code advice may overlap; keep the first of each
+
+
+def finite_rows_expr(name: str, ndim: int) -> str:
+    """numpy for 'this sample holds no NaN/Inf' over a field of `ndim` dimensions, the batch first: every
+    axis but the batch's (`.all(axis=1)` alone is wrong for an NCHW image: it keeps a (N, H, W) mask)."""
+    if ndim <= 1:
+        return f"np.isfinite({name})"
+    if ndim == 2:
+        return f"np.isfinite({name}).all(axis=1)"
+    return f"np.isfinite({name}).reshape(len({name}), -1).all(axis=1)"
+
+
+def nonfinite_filter_advice(shapes: dict[str, list[int]]) -> str:
+    """Filter the samples holding NaN/Inf, with a mask that fits each bad field's shape."""
+    masks = " & ".join(finite_rows_expr(n, len(s)) for n, s in shapes.items())
+    shown = ", ".join(f"'{n}' {tuple(s)}" for n, s in shapes.items())
+    return (f"Filter the samples holding NaN/Inf out of the training set (field(s) {shown}): keep the samples "
+            f"where `{masks}` (one boolean per sample), or check each sample in the Dataset's __getitem__.")
+
+
+def fit_mode(report: Report) -> None:
+    """Settings in the report's advice written for the way the user ran (`Report.mode`): the findings whose
+    advice names a setting are re-made from their evidence. A spec's report is written in YAML already."""
+    mode = report.mode
+    if spec_mode(mode):
+        return
+    for f in report.findings:
+        if f.code != Code.GRAD_EXPLOSION:
+            continue
+        ev = f.evidence
+        kept = [a for a in f.advice if a.startswith(("Verified by", "Tried by"))]
+        f.advice = advice_for(Code.GRAD_EXPLOSION.value, clip_norm=ev.get("clip_threshold"),
+                              learning_rate=ev.get("learning_rate"), lr_step=f.location.step,
+                              typical_norm=ev.get("typical_grad_norm", ev.get("typical_norm")), mode=mode) + kept

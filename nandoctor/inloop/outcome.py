@@ -45,6 +45,12 @@ def fill_report(report: Report, watcher: Any, fault: Fault | None, steps_run: in
     if start_bad:
         nan_params.after_run(report, start_bad, fault, target, steps_run, records)
     report.findings += watcher.warnings(fault)
+    from nandoctor.probe import causes
+    from nandoctor.probe.watcher import current_lr
+
+    # the probe's own causes and advice (the growth before the fault, the data's scale), in the user's mode
+    label = target.label_name(fault.fields) if fault is not None and fault.fields else None
+    causes.explain(report, fault, records, current_lr(optimizer), label=label)
 
 
 def render_text(report: Report) -> str:

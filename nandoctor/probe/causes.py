@@ -3,7 +3,10 @@
 Before training: parameters that already hold NaN/Inf (nan_params.py decides whether the probe can train
 on) and weights initialised far from their fan-in's scale (scan/params.py's check, as warnings, so a
 forward overflow at step 0 carries its cause). After the run: the step that first read a bad parameter,
-and the growth of the gradient norm or loss that led to the fault (grad.explosion, where it began).
+and the growth of the gradient norm or loss that led to the fault (grad.explosion, where it began), with
+the scale of the faulting batch's fields (targets three orders of magnitude off unit scale make a
+divergence). `explain` is the part every way in shares (probe, run, watch, callbacks); its advice is
+written for the report's mode (YAML for a spec, Python for the user's script).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from nandoctor.advice import advice_for
+import numpy as np
+
+from nandoctor.advice import advice_for, fit_mode
 from nandoctor.findings import Code, Report, Severity
 from nandoctor.probe import nan_params
 from nandoctor.probe.monitors import param_nonfinite
@@ -46,13 +51,59 @@ def after_run(report: Report, causes: Causes, res: Any, workload: Any, lr: float
     fault = res.fault
     if causes.bad:
         nan_params.after_run(report, causes.bad, fault, workload.target(), res.steps_run, res.records)
-    if fault is None or fault.kind not in (FaultKind.NONFINITE, FaultKind.UPDATE):
-        return
-    found = growth_before_fault(res.records, fault.step, lr, _samples_alone(report, fault))
-    if found is not None:  # it sees the whole rise up to the fault: it replaces the tracker's warning
-        report.findings = [f for f in report.findings if f.code != Code.GRAD_EXPLOSION]
-        report.findings.append(found)
-    _name_causes(report, fault.step, res.records, lr)
+    explain(report, fault, res.records, lr, label=workload.spec.data.label)
+
+
+def explain(report: Report, fault: Any, records: list[Any] | None, lr: float | None, *,
+            label: str | None = None) -> None:
+    """The fault's causes (the growth before it, a loss jump, a NaN parameter read, the initial scale) and
+    advice that fits the cause, the data's shape and the report's mode; every way in calls it once its
+    findings are made. `label`: the target field's name, when known."""
+    if fault is not None and fault.kind == FaultKind.DATA:
+        _data_advice(report, fault)
+    if fault is not None and fault.kind in (FaultKind.NONFINITE, FaultKind.UPDATE):
+        found = growth_before_fault(records or [], fault.step, lr, _samples_alone(report, fault))
+        if found is not None:  # it sees the whole rise up to the fault: it replaces the tracker's warning
+            report.findings = [f for f in report.findings if f.code != Code.GRAD_EXPLOSION]
+            report.findings.append(found)
+        _name_causes(report, fault.step, records, lr, scales=field_scales(fault, label))
+    fit_mode(report)
+
+
+def field_scales(fault: Any, label: str | None) -> list[dict[str, Any]]:
+    """The faulting batch's floating fields, measured on the host in float64: mean, standard deviation and
+    root mean square, with the role the field plays (target when it is the label)."""
+    out: list[dict[str, Any]] = []
+    for name, value in (getattr(fault, "fields", None) or {}).items():
+        try:
+            arr = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+        except Exception:  # noqa: BLE001 - a field that is no array (text, a nested structure): nothing to measure
+            continue
+        if arr.dtype.kind != "f" or arr.size == 0:
+            continue
+        arr = arr.astype(np.float64)
+        arr = arr[np.isfinite(arr)]
+        if arr.size == 0:
+            continue
+        out.append({"field": name, "role": "target" if name == label else ("input" if label else "field"),
+                    "batch": fault.batch_index, "mean": float(arr.mean()), "std": float(arr.std()),
+                    "rms": float(np.sqrt(np.mean(arr * arr)))})
+    return out
+
+
+def _data_advice(report: Report, fault: Any) -> None:
+    """A NaN in the data gets data advice, its filter written for each bad field's shape."""
+    shapes: dict[str, list[int]] = {}
+    for name in fault.bad_fields:
+        value = (fault.fields or {}).get(name)
+        shape = getattr(value, "shape", None)
+        if shape is not None:
+            shapes[name] = [int(d) for d in shape]
+    finding = next((f for f in report.findings if f.code == Code.DATA_NONFINITE and f.location.step == fault.step),
+                   None)
+    if finding is not None and shapes:
+        kept = [a for a in finding.advice if a.startswith(("Verified by", "Tried by"))]
+        finding.advice = kept + advice_for(Code.DATA_NONFINITE.value, shapes=shapes)
 
 
 def _samples_alone(report: Report, fault: Any) -> list[int] | None:
@@ -69,14 +120,15 @@ _SYMPTOMS = (Code.ACTIVATION_NONFINITE, Code.LOSS_NONFINITE, Code.GRAD_NONFINITE
 _INIT_STEPS = 3  # a forward overflow this early still follows from the initial scale
 
 
-def _name_causes(report: Report, fault_step: int, records: list[Any] | None = None, lr: float | None = None) -> None:
+def _name_causes(report: Report, fault_step: int, records: list[Any] | None = None, lr: float | None = None,
+                 scales: list[dict[str, Any]] | None = None) -> None:
     """The fault's own finding says what led to it, so the first thing read is cause and symptom together;
     its advice then starts with what fixes that cause, not with what the op does wrong in general."""
     symptom = next((f for f in report.findings if f.code in _SYMPTOMS and f.location.step == fault_step), None)
     if symptom is None:
         return
     causes: list[tuple[str, str]] = []  # (code, text)
-    facts: dict[str, Any] = {"learning_rate": lr}
+    facts: dict[str, Any] = {"learning_rate": lr, "mode": report.mode, "scales": scales}
     read = [f for f in report.findings if f.code == Code.PARAM_NONFINITE
             and f.evidence.get("first_read_step") == fault_step and f.location.parameter == symptom.location.parameter]
     if read:

@@ -1,10 +1,108 @@
-"""Shared wording for the remedies section (console and Markdown): one place for labels and numbers."""
+"""Shared wording for the remedies section (console and Markdown): one place for labels and numbers, and
+the remedies' `change` texts.
+
+A remedy that changes the run's settings (clipping, the learning rate, a warmup) carries its change as a
+mapping, `spec_change`: dotted spec key -> the value to set there (replacing what is there), e.g.
+`{"optimizer.grad_clip": {"global_norm": 126.0}}`. Only keys the spec validator accepts are named: with
+an `optimizer.lr_scheduler`, the base rate is still `optimizer.args.learning_rate`. Its `change` text is
+rendered from the mapping: for a spec, YAML that loads back to the same mapping (`yaml.safe_load`),
+with a `# comment` saying what it was; for a user's own script, the Python or TrainingArguments field.
+"""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
+import yaml
+
+from nandoctor.advice import finite_rows_expr, spec_mode
+from nandoctor.findings import Mode
 from nandoctor.report.common import fmt_value
+
+LR_KEY = "optimizer.args.learning_rate"
+CLIP_KEY = "optimizer.grad_clip"
+WARMUP_KEY = "optimizer.lr_scheduler.warmup"
+SCHED_ARGS_KEY = "optimizer.lr_scheduler.args"
+
+
+def _num(x: float) -> float:
+    """Three significant digits, as a float YAML writes and reads back exactly."""
+    return float(f"{x:.3g}")
+
+
+def _yaml(value: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6)
+    return text.strip().removesuffix("...").strip()  # a bare scalar ends its document with "..."
+
+
+def change_text(edit: dict[str, Any], note: str | None = None, mode: Mode | str | None = None) -> str:
+    """A `spec_change` as the user writes it: `key: value` lines for a spec (with `note` as a YAML comment),
+    else the Python (or TrainingArguments) for their script."""
+    if spec_mode(mode):
+        lines = [f"{key}: {_yaml(value)}" for key, value in edit.items()]
+        if note:
+            lines[-1] += f"  # {note}"
+        return "\n".join(lines)
+    from nandoctor.advice import setting_text
+
+    parts = []
+    for key, value in edit.items():
+        if key == CLIP_KEY:
+            parts.append(setting_text("clip", next(iter(value.values())), mode))
+        elif key == LR_KEY:
+            parts.append(setting_text("lr", value, mode))
+        elif key == WARMUP_KEY:
+            parts.append(setting_text("warmup", value["steps"], mode))
+        else:
+            parts.append(f"{key} = {value!r}")
+    # the renderers put a change in a code span already
+    return "; ".join(parts).replace("`", "") + (f" ({note})" if note else "")
+
+
+def clip_change(norm: float) -> dict[str, Any]:
+    return {CLIP_KEY: {"global_norm": _num(norm)}}
+
+
+def warmup_change(steps: int) -> dict[str, Any]:
+    """A linear warmup from 0 over `steps`: valid with or without a scheduler (it wraps the one there)."""
+    return {WARMUP_KEY: {"steps": int(steps), "start_lr": 0.0}}
+
+
+def lr_change(optimizer_spec: Any, lr: float | None, scale: float) -> tuple[dict[str, Any] | None, str]:
+    """The learning rate times `scale` as a spec edit, and a note: the base rate `optimizer.args.learning_rate`
+    (a scheduler by name or a warmup alone starts from it); a scheduler whose rates are its own arguments
+    (PiecewiseDecay's `values`, OneCycleLR's `max_learning_rate`) gets those scaled; an `entry` scheduler
+    has no key to set (None, and the note says what to change in the user's function)."""
+    sched = getattr(optimizer_spec, "lr_scheduler", None)
+    args = dict(getattr(optimizer_spec, "args", None) or {})
+    base = args.get("learning_rate")
+    if sched is not None and sched.entry:
+        return None, f"scale the learning rates your optimizer.lr_scheduler.entry ({sched.entry}) returns by {scale:g}"
+    if sched is not None and sched.name:
+        from nandoctor.schedulers import scheduler_classes
+
+        cls = scheduler_classes().get(sched.name)
+        params = inspect.signature(cls).parameters if cls is not None else {}
+        if "learning_rate" not in params:
+            rates = {k: v for k, v in sched.args.items() if ("learning_rate" in k or k == "values")}
+            scaled = {k: ([_num(x * scale) for x in v] if isinstance(v, list) else _num(v * scale))
+                      for k, v in rates.items()}
+            if not scaled:
+                return None, f"scale the rates of optimizer.lr_scheduler ({sched.name}) by {scale:g}"
+            return {SCHED_ARGS_KEY: {**sched.args, **scaled}}, f"the scheduler's rates x{scale:g}"
+    rate = base if isinstance(base, (int, float)) else lr
+    if not isinstance(rate, (int, float)):
+        return None, f"the learning rate x{scale:g}"
+    what = "the scheduler's base rate" if sched is not None else "was"
+    return {LR_KEY: _num(rate * scale)}, f"{what} {rate:g}" if sched is not None else f"was {rate:g}"
+
+
+def drop_nonfinite_text(shapes: dict[str, tuple[int, ...]], rows: list[int], batch_index: int | None) -> str:
+    """Filter the samples holding NaN/Inf out in the loader, with a mask that fits each field's shape."""
+    masks = " & ".join(finite_rows_expr(n, len(s)) for n, s in shapes.items()) or "np.isfinite(x)"
+    return (f"filter samples holding NaN/Inf out in the loader (keep samples where {masks}), first found: "
+            f"sample(s) {rows} of batch {batch_index}")
 
 OUTCOME_LABEL = {"fixed": "verified fix", "not_fixed": "did not help", "not_applicable": "not applicable"}
 
