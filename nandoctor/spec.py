@@ -126,6 +126,26 @@ class ProbeDefaults:
 
 
 @dataclass
+class ResumeSpec:
+    """`resume` (or `probe --resume DIR`): the user's checkpoint, and after how many steps it was taken.
+
+    `step` counts the probe's steps (batches), so with `optimizer.accumulate_steps: K` it is K times the
+    optimizer steps. The files are read by resume.py once the model is built."""
+
+    model: Path
+    step: int
+    optimizer: Path | None = None
+    lr_scheduler: Path | None = None
+    rng: Path | None = None  # a Trainer's rng_state.pth: Python, NumPy and Paddle RNG states
+    source: str = "resume"  # the spec key or the option the files came from, for messages
+    trainer_state: dict[str, Any] | None = None  # a Trainer folder's trainer_state.json (its global_step)
+
+    @property
+    def files(self) -> list[Path]:
+        return [p for p in (self.model, self.optimizer, self.lr_scheduler, self.rng) if p is not None]
+
+
+@dataclass
 class Spec:
     path: Path
     model: ModelSpec
@@ -137,6 +157,7 @@ class Spec:
     checks: ChecksSpec
     probe: ProbeDefaults
     raw: dict[str, Any]
+    resume: ResumeSpec | None = None
 
     @property
     def base_dir(self) -> Path:
@@ -215,8 +236,9 @@ def parse_spec(raw: Any, path: Path) -> Spec:
     amp = _amp(raw, v)
     checks = _checks(raw, v)
     probe = _probe(raw, v)
+    resume = _resume(raw, v, path, optimizer.accumulate_steps)
     return Spec(path=path, model=model, data=data, loss=loss, step=step, optimizer=optimizer,
-                amp=amp, checks=checks, probe=probe, raw=raw)
+                amp=amp, checks=checks, probe=probe, raw=raw, resume=resume)
 
 
 def _entry_block(v: Validator, raw: dict[str, Any], key: str, required: bool) -> EntrySpec:
@@ -424,6 +446,50 @@ def _probe(raw: dict[str, Any], v: Validator) -> ProbeDefaults:
     if p_raw.get("device") is not None:
         probe.device = check_device(str(p_raw["device"]), f"{v.path}: probe.device")
     return probe
+
+
+def _resume(raw: dict[str, Any], v: Validator, path: Path, accumulate: int) -> ResumeSpec | None:
+    """`resume`: checkpoint files relative to the spec, checked to exist now (before the model is built)."""
+    r_raw = v.mapping(raw, "resume", required=False)
+    if r_raw is None:
+        return None
+    v.keys(r_raw, "resume")
+    files: dict[str, Path | None] = {}
+    for key in ("model", "optimizer", "lr_scheduler"):
+        value = r_raw.get(key)
+        if value is None:
+            if key == "model":
+                v.fail("resume.model", 'is missing; give the file your training saved with '
+                       'paddle.save(model.state_dict(), ...), e.g. `model: "ckpt/model.pdparams"`')
+            files[key] = None
+            continue
+        if not isinstance(value, str) or not value.strip():
+            v.fail(f"resume.{key}", f"is {short(value)}; give a file path (relative to this YAML) in quotes")
+        file = (path.parent / value.strip()).resolve() if not Path(value.strip()).is_absolute() else Path(value)
+        if not file.is_file():
+            what = "is a folder, not a file" if file.is_dir() else "does not exist"
+            v.fail(f"resume.{key}", f"names {file}, which {what}; give the file paddle.save wrote (relative to "
+                   "this YAML)" + (" (for a Trainer's checkpoint-N folder, use `nandoctor probe CONFIG --resume "
+                                   "DIR` instead)" if file.is_dir() else ""))
+        files[key] = file
+    if r_raw.get("step") is None:
+        v.fail("resume.step", "is missing; give the number of steps the checkpoint was taken after (e.g. 2000)")
+    step = check_resume_step(r_raw["step"], accumulate, lambda problem: v.fail("resume.step", problem))
+    model = files["model"]
+    assert model is not None
+    return ResumeSpec(model=model, step=step, optimizer=files["optimizer"], lr_scheduler=files["lr_scheduler"])
+
+
+def check_resume_step(step: Any, accumulate: int, fail: Any) -> int:
+    """A whole number >= 0, and a multiple of `optimizer.accumulate_steps` (a checkpoint is taken after an
+    update: mid-accumulation, the gradients summed so far are not in it)."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        fail(f"is {short(step)}; give a whole number >= 0: the steps (batches) trained when the checkpoint was saved")
+    if step % accumulate:
+        fail(f"is {step}, which is not a multiple of optimizer.accumulate_steps ({accumulate}): steps count "
+             f"batches, and a checkpoint is taken after an optimizer step, so give {accumulate} x the "
+             "optimizer steps it was saved after")
+    return int(step)
 
 
 def check_device(device: str, where: str) -> str:

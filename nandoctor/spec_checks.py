@@ -18,7 +18,7 @@ _ENTRY_RE = re.compile(r"^(?P<target>[^:]+):(?P<attr>[A-Za-z_][\w]*(\.[A-Za-z_][
 
 # The allowed keys at each level; the single source for "unknown key" checks and suggestions.
 _SCHEMA: dict[str, tuple[str, ...]] = {
-    "": ("version", "model", "data", "loss", "step", "optimizer", "amp", "checks", "probe"),
+    "": ("version", "model", "data", "loss", "step", "optimizer", "amp", "checks", "probe", "resume"),
     "model": ("entry", "args", "output"),
     "data": ("entry", "args", "fields", "inputs", "label"),
     "loss": ("builtin", "entry"),
@@ -30,6 +30,7 @@ _SCHEMA: dict[str, tuple[str, ...]] = {
     "amp": ("enabled", "dtype", "level", "init_loss_scaling"),
     "checks": ("num_classes", "label_range", "max_seq_len", "value_range"),
     "probe": ("steps", "seed", "device"),
+    "resume": ("model", "optimizer", "lr_scheduler", "step"),
 }
 
 
@@ -139,4 +140,5 @@ _EXAMPLES = {
     "amp": "; write e.g. `amp: {enabled: true, dtype: float16}`",
     "checks": "; write e.g. `checks: {num_classes: 10}`",
     "probe": "; write e.g. `probe: {steps: 200, seed: 0, device: auto}`",
+    "resume": '; write e.g. `resume: {model: "ckpt/model.pdparams", optimizer: "ckpt/opt.pdopt", step: 2000}`',
 }
