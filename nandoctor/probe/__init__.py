@@ -28,6 +28,7 @@ from nandoctor.probe.loop import LoopResult, ProbeLoop
 from nandoctor.probe.trainability import no_trainable_finding
 from nandoctor.probe.watcher import current_lr, trainable_names
 from nandoctor.progress import ProgressFn, no_progress
+from nandoctor.resume import resume_probe
 from nandoctor.spec import Spec
 from nandoctor.training import StepEngine
 from nandoctor.workload import build_optimizer, build_workload
@@ -97,6 +98,7 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
         report.details["steps_run"] = 0
         return
     optimizer = build_optimizer(spec, model)
+    start_step = resume_probe(spec, model, optimizer, report)  # 0 unless resuming from the user's checkpoint
     report.details["clip"] = _clip(spec)
     fp16 = spec.amp.enabled and spec.amp.dtype == "float16"
     if spec.amp.enabled:
@@ -117,7 +119,7 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
     loop: ProbeLoop | None = None
     try:
         loop = ProbeLoop(workload, engine, options.steps, progress, fp16=fp16, amp=spec.amp.enabled,
-                         start_nonfinite=found_causes.nonfinite)
+                         start_nonfinite=found_causes.nonfinite, start_step=start_step)
         if options.try_fixes:
             from nandoctor.probe.snapshots import SnapshotRing
 
