@@ -38,7 +38,7 @@ def rollback(res: Any, workload: Any, optimizer: Any, ring: SnapshotRing) -> dic
     fault = res.fault
     first, last = fault.update_range
     snap = ring.latest(first)
-    info: dict[str, Any] = {"detected_at_step": res.steps_run, "unread_steps": fault.unread,
+    info: dict[str, Any] = {"detected_at_step": res.start_step + res.steps_run, "unread_steps": fault.unread,
                             "candidate_steps": [first, last]}
     if snap is None:
         info["note"] = "no sound snapshot before the candidate steps: the update fault stands"
