@@ -4,8 +4,9 @@ A divergence overflows many steps after it began; replaying only the failing ste
 learning rate or clipping there. The ring keeps the parameters and buffers, the optimizer's accumulators,
 the LR scheduler's state, the RNG states and the loader position (epoch, batch) every `every` steps, plus
 the state before the first step (pinned: warmup and re-initialisation restart from it). Snapshots are
-rare (the interval grows until their measured cost is <= 0.5% of the step time) and host-only; models
-above `MAX_MODEL_BYTES` get no ring and a note instead.
+rare (the interval grows until their measured cost is <= 0.5% of the step time) and off the device:
+in host memory within a budget, else in a temporary folder on disk (spill.py); a model too large for
+either gets no ring, and a note that remedies were verified on the failing step alone.
 """
 
 from __future__ import annotations
@@ -15,17 +16,18 @@ import operator
 import random
 import statistics
 import time
+import weakref
 from collections import deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from nandoctor.grouped import by_shape, host_copies
+from nandoctor.grouped import STACK_MAX_NUMEL, by_shape, host_copies
+from nandoctor.probe import spill
 from nandoctor.schedulers import lr_scheduler
 
-MAX_MODEL_BYTES = 256 * 2**20  # one snapshot (weights + optimizer state) above this: no ring
-MAX_RING_BYTES = 512 * 2**20  # all snapshots together
 MAX_SNAPSHOTS = 2  # besides the pinned first one: enough to reach 2 intervals (>= 8 steps) before a fault
 MIN_EVERY = 4
 COST_SHARE = 0.005  # the ring may cost this share of the step time on average
@@ -51,19 +53,21 @@ class RngState:
         random.setstate(self.python)
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not value: the ring tracks the snapshots it handed out in a WeakSet
 class Snapshot:
-    """The state right before step `step` (batch `batch_index` of epoch `epoch`) was computed."""
+    """The state right before step `step` (batch `batch_index` of epoch `epoch`) was computed. Its arrays
+    are in memory, or (`spilled`) .npy files read back one at a time (spill.Spilled)."""
 
     step: int
     epoch: int
     batch_index: int
-    model: dict[str, np.ndarray]
-    accumulators: dict[str, dict[str, np.ndarray]]
+    model: Mapping[str, np.ndarray]
+    accumulators: dict[str, Mapping[str, np.ndarray]]
     scheduler: dict[str, Any] | None
     rng: RngState
     nbytes: int = 0
     nonfinite: int = 0  # NaN/Inf values in the weights (a NaN row the run trains around counts from step 0)
+    spilled: bool = False
 
 
 @dataclass
@@ -76,9 +80,13 @@ class SnapshotRing:
     first: Snapshot | None = None
     ring: deque[Snapshot] = field(default_factory=lambda: deque(maxlen=MAX_SNAPSHOTS))
     epoch_rng: dict[int, RngState] = field(default_factory=dict)  # the RNG as each epoch's loader was made
-    batches: Any = None  # remedy_replay.BatchTape: the batches the loop read, so replays need not re-read them
     seconds: float = 0.0
     saves: int = 0
+    budget: spill.Budget = field(default_factory=lambda: spill.Budget(0, 0))
+    skipped: int = 0  # periodic snapshots left out: no room in memory or on disk
+    batches: Any = None  # the probe's BatchTape (batch_tape.py): the batches its replays read
+    _folder: spill.SpillFolder = field(default_factory=spill.SpillFolder)
+    _live: weakref.WeakSet[Snapshot] = field(default_factory=weakref.WeakSet)  # every snapshot still held
     _last_t: float | None = None
     _last_saved: int = 0
     _last_took: float | None = None  # seconds the newest snapshot took
@@ -89,13 +97,29 @@ class SnapshotRing:
     def for_model(cls, model: Any, optimizer: Any) -> SnapshotRing:
         ring = cls(model, optimizer)
         size = sum(tensor_nbytes(p) for p in model.state_dict().values())
-        if size * 3 > MAX_MODEL_BYTES:  # Adam's two moments make the optimizer state ~2x the weights
-            ring.disabled = (f"the model's weights and optimizer state (~{3 * size / 2**20:.0f} MB) are above the "
-                             f"{MAX_MODEL_BYTES / 2**20:.0f} MB snapshot limit: no state ring was kept, so remedies "
-                             "restart only from the failing step")
-        else:
-            ring.ring = deque(maxlen=max(1, min(MAX_SNAPSHOTS, MAX_RING_BYTES // max(3 * size, 1) - 1)))
+        ring.budget = spill.Budget.for_weights(size)
+        if ring._place(size) is None:  # not even the weights before the first step fit anywhere
+            ring.disabled = (f"no room for a snapshot of the model's weights (~{size / 2**20:.0f} MB, with "
+                             f"Adam's state ~{3 * size / 2**20:.0f} MB; room: {ring.budget.text()}): no state "
+                             "ring was kept, so remedies were verified on the failing step alone")
         return ring
+
+    def close(self) -> None:
+        """Drop the snapshots and remove the spill folder (also done at exit)."""
+        self.first = None
+        self.ring.clear()
+        self._folder.close()
+
+    def _held(self, spilled: bool, freeing: Snapshot | None = None) -> int:
+        return sum(s.nbytes for s in list(self._live) if s.spilled == spilled and s is not freeing)
+
+    def _place(self, size: int, freeing: Snapshot | None = None) -> str | None:
+        """"memory", "disk" or None: where a snapshot of `size` bytes fits beside those still held."""
+        if self._held(False, freeing) + size <= self.budget.memory:
+            return "memory"
+        if self._held(True, freeing) + size <= self.budget.disk:
+            return "disk"
+        return None
 
     def on_epoch(self, epoch: int) -> None:
         """The loader for `epoch` is about to be made: its order may come from the RNG, so keep that."""
@@ -122,6 +146,12 @@ class SnapshotRing:
             if step - self._last_saved < self.every:
                 return
         self._last_saved = step
+        oldest = self.ring[0] if step > 0 and len(self.ring) == self.ring.maxlen else None
+        if self._place(self._state_nbytes(), oldest) is None:
+            self.skipped += 1  # no room beside the older ones: they stay
+            return
+        if oldest is not None:
+            self.ring.popleft()  # first, so the two never take room together
         snap = self.take(step, epoch, batch_index)
         took = time.perf_counter() - now
         self._last_took = took
@@ -140,24 +170,50 @@ class SnapshotRing:
         per_step = statistics.median(self._step_times[-20:])
         return max(MIN_EVERY, min(math.ceil(took / max(COST_SHARE * per_step, 1e-9)), self.max_every))
 
-    def take(self, step: int, epoch: int, batch_index: int) -> Snapshot:
+    def _tensors(self) -> tuple[list[tuple[str, str]], list[Any], list[str]]:
         state = self.model.state_dict()
         per_acc = getattr(self.optimizer, "_accumulators", {})
         keys = [("model", k) for k in state] + [(name, p) for name, per in per_acc.items() for p in per]
         tensors = [*state.values(), *(t for per in per_acc.values() for t in per.values())]
+        return keys, tensors, list(per_acc)
+
+    def _state_nbytes(self) -> int:
+        return sum(tensor_nbytes(t) for t in self._tensors()[1])
+
+    def take(self, step: int, epoch: int, batch_index: int) -> Snapshot:
+        """A snapshot of the state now: in memory if it fits the budget, else on disk if that has room,
+        else in memory all the same (the caller needs it: the state to put back after the remedies)."""
+        keys, tensors, acc_names = self._tensors()
         last = self._groups  # the same tensors as last time (the usual case): the same groups
         if last is None or len(last[0]) != len(tensors) or not all(map(operator.is_, last[0], tensors)):
             self._groups = (tensors, by_shape(tensors))
-        arrays = host_copies(tensors, self._groups[1])
-        model: dict[str, np.ndarray] = {}
-        accs: dict[str, dict[str, np.ndarray]] = {name: {} for name in per_acc}
-        for (kind, key), arr in zip(keys, arrays):
-            (model if kind == "model" else accs[kind])[key] = arr
+        groups = self._groups[1]
+        to_disk = self._place(sum(tensor_nbytes(t) for t in tensors)) == "disk"
+        model: dict[str, Any] = {}
+        accs: dict[str, dict[str, Any]] = {name: {} for name in acc_names}
+        nbytes = bad = 0
+        folder = self._folder.new_dir() if to_disk else None
+        for idx, arrays in _host_groups(tensors, groups, one_group=not to_disk):
+            for i, arr in zip(idx, arrays):
+                kind, key = keys[i]
+                nbytes += arr.nbytes
+                if kind == "model" and arr.dtype.kind == "f":
+                    bad += int((~np.isfinite(arr)).sum())
+                (model if kind == "model" else accs[kind])[key] = (
+                    spill.save(folder, arr, i) if folder is not None else arr)
         sched = lr_scheduler(self.optimizer)
-        nbytes = sum(a.nbytes for a in model.values()) + sum(a.nbytes for per in accs.values() for a in per.values())
-        bad = sum(int((~np.isfinite(a)).sum()) for a in model.values() if a.dtype.kind == "f")
-        return Snapshot(step, epoch, batch_index, model, accs, sched.state_dict() if sched is not None else None,
-                        RngState.now(), nbytes, bad)
+        state = sched.state_dict() if sched is not None else None
+        if folder is not None:
+            owner = spill.Spilled(model)
+            spill.forget_with(owner, folder)  # the files go with the last reference to them
+            model_map: Mapping[str, np.ndarray] = owner
+            acc_maps: dict[str, Mapping[str, np.ndarray]] = {n: spill.Spilled(p, owner) for n, p in accs.items()}
+        else:
+            model_map, acc_maps = model, accs
+        snap = Snapshot(step, epoch, batch_index, model_map, acc_maps, state, RngState.now(), nbytes, bad,
+                        spilled=folder is not None)
+        self._live.add(snap)
+        return snap
 
     def sound(self, snap: Snapshot) -> bool:
         """No more NaN/Inf in the weights than before the first step (the training itself added none)."""
@@ -174,6 +230,9 @@ class SnapshotRing:
         per_step = statistics.median(self._step_times) if self._step_times else None
         return {"enabled": self.disabled is None, "note": self.disabled, "every": self.every,
                 "kept_steps": [s.step for s in snaps], "bytes": sum(s.nbytes for s in snaps),
+                "disk_steps": [s.step for s in snaps if s.spilled],
+                "memory_budget_bytes": self.budget.memory, "disk_budget_bytes": self.budget.disk,
+                "skipped": self.skipped,
                 "capacity": (self.ring.maxlen or 0) + 1, "saves": self.saves,
                 "seconds": round(self.seconds, 4),
                 "share_of_run": round(self.seconds / max(per_step * len(self._step_times), 1e-9), 4)
@@ -184,7 +243,13 @@ def restore(snap: Snapshot, model: Any, optimizer: Any) -> None:
     """Put the weights, buffers, optimizer accumulators and scheduler back as they were at `snap`."""
     import collections
 
-    model.set_state_dict({k: v for k, v in snap.model.items()})
+    if snap.spilled:  # one array read from disk at a time, straight into its tensor
+        state = model.state_dict()
+        for k, arr in snap.model.items():
+            if k in state:
+                state[k].set_value(arr)
+    else:
+        model.set_state_dict(dict(snap.model))
     accs = getattr(optimizer, "_accumulators", None)
     if accs is not None:
         if not snap.accumulators:  # before the first update: the optimizer makes fresh accumulators
@@ -199,6 +264,22 @@ def restore(snap: Snapshot, model: Any, optimizer: Any) -> None:
     sched = lr_scheduler(optimizer)
     if sched is not None and snap.scheduler is not None:
         sched.set_state_dict(dict(snap.scheduler))
+
+
+def _host_groups(tensors: list[Any], groups: dict[tuple[Any, ...], list[int]],
+                 one_group: bool) -> Iterator[tuple[list[int], list[np.ndarray]]]:
+    """(indices, host arrays) of the tensors: all at once for an in-memory snapshot (one device-to-host
+    copy per shape group), group by group for a spilled one, each large tensor alone, so that no more
+    than one group's arrays are in memory while they are written."""
+    if one_group:
+        yield list(range(len(tensors))), host_copies(tensors, groups)
+        return
+    for idx in groups.values():
+        if len(idx) > 1 and math.prod(tensors[idx[0]].shape) * len(idx) <= STACK_MAX_NUMEL:
+            yield idx, host_copies([tensors[i] for i in idx])
+        else:
+            for i in idx:
+                yield [i], [tensors[i].numpy()]  # written at once: no second copy of a large tensor
 
 
 def tensor_nbytes(t: Any) -> int:
