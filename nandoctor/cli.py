@@ -209,11 +209,15 @@ def probe(
     nproc: Annotated[int, typer.Option("--nproc", min=1, metavar="N", help="Train with N processes through "
                                        "paddle.distributed.launch (DataParallel); the report names the first "
                                        "faulting rank.")] = 1,
+    resume: Annotated[Optional[Path], typer.Option("--resume", metavar="DIR", help="Start from a PaddleNLP or "
+                                                   "PaddleFormers Trainer checkpoint-N folder (its weights, "
+                                                   "optimizer and scheduler), at its global_step; --steps counts "
+                                                   "the steps after it.")] = None,
 ) -> None:
     """Run a short instrumented training run and name the first op, layer, parameter and sample to go NaN/Inf."""
     _run("probe", config, json_path=json_path, markdown_path=markdown_path, bundle=bundle, force=force,
          no_code=no_code, quiet=quiet, steps=steps, seed=seed, device=device, try_fixes=not no_try_fixes,
-         fix_steps=fix_steps, nproc=nproc)
+         fix_steps=fix_steps, nproc=nproc, resume=resume)
 
 
 @app.command(cls=_Command, context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

@@ -36,6 +36,14 @@ def run_command(command: str, config: Path, console: Console, *, json_path: Path
 def _run_command(command: str, config: Path, console: Console, *, json_path: Path | None,
                  markdown_path: Path | None, bundle: Path | None, force: bool, quiet: bool, **options: Any) -> int:
     spec = load_spec(config)
+    if options.get("resume") is not None:  # a Trainer's checkpoint-N folder, in place of a `resume` block
+        from nandoctor.resume import from_trainer_dir
+
+        spec.resume = from_trainer_dir(Path(options["resume"]), spec)
+    nproc_asked = int(options.get("nproc") or 1)
+    if command == "probe" and nproc_asked > 1 and spec.resume is not None:
+        raise SpecError(f"--nproc {nproc_asked} with a resume from a checkpoint ({spec.resume.source}) is not "
+                        "supported yet: probe the resumed run in one process (leave --nproc out).")
     if options.get("device") is not None:  # a typo in --device should not wait for imports or a model build
         check_device(options["device"], "--device")
     outputs = [p for p in (json_path, markdown_path) if p is not None]
@@ -79,7 +87,7 @@ def _run_command(command: str, config: Path, console: Console, *, json_path: Pat
             else:
                 report = run_probe(spec, opts, on_progress)
             flags = {"--steps": opts.steps, "--seed": opts.seed, "--device": opts.device,
-                     "--nproc": nproc if nproc > 1 else None}
+                     "--nproc": nproc if nproc > 1 else None, "--resume": options.get("resume")}
     if library_logs.count:
         report.details["library_logs"] = library_logs.as_details()
     report.run.setdefault("config", str(config))
