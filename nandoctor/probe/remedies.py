@@ -24,6 +24,7 @@ from nandoctor.probe.remedy_weights import init_stds, nan_rows, rows_text
 from nandoctor.probe.snapshots import Snapshot, SnapshotRing, restore
 from nandoctor.probe.warnings import CLIP_FACTOR
 from nandoctor.probe.watcher import FaultKind
+from nandoctor.report import remedies_text as rt
 
 FIX_STEPS = 20  # replays run to the fault step + this many steps
 MIN_BUDGET_SECONDS = 20.0
@@ -161,8 +162,7 @@ def _candidates(report: Report, fault: Any, workload: Any, ring: SnapshotRing, h
         out.append(Candidate("reinit_rows", rows_text(name, bad, report), Change(reinit_rows={name: bad}), here))
     rows = _offending_rows(fault, symptom)
     if fault.kind == FaultKind.DATA:
-        text = ("filter samples holding NaN/Inf out in the loader (e.g. keep rows where np.isfinite(x).all(axis=1)), "
-                f"first found: sample(s) {rows} of batch {fault.batch_index}")
+        text = rt.drop_nonfinite_text(fault, rows)  # the mask fits each field's shape (an NCHW image too)
         out.append(Candidate("drop_samples", text, Change(drop_nonfinite=True), here))
     elif rows:
         drop = (fault.epoch, fault.batch_index or 0, rows)
@@ -181,30 +181,21 @@ def _candidates(report: Report, fault: Any, workload: Any, ring: SnapshotRing, h
         out.append(Candidate("reinit", text, Change(reinit=stds), first,
                              why_not=None if first is not None else "no snapshot of the initial state"))
     clip = _clip_threshold(report, growth, fault.step)
-    if clip is not None:
-        out.append(Candidate("grad_clip", f"optimizer.grad_clip: {{global_norm: {clip:.3g}}} (YAML)",
-                             Change(clip_norm=clip), diverge_start, extra={"threshold": clip}))
+    if clip is not None:  # the change texts and their spec_change mappings: report/remedies_text.py
+        edit = rt.clip_change(clip)
+        clip = edit[rt.CLIP_KEY]["global_norm"]  # the replay verifies the very threshold the text states
+        out.append(Candidate("grad_clip", rt.change_text(edit), Change(clip_norm=clip), diverge_start,
+                             extra={"threshold": clip, "spec_change": edit}))
     else:
         out.append(Candidate("grad_clip", "optimizer.grad_clip: {global_norm: ...}", Change(), None,
                              why_not="no finite gradient norm before the fault to set a threshold from"))
-    lr = _lr(report, fault.step)
-    has_sched = getattr(workload.spec.optimizer, "lr_scheduler", None) is not None
-    if has_sched:
-        lr_text = "optimizer.lr_scheduler.args.learning_rate x0.1 (YAML)"
-    elif lr:
-        lr_text = f"optimizer.args.learning_rate: {lr * 0.1:.3g} (YAML; was {lr:g})"
-    else:
-        lr_text = "the learning rate x0.1 (YAML: optimizer.args.learning_rate)"
-    out.append(Candidate("lr_x0.1", lr_text, Change(lr_scale=0.1), diverge_start))
+    lr_edit, lr_note = rt.lr_change(workload.spec.optimizer, _lr(report, fault.step), 0.1)
+    out.append(Candidate("lr_x0.1", rt.change_text(lr_edit, lr_note) if lr_edit else lr_note, Change(lr_scale=0.1),
+                         diverge_start, extra={"spec_change": lr_edit} if lr_edit else {}))
     warm = max(1, growth_step or fault.step)
-    if has_sched:
-        warm_text = f"optimizer.lr_scheduler.warmup: {{steps: {warm}, start_lr: 0.0}} (YAML)"
-    else:
-        rate = f"{lr:g}" if lr else "<your learning rate>"
-        warm_text = (f"optimizer.lr_scheduler: {{name: LinearWarmup, args: {{learning_rate: {rate}, "
-                     f"warmup_steps: {warm}, start_lr: 0.0, end_lr: {rate}}}}} (YAML: a linear warmup over the "
-                     f"first {warm} steps)")
-    out.append(Candidate("warmup", warm_text, Change(warmup_steps=warm), first,
+    warm_edit = rt.warmup_change(warm)
+    out.append(Candidate("warmup", rt.change_text(warm_edit, f"a linear warmup from 0 over the first {warm} steps"),
+                         Change(warmup_steps=warm), first, extra={"spec_change": warm_edit},
                          why_not="the fault is at the first steps: no steps before it to warm up over"
                          if fault.step < 2 else (None if first is not None else "no snapshot of the first step")))
     if amp:  # (on a GPU, try_remedies has returned with a note before getting here)
@@ -302,6 +293,8 @@ def _row(c: Candidate, outcome: str, r: Replay | None, note: str | None,
         row["failed_at"] = r.failed_at
     if "guard" in c.extra:
         row["guard"] = c.extra["guard"]
+    if "spec_change" in c.extra:  # what `change` says, as spec key -> value (report/remedies_text.py)
+        row["spec_change"] = c.extra["spec_change"]
     if outcome == FIXED:
         row.update(c.extra)
         if r is not None and r.dropped:

@@ -98,11 +98,15 @@ def lr_change(optimizer_spec: Any, lr: float | None, scale: float) -> tuple[dict
     return {LR_KEY: _num(rate * scale)}, f"{what} {rate:g}" if sched is not None else f"was {rate:g}"
 
 
-def drop_nonfinite_text(shapes: dict[str, tuple[int, ...]], rows: list[int], batch_index: int | None) -> str:
-    """Filter the samples holding NaN/Inf out in the loader, with a mask that fits each field's shape."""
-    masks = " & ".join(finite_rows_expr(n, len(s)) for n, s in shapes.items()) or "np.isfinite(x)"
-    return (f"filter samples holding NaN/Inf out in the loader (keep samples where {masks}), first found: "
-            f"sample(s) {rows} of batch {batch_index}")
+def drop_nonfinite_text(fault: Any, rows: list[int]) -> str:
+    """Filter the samples holding NaN/Inf out in the loader, with a mask that fits each bad field's shape
+    (`fault.bad_fields` names them, `fault.fields` holds the batch)."""
+    shapes = {n: getattr((fault.fields or {}).get(n), "shape", None) for n in fault.bad_fields}
+    masks = " & ".join(finite_rows_expr(n, len(s)) for n, s in shapes.items() if s is not None)
+    keep = f"keep the samples where {masks}" if masks else "keep the samples with no NaN/Inf in any field"
+    return (f"filter samples holding NaN/Inf out in the loader ({keep}), first found: sample(s) {rows} of batch "
+            f"{fault.batch_index}")
+
 
 OUTCOME_LABEL = {"fixed": "verified fix", "not_fixed": "did not help", "not_applicable": "not applicable"}
 
