@@ -11,6 +11,10 @@ from enum import Enum
 from typing import Any
 
 SCHEMA = "nandoctor.report/1"
+# How the JSON writes a number that is not finite (JSON has no NaN or Infinity): these three strings in every
+# numeric field, the spelling of JavaScript's Number() and of protobuf's JSON mapping, which Python's float()
+# reads as well. `_jsonable` is the one place that writes them; the schema (report/schemas/) names them.
+NAN_TEXT, INF_TEXT, NEG_INF_TEXT = "NaN", "Infinity", "-Infinity"
 
 
 class Severity(str, Enum):
@@ -348,11 +352,18 @@ class Report:
             timeline=[TimelinePoint(**p) for p in d.get("timeline", [])],
             environment=dict(d.get("environment") or {}),
             run=dict(d.get("run") or {}),
-            details=dict(d.get("details") or {}),
+            details=_timings_back(d.get("details")),
             crashed=d.get("verdict") == Verdict.CRASHED.value,
             partial=bool(d.get("partial", False)),
             remedies=[dict(r) for r in d.get("remedies") or [] if isinstance(r, dict)],
         )
+
+
+def _timings_back(details: Any) -> dict[str, Any]:
+    """The JSON keeps clock-dependent figures under `details.timings`; in memory they sit where they were made."""
+    from nandoctor.report.json import join_timings
+
+    return join_timings(dict(details or {}))
 
 
 def _jsonable(value: Any) -> Any:
@@ -369,9 +380,9 @@ def _jsonable(value: Any) -> Any:
         return _jsonable(value.tolist())
     if isinstance(value, float):
         if math.isnan(value):
-            return "nan"
+            return NAN_TEXT
         if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
+            return INF_TEXT if value > 0 else NEG_INF_TEXT
         return value
     if isinstance(value, (bool, int, str)) or value is None:
         return value

@@ -317,7 +317,7 @@ def build_scheduler(spec: dict[str, Any]) -> Any:
 
 def step_lr(report: dict[str, Any], step: Any) -> float | None:
     """The learning rate the run had at `step`, from report.json's timeline (None when it is not there).
-    The JSON writes a non-finite rate as the string "inf" or "nan"."""
+    The JSON writes a non-finite rate as the string "Infinity" or "NaN" (before: "inf", "nan")."""
     if not isinstance(step, int):
         return None
     for point in report.get("timeline") or []:
@@ -325,7 +325,7 @@ def step_lr(report: dict[str, Any], step: Any) -> float | None:
             value = point.get("lr")
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 return float(value)
-            if value in ("inf", "-inf", "nan"):
+            if value in ("Infinity", "-Infinity", "NaN", "inf", "-inf", "nan"):  # the JSON's spelling, and before
                 return float(value)
             return None
     return None
