@@ -83,6 +83,11 @@ def _scan(spec: Spec, options: ScanOptions, progress: ProgressFn, report: Report
         layout = BatchLayout(spec.data, str(spec.path))
         make_loader = loader_factory(spec)
     reassert()  # the user's imports (paddleformers) may have reset SIGTERM in C: a signal must still report
+    if model is not None and spec.resume is not None:  # the checkpoint's weights are what gets checked
+        from nandoctor.resume import load_model_state
+
+        load_model_state(spec.resume, model)
+        report.details["resumed"] = {"from": spec.resume.source, "model": str(spec.resume.model)}
     if model is not None:
         progress(0, None, "checking parameters")
         found, summary = scan_params(model)
