@@ -250,3 +250,46 @@ def test_tracker_growth_starts_where_the_plain_loops_norms_start_rising() -> Non
     assert ev["norm_now"] == norms[ev["step_now"]] and ev["growth"] == pytest.approx(ev["norm_now"] / norms[0])
     assert f"{norms[0]:.3g}" in g.message and f"{ev['norm_now']:.3g}" in g.message
     assert any(f"({norms[0]:.3g})" in a for a in g.advice)  # the advice's "typical norm" is the same figure
+
+
+class _Records(paddle.io.Dataset):
+    """whole_batch_overflow's batches one record at a time; fit(batch_size=64, shuffle=False) rebuilds them."""
+
+    def __init__(self, batches: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        self.items = [(x[i], y[i]) for x, y in batches for i in range(len(x))]
+
+    def __getitem__(self, i: int) -> Any:
+        return self.items[i]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def test_hapi_fit_divergence_is_not_sample_specific_and_grows_from_step_0(tmp_path: Path) -> None:
+    """The same divergence under `paddle.Model.fit` with NanDoctorCallback: the first fault names no
+    samples, the growth starts where the plain loop's float64 norms start rising, and every gradient norm
+    the report holds before the fault is finite and the plain loop's (float32 squares would overflow at
+    norms above ~1.8e19; the gradients were finite)."""
+    from paddle.static import InputSpec
+
+    from nandoctor.hapi import NanDoctorCallback
+
+    w, step, op, norms = checked_run("whole_batch_overflow", 40)
+    paddle.seed(0)
+    plain = Plain("whole_batch_overflow")
+    model = paddle.Model(plain.model, inputs=[InputSpec([None, 4], "float32", "x")],
+                         labels=[InputSpec([None, 1], "float32", "y")])
+    model.prepare(plain.optimizer, paddle.nn.MSELoss())
+    cb = NanDoctorCallback(report_dir=tmp_path / "report")
+    model.fit(_Records(plain.batches), epochs=1, batch_size=64, shuffle=False, verbose=0, callbacks=[cb])
+    data = json.loads((tmp_path / "report" / "report.json").read_text(encoding="utf-8"))
+    ff = data["first_fault"]
+    assert (ff["step"], ff["op"], ff["sample_indices"]) == (step, op, None)
+    f = error_finding(data)
+    assert f["evidence"]["samples_scope"] == "not_sample_specific"
+    [g] = [f for f in data["findings"] if f["code"] == "grad.explosion"]
+    assert g["location"]["step"] == _growth_start(norms) == 0
+    timeline = {p["step"]: p["grad_norm"] for p in data["timeline"]}
+    for s in range(step):
+        if timeline.get(s) is not None:
+            assert isinstance(timeline[s], float) and timeline[s] == pytest.approx(norms[s], rel=1e-3), s
