@@ -156,8 +156,9 @@ class _SkippingSampler:
 def skip_batches(loader: Any, skip: int) -> Any:
     """An iterator over `loader` past its first `skip` batches (a resumed run's trained ones): through the
     batch sampler of a DataLoader over a map-style dataset, otherwise by iterating and dropping them."""
-    if skip > 0 and isinstance(loader, GuardedLoader):
-        it = loader.iter_from(skip)
+    iter_from = getattr(loader, "iter_from", None)  # a GuardedLoader, or a wrapper around one that says so
+    if skip > 0 and callable(iter_from):
+        it = iter_from(skip)
         if it is not None:
             return it
     it = iter(loader)

@@ -302,7 +302,7 @@ def _restore_rng(file: Path) -> str:
     import paddle
 
     try:
-        states = paddle.load(str(file))
+        states = paddle.load(str(file), return_numpy=True)  # its NumPy state holds an array, not a tensor
         random.setstate(states["python"])
         np.random.set_state(states["numpy"])
         paddle.set_rng_state(states["cuda"])
