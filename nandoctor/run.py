@@ -247,8 +247,9 @@ def spec_inputs(spec: Any) -> set[Path]:
     from nandoctor.entrypoints import entry_files
 
     base = Path(spec.base_dir)
-    return {Path(spec.path).resolve()} | {f.resolve() for e in spec.entries for f in entry_files(e, base)
-                                          if f.is_file()}
+    resumed = {f.resolve() for f in spec.resume.files} if getattr(spec, "resume", None) is not None else set()
+    return {Path(spec.path).resolve()} | resumed | {f.resolve() for e in spec.entries for f in entry_files(e, base)
+                                                    if f.is_file()}
 
 
 def imported_files(base_dir: Path) -> set[Path]:

@@ -284,3 +284,10 @@ def test_scan_checks_the_checkpoints_weights(plain: dict[str, Any], tmp_path: Pa
     rep = json.loads(out.read_text())
     found = [f for f in rep["findings"] if f["code"] == "param.nonfinite"]
     assert [f["location"]["parameter"] for f in found] == bad == ["out.weight"]
+
+
+def test_a_report_never_overwrites_the_checkpoint(plain: dict[str, Any]) -> None:
+    target = plain["folder"] / "ckpt" / "opt.pdopt"
+    before = target.read_bytes()
+    _fails(_cli("probe", str(_spec(plain["folder"], RESUME)), "--json", str(target)), "opt.pdopt", "overwrite")
+    assert target.read_bytes() == before
