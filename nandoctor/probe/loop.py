@@ -91,9 +91,12 @@ class ProbeLoop:
         first_epoch, end = 0, self.start_step + self.steps
         it: Any = None
         fields: dict[str, Any] | None = None
-        if self.snapshots is not None and self.snapshots.disabled is None:
-            # a fault on a step whose gradients went unread can be replayed from the ring (rollback.py)
+        ring = self.snapshots
+        if ring is not None and ring.disabled is None:
+            # a fault on a step whose gradients (or whole read) went unread can be replayed from the ring
+            # (rollback.py), as long as no more steps go unread in a row than the ring's interval
             watch.defer_grads(DEFER_EVERY)
+            watch.defer_reads(lambda: ring.every)
         try:
             if self.start_step:  # the loader past the batches trained before the checkpoint (workload.py)
                 epoch, batch_index, it = _user(Phase.DATA, self.w.resume_at, self.start_step, self._on_epoch)
@@ -137,13 +140,16 @@ class ProbeLoop:
             if res.fault is None:
                 res.fault = watch.finish()
         except _Raised as raised:
-            # a NaN in the batch that made the model's code raise is the data's fault, named as such
+            # a NaN in the batch that made the model's code raise is the data's fault, named as such; a
+            # non-finite loss on an earlier, unread step came first
             bad_data = watch.data_fault(raised.exc) if fields is not None and raised.phase in _STEP_PHASES else None
-            res.fault = bad_data or Fault(FaultKind.CRASH, step, batch_index, epoch,
+            res.fault = watch.flush() or bad_data or Fault(FaultKind.CRASH, step, batch_index, epoch,
                                           fields if raised.phase != Phase.DATA else None, exc=raised.exc,
                                           phase=raised.phase)
         except KeyboardInterrupt:
             res.interrupted = True
+            # the unread steps' records for the partial report; a fault among them is not replayed after Ctrl-C
+            watch.flush()
         finally:
             watch.monitor.begin_step(False)  # detach the stats hooks before any replay
             stop_loader(it)

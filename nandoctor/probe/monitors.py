@@ -44,6 +44,7 @@ class StepStats:
     params_sum: float | None  # sum of all parameters after the previous update (non-finite => bad update)
     act_max: np.ndarray | None  # per hooked layer, NaN for layers that did not run this step
     loss_scale: float | None = None  # AMP's loss scale (GPU only); gradients above are already unscaled
+    pending: np.ndarray | None = None  # the losses of the steps left unread since the last read, in order
 
     @property
     def grads_finite(self) -> bool:
@@ -241,10 +242,13 @@ class StepMonitor:
         return _C_ops.concat([_C_ops.squared_l2_norm(g if g.dtype == f32 else _C_ops.cast(g, f32))
                               for g in grads_all], 0), self._all_idx
 
-    def read(self, loss: Any, full: bool = True, scale: Any = None, grads: bool = True) -> StepStats:
+    def read(self, loss: Any, full: bool = True, scale: Any = None, grads: bool = True,
+             pending: list[Any] | None = None) -> StepStats:
         """The one host sync of a step: everything queued so far, as numbers. `scale`: AMP's loss-scale
         tensor, read in the same sync; the gradients it multiplied are divided back out. `grads=False`:
-        the gradients are left unread this step (grad_norm None; see StepWatcher.defer_grads)."""
+        the gradients are left unread this step (grad_norm None; see StepWatcher.defer_grads). `pending`:
+        the loss tensors of the steps left unread since the last read (StepWatcher.defer_reads), read in
+        the same sync as one stack."""
         import paddle
         from paddle import _C_ops
 
@@ -270,6 +274,8 @@ class StepMonitor:
                 parts.append(grad_sq)
             if acts:
                 parts.append(_C_ops.reshape(_C_ops.stack(acts, 0), [-1]))
+            if pending:
+                parts.append(stacked_losses(pending))
             vec = _C_ops.concat(parts, 0).numpy().astype("float64")
         pos = 0
         loss_v = float(vec[pos])
@@ -305,7 +311,23 @@ class StepMonitor:
                 bad = ~np.isfinite(vals)
                 if bad.any():
                     act_max[np.asarray(act_idx)[bad]] = np.inf
-        return StepStats(loss_v, g_full, g_norm, params_sum, act_max, loss_scale)
+            pos += len(acts)
+        held = vec[pos:pos + len(pending)] if pending else None
+        return StepStats(loss_v, g_full, g_norm, params_sum, act_max, loss_scale, held)
+
+
+def stacked_losses(losses: list[Any]) -> Any:
+    """Scalar loss tensors kept on the device as one float32 vector: one stack when they agree in shape and
+    dtype (the usual case), else one reshape and cast each."""
+    import paddle
+    from paddle import _C_ops
+
+    f32 = paddle.float32
+    first = losses[0]
+    if all(t.dtype == first.dtype and t.shape == first.shape for t in losses):
+        out = _C_ops.reshape(_C_ops.stack(losses, 0), [-1])
+        return out if out.dtype == f32 else _C_ops.cast(out, f32)
+    return _C_ops.concat([_C_ops.reshape(t if t.dtype == f32 else _C_ops.cast(t, f32), [1]) for t in losses], 0)
 
 
 def _first_float_tensor(outputs: Any) -> Any:
@@ -350,3 +372,11 @@ def param_nonfinite(model: Any) -> list[str]:
     with paddle.no_grad():
         ok = per_tensor([t for _, t in items], all_finite_rows)
     return [k for (k, _), good in zip(items, ok) if good < 0.5]
+
+
+def read_losses(losses: list[Any]) -> np.ndarray:
+    """Kept loss tensors as float64 values, in one host sync (the unread steps at the end of a run)."""
+    import paddle
+
+    with paddle.no_grad():
+        return stacked_losses(losses).numpy().astype("float64")

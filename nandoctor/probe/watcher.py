@@ -1,4 +1,4 @@
-"""Per-step detection, apart from whoever drives the training: one host sync per step, before the update.
+"""Per-step detection, apart from whoever drives the training: at most one host sync per step, before the update.
 
 `StepWatcher` is told about each step's stages (the batch, the loss, the backward, the update) and
 decides whether the step is a fault. It owns the monitor, the stats schedule, the warning tracker and
@@ -8,7 +8,9 @@ user's own loop through an in-loop API) keeps the user's calls behind its own bo
 
 When a step shows a fault the optimizer has not stepped, so the parameters and optimizer state are
 exactly those that produced it and the replay needs no snapshot; only the RNG state (captured in
-`begin_step`) is restored.
+`begin_step`) is restored. A driver that can roll back (the probe, with its snapshot ring) may leave
+most steps unread (`defer_reads`): their losses wait on the device, and a read finding one of them
+non-finite is a fault whose step the rollback finds by replay (probe/rollback.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -36,6 +39,13 @@ _TOTAL_BUDGET = 0.02
 MAX_RECORDS = 4096
 RECENT_STEPS = 1024
 _MIN_STATS_BUDGET = 0.0025
+# With reads deferred: a read may cost this share of the step time on average (k = its cost / this share of a
+# step), and at most this many steps go unread in a row (their losses are kept as device tensors).
+_READ_SHARE = 0.005
+MAX_UNREAD = 256
+# Steps read in full before any is left unread: the early level of the gradient norm, and the whole of a short
+# probe (the samples run 10-60 steps), keep every step's norm, so a growth is placed at its exact step there
+READ_ALL_STEPS = 64
 
 
 class FaultKind(str, Enum):
@@ -88,10 +98,12 @@ class StatsSchedule:
     def __init__(self) -> None:
         self.k = 1
         self.last = -10**9
-        self.plain: list[float] = []
-        self.stats: list[float] = []
-        self.detect: list[float] = []  # seconds of the every-step reductions and the sync, on plain steps
+        # the latest 20 of each (a long run keeps no list per step)
+        self.plain: deque[float] = deque(maxlen=20)
+        self.stats: deque[float] = deque(maxlen=20)
+        self.detect: deque[float] = deque(maxlen=20)  # seconds of the reductions and the sync, on plain steps
         self.alert = False
+        self._fresh = 0  # plain steps recorded since k was last worked out
 
     def want(self, step: int) -> bool:
         if step == 0 or self.alert:
@@ -108,20 +120,26 @@ class StatsSchedule:
         if step == 0:
             self.last = step
             return  # warm-up: allocations, first-call costs
-        (self.stats if stats else self.plain).append(seconds)
-        if not stats:
-            self.detect.append(detect_seconds)
         if stats:
+            self.stats.append(seconds)
             self.last = step
+        else:
+            self.plain.append(seconds)
+            self.detect.append(detect_seconds)
+            self._fresh += 1
+            # k is worked out again after each stats step and every 8th plain one: on a 0.3 ms step the
+            # sums below cost more than the probe's whole per-step budget
+            if self._fresh < 8:
+                return
+        self._fresh = 0
         if self.plain and self.stats:
-            # min: one slow plain step (first calls, load) must not make the stats look free; statistics'
-            # median costs 4 us a step where numpy's cost 47 us
-            plain = min(self.plain[-20:])
-            # the mean, not the median: with the gradient reads spaced out (defer_grads), most plain steps
-            # read no gradients and the median would hide the steps that do
-            detect = statistics.fmean(self.detect[-20:]) / max(plain, 1e-9)
+            # min: one slow plain step (first calls, load) must not make the stats look free
+            plain = min(self.plain)
+            # the mean, not the median: with the reads spaced out (defer_grads, defer_reads), most plain
+            # steps read nothing and the median would hide the steps that do
+            detect = statistics.fmean(self.detect) / max(plain, 1e-9)
             budget = max(_MIN_STATS_BUDGET, _TOTAL_BUDGET - detect)
-            extra = max(0.0, statistics.median(self.stats[-20:]) - plain)
+            extra = max(0.0, statistics.median(self.stats) - plain)
             self.k = max(1, math.ceil(extra / max(budget * plain, 1e-9)))
 
 
@@ -169,6 +187,14 @@ class StepWatcher:
         self.defer_every = 1  # read the gradients on every step (defer_grads() may space the reads out)
         self.unread: set[int] = set()  # steps whose gradients were left unread
         self._read_grads = True
+        # defer_reads(): the longest run of unread steps a rollback can still replay (the ring's interval)
+        self._read_limit: Any = None
+        self.read_every = 1  # steps from one host read to the next (defer_reads sets it from measured cost)
+        self._read = True  # this step is read on the host
+        self._first_step: int | None = None
+        self._read_seconds: list[float] = []
+        # the unread steps since the last read: (step, batch_index, epoch, loss tensor, learning rate)
+        self._pending: list[tuple[int, int | None, int, Any, float | None]] = []
 
     def defer_grads(self, every: int) -> None:
         """Read the gradients only every `every`-th step (and on stats, alert and the first steps), for a
@@ -180,6 +206,23 @@ class StepWatcher:
         if not self.monitor.small and self.scaler is None:
             self.defer_every = max(1, every)
 
+    def defer_reads(self, limit: Any) -> None:
+        """Leave most steps without any host read: each unread step's loss stays on the device, and every
+        `read_every`-th step reads them all at once with its own. `read_every` follows the measured cost of
+        a read against the step's (a read may cost _READ_SHARE of the steps on average; a 0.3 ms step
+        reads ~1 in 30, a 40 ms one every step), capped by `limit()` (the snapshot ring's interval: the
+        ring then always holds a snapshot before the unread steps) and MAX_UNREAD, from step READ_ALL_STEPS
+        on (an unread step has no gradient norm in the timeline). A non-finite loss found
+        at a read is an update fault naming the unread steps, which the rollback replays from the ring
+        with every check on (probe/rollback.py). Only for a driver that can roll back; not under AMP."""
+        if self.scaler is None:
+            self._read_limit = limit
+
+    def _reads(self, step: int, stats: bool) -> bool:
+        """Whether step `step` is read on the host (always, unless defer_reads)."""
+        return (self._read_limit is None or stats or self.schedule.alert
+                or step - self._first_step < READ_ALL_STEPS or step % self.read_every == 0)  # (then no more than read_every steps go unread in a row)
+
     # ---- the stages of a step ----------------------------------------------------------------------
     def begin_step(self, step: int, fields: dict[str, Any], *, batch_index: int | None = None,
                    epoch: int = 0, rng: Any = None) -> None:
@@ -190,13 +233,16 @@ class StepWatcher:
         import paddle
 
         self._step, self._batch_index, self._epoch, self._fields = step, batch_index, epoch, fields
-        # `rng`: the state from before a forward that already ran (`nandoctor run` attaches after step 0's)
-        self._rng = rng if rng is not None else paddle.get_rng_state()
-        self._stats_step = self.schedule.want(step) if self._next_stats is None else self._next_stats
+        if self._first_step is None:
+            self._first_step = step  # (a resumed run numbers its steps from the checkpoint's)
+        self._stats_step = stats = self.schedule.want(step) if self._next_stats is None else self._next_stats
         self._next_stats = None
+        self._read = read = self._reads(step, stats)
+        # `rng`: the state from before a forward that already ran (`nandoctor run` attaches after step 0's).
+        # An unread step needs none: a fault found later is replayed from the ring with its own RNG state.
+        self._rng = rng if rng is not None else paddle.get_rng_state() if read else None
         every = self.defer_every
-        self._read_grads = (every == 1 or self._stats_step or self.schedule.alert or step < 3
-                            or step % every == 0)
+        self._read_grads = read and (every == 1 or stats or self.schedule.alert or step < 3 or step % every == 0)
         self._t0 = time.perf_counter()
         self.monitor.begin_step(self._stats_step)
 
@@ -235,15 +281,29 @@ class StepWatcher:
             if mon.params and all(p.grad is None for p in mon.params):  # host-side: no sync
                 return self._fault(FaultKind.LOSS, code=Code.LOSS_NO_GRAD, phase=Phase.BACKWARD,
                                    evidence={"reason": "no_gradient", "trainable": len(mon.params)})
+        step = self._step
+        if not self._read:  # the loss waits on the device for the next read (defer_reads): no op, no sync
+            self._pending.append((step, self._batch_index, self._epoch, loss, current_lr(self.optimizer)))
+            self.unread.add(step)
+            self._t_read = 0.0
+            self._last_norm = None  # (an update fault names this step's norm: it was not read)
+            return None
         scaler = self.scaler
+        pending = self._pending
         t_read = time.perf_counter()
         st = mon.read(loss, full=self._stats_step, scale=getattr(scaler, "_scale", None),
-                      grads=self._read_grads)
+                      grads=self._read_grads, pending=[p[3] for p in pending] if pending else None)
         self._t_read = time.perf_counter() - t_read
         if not self._read_grads:
-            self.unread.add(self._step)
+            self.unread.add(step)
         mon.active = False
-        step = self._step
+        alert = False
+        if pending:
+            fault, alert = self._take_pending(st.pending)
+            if fault is not None:
+                return fault
+        if self._read_limit is not None:
+            self._pace()
         if st.params_sum is not None:
             if not math.isfinite(st.params_sum):
                 fault = self._update_fault(step)
@@ -273,9 +333,62 @@ class StepWatcher:
                 self._record(record)
                 return self._fault(FaultKind.NONFINITE, rng=self._rng, stats=st)
         self._record(record)
-        self.schedule.alert = bool(self.tracker.update(record))
+        self.schedule.alert = bool(self.tracker.update(record)) or alert
         self._last_norm = st.grad_norm
         return None
+
+    def _take_pending(self, values: Any) -> tuple[Fault | None, bool]:
+        """The unread steps' losses, now read: their records (and warnings), up to the first non-finite one,
+        which is a fault the rollback names exactly (`_window_fault`). Returns (fault, alert)."""
+        pending, self._pending = self._pending, []
+        alert = False
+        tracker = self.tracker
+        for (step, _, _, _, lr), value in zip(pending, values.tolist()):
+            if not math.isfinite(value):
+                return self._window_fault(step, pending), alert
+            record = StepRecord(step, value, None, None, None, lr=lr)
+            self._record(record)
+            alert = bool(tracker.update(record)) or alert
+        return None, alert
+
+    def _window_fault(self, bad: int, pending: list[tuple[int, int | None, int, Any, float | None]]) -> Fault:
+        """Step `bad`, unread, had a non-finite loss: its cause is among the updates not yet checked and the
+        unread steps up to it. An update fault over that range, naming them unread, so the rollback replays
+        it from the ring with every check on and names the first step, and what went first, exactly."""
+        from nandoctor.probe.monitors import param_nonfinite
+
+        names = [n for n in param_nonfinite(self.model) if n not in self.monitor.start_nonfinite]
+        first, batch_index, epoch = pending[0][:3]
+        grad_norm = None
+        if self.history and self.history[0][0] <= first:
+            first, batch_index, epoch, grad_norm, _ = self.history[0]
+        unread = sorted(s for s in self.unread if first <= s <= bad)
+        return Fault(FaultKind.UPDATE, first, batch_index, epoch, None, bad_params=names, grad_norm=grad_norm,
+                     update_range=(first, bad), unread=unread)
+
+    def _pace(self) -> None:
+        """The next read's distance from the measured cost of reads against the step time (`defer_reads`)."""
+        self._read_seconds.append(self._t_read)
+        del self._read_seconds[:-8]
+        plain = self.schedule.plain
+        if not plain:
+            return
+        step_s = min(plain)
+        cost = statistics.median(self._read_seconds)
+        k = max(1, min(math.ceil(cost / max(_READ_SHARE * step_s, 1e-9)), int(self._read_limit()), MAX_UNREAD))
+        if self.defer_every > 1 and k > 1:  # the gradients' own spacing: reads on the steps they are read
+            k = self.defer_every
+        self.read_every = k
+
+    def flush(self) -> Fault | None:
+        """Read the steps still unread (the run ended, or the user's code raised): their records, and the
+        fault the first non-finite one of them is."""
+        if not self._pending:
+            return None
+        from nandoctor.probe.monitors import read_losses
+
+        fault, _ = self._take_pending(read_losses([p[3] for p in self._pending]))
+        return fault
 
     def _record(self, record: StepRecord) -> None:
         """Keep the step's record, in memory that stays bounded over any run length: the last RECENT_STEPS in
@@ -303,7 +416,8 @@ class StepWatcher:
             # Small models: the parameter check after every update. Many-tensor models: on stats steps,
             # since it costs ~7% of a 500-layer MLP's step; a NaN weight shows in the next step's loss
             # anyway, and then an exact check names the update that wrote it (`_update_fault`).
-            self.monitor.after_update(check=self._next_stats or self.monitor.small)
+            self.monitor.after_update(check=self._next_stats or (self.monitor.small
+                                                                 and self._reads(step + 1, self._next_stats)))
             history = self.history
             if len(history) > 1:
                 # Only the first and the newest entries' batches are ever named (`_update_fault`). Kept for
@@ -317,7 +431,10 @@ class StepWatcher:
             del self.stats_every[:-1]
 
     def finish(self) -> Fault | None:
-        """After the last step: the last update, checked once more (one extra sync per run)."""
+        """After the last step: the unread steps read, the last update checked once more (one or two syncs)."""
+        fault = self.flush()
+        if fault is not None:
+            return fault
         if not self.history:
             return None
         total = self.monitor.read_pending_params()

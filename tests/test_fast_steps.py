@@ -1,0 +1,114 @@
+"""Reads left on the device (issue 23, 1): with the snapshot ring on, a small model's steps go unread but one in
+k, their losses kept as device tensors; a fault on an unread step is still named at its exact step, phase,
+layer, op and samples (the rollback replays the unread steps), against a plain Paddle loop's ground truth
+and against the same probe reading every step (`--no-try-fixes`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import probe_models as pm
+import pytest
+from probe_spec import probe
+
+from nandoctor.findings import Phase
+from nandoctor.probe import ProbeOptions, run_probe
+from nandoctor.probe.watcher import READ_ALL_STEPS
+from nandoctor.spec import load_spec
+
+FAULT_STEP, FAULT_ROW = READ_ALL_STEPS + 13, 2
+BATCHES = FAULT_STEP + 20
+
+
+@pytest.fixture
+def reads_spaced(monkeypatch, no_stats_steps):
+    """Reads as far apart as the ring allows (a read's measured cost against a millisecond step would
+    already space them out; pinned here so the fault's step is surely unread)."""
+    from nandoctor.probe import watcher
+
+    monkeypatch.setattr(watcher, "_READ_SHARE", 1e-9)
+
+
+def _first_nonfinite_step(model, batches, *, grads: bool) -> int | None:
+    """Ground truth from a plain Paddle loop (Adam, lr 0.01, as the spec): the first step whose loss (or,
+    with `grads`, any gradient) is non-finite, judged on the host in float64."""
+    opt = paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters())
+    for step, (x, y) in enumerate(batches):
+        loss = paddle.nn.functional.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y).unsqueeze(-1))
+        if not np.isfinite(float(loss)):
+            return step
+        loss.backward()
+        if grads and not all(np.isfinite(p.grad.numpy().astype("float64")).all()
+                             for p in model.parameters() if p.grad is not None):
+            return step
+        opt.step()
+        opt.clear_grad()
+    return None
+
+
+def _live(tmp_path, steps=BATCHES, **kw):
+    """The same spec probed with every step read (no ring: nothing to roll back to)."""
+    tmp_path.mkdir()
+    probe(tmp_path, steps=1, **kw)  # writes the spec
+    return run_probe(load_spec(tmp_path / "config.yaml"), ProbeOptions(steps=steps, seed=0, device="cpu",
+                                                                       try_fixes=False))
+
+
+def _where(report):
+    ff = report.first_fault
+    return ff.step, ff.phase, ff.layer, ff.op, ff.sample_indices
+
+
+def test_a_backward_fault_on_an_unread_step_of_a_small_model_is_named_as_if_caught_live(tmp_path, reads_spaced):
+    data = {"zero_batch": FAULT_STEP, "zero_rows": [FAULT_ROW], "batches": BATCHES}
+    assert _first_nonfinite_step(pm.classifier("dist"), pm.loader(**data), grads=True) == FAULT_STEP
+    report = probe(tmp_path, model="classifier", model_args={"kind": "dist"}, data_args=data, steps=BATCHES)
+    rollback = report.details["rollback"]
+    assert FAULT_STEP in rollback["unread_steps"]  # the step's loss and gradients were never read live
+    assert rollback["found"] == {"step": FAULT_STEP, "kind": "grad"}
+    assert _where(report) == (FAULT_STEP, Phase.BACKWARD, "dist", "sqrt_grad", [FAULT_ROW])
+    live = _live(tmp_path / "live", model="classifier", model_args={"kind": "dist"}, data_args=data, steps=BATCHES)
+    assert "rollback" not in live.details and _where(live) == _where(report)
+    assert report.timeline[-1].step == FAULT_STEP
+    assert [p.step for p in report.timeline] == list(range(FAULT_STEP + 1))
+
+
+def test_a_nan_batch_on_an_unread_step_is_named_as_data_at_its_step(tmp_path, reads_spaced):
+    data = {"nan_batch": FAULT_STEP, "nan_rows": [FAULT_ROW], "batches": BATCHES}
+    assert _first_nonfinite_step(pm.classifier(), pm.loader(**data), grads=True) == FAULT_STEP
+    report = probe(tmp_path, data_args=data, steps=BATCHES)
+    assert FAULT_STEP in report.details["rollback"]["unread_steps"]
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.batch_index, ff.sample_indices) == (FAULT_STEP, Phase.DATA, FAULT_STEP, [FAULT_ROW])
+    assert [f.code.value for f in report.findings if f.severity.value == "error"] == ["data.nonfinite"]
+    live = _live(tmp_path / "live", data_args=data, steps=BATCHES)
+    assert (live.first_fault.step, live.first_fault.phase, live.first_fault.sample_indices) == (
+        ff.step, ff.phase, ff.sample_indices)
+
+
+def test_a_fault_in_the_last_unread_steps_is_read_when_the_run_ends(tmp_path, reads_spaced):
+    """The run stops two steps after the fault, before any later read: the end of the run reads them."""
+    data = {"zero_batch": FAULT_STEP, "zero_rows": [FAULT_ROW], "batches": BATCHES}
+    report = probe(tmp_path, model="classifier", model_args={"kind": "dist"}, data_args=data,
+                   steps=FAULT_STEP + 2)
+    assert FAULT_STEP in report.details["rollback"]["unread_steps"]
+    assert _where(report) == (FAULT_STEP, Phase.BACKWARD, "dist", "sqrt_grad", [FAULT_ROW])
+
+
+def test_healthy_small_model_reads_one_step_in_k_and_keeps_every_loss(tmp_path, reads_spaced):
+    report = probe(tmp_path, data_args={"batches": BATCHES}, steps=BATCHES)
+    assert report.first_fault is None and "rollback" not in report.details
+    assert [p.step for p in report.timeline] == list(range(BATCHES))  # every step's loss, read later
+    read = [p.step for p in report.timeline if p.grad_norm is not None]
+    # the early steps in full, then one in k
+    assert read[:READ_ALL_STEPS] == list(range(READ_ALL_STEPS)) and len(read) < READ_ALL_STEPS + 10
+    plain = pm.classifier()
+    opt = paddle.optimizer.Adam(learning_rate=0.01, parameters=plain.parameters())
+    losses = []
+    for x, y in pm.loader(batches=BATCHES):
+        loss = paddle.nn.functional.cross_entropy(plain(paddle.to_tensor(x)), paddle.to_tensor(y).unsqueeze(-1))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+    np.testing.assert_allclose([p.loss for p in report.timeline], losses, rtol=1e-6)
