@@ -219,9 +219,10 @@ class StepWatcher:
             self._read_limit = limit
 
     def _reads(self, step: int, stats: bool) -> bool:
-        """Whether step `step` is read on the host (always, unless defer_reads)."""
+        """Whether step `step` is read on the host (always, unless defer_reads). On multiples of read_every: no
+        more than read_every steps go unread in a row, whenever read_every changes."""
         return (self._read_limit is None or stats or self.schedule.alert
-                or step - self._first_step < READ_ALL_STEPS or step % self.read_every == 0)  # (then no more than read_every steps go unread in a row)
+                or step - self._first_step < READ_ALL_STEPS or step % self.read_every == 0)
 
     # ---- the stages of a step ----------------------------------------------------------------------
     def begin_step(self, step: int, fields: dict[str, Any], *, batch_index: int | None = None,
