@@ -264,7 +264,10 @@ def _load_optimizer(resume: ResumeSpec, file: Path, model: Any, optimizer: Any,
         raise SpecError(f"{source}: the key '{k}' in {file} matches no state of this {type(optimizer).__name__} "
                         f"for the model's parameters ({len(unmatched)} of its {len(state)} keys do not; this "
                         f"optimizer keeps {', '.join(kinds) or 'no state'} per parameter). Was it saved with "
-                        "another optimizer (optimizer.name) or for another model?")
+                        "another optimizer (optimizer.name) or for another model?" + ("" if names else (
+                            f" The weights file {resume.model.name} keeps no internal parameter names (as "
+                            "paddle.save's does) to translate the optimizer's keys with, so they must match this "
+                            "process's names exactly; save the weights with paddle.save(model.state_dict(), ...)")))
     if master is not None and hasattr(optimizer, "_master_weights"):
         optimizer._master_weights = {names.get(k, k): v for k, v in dict(master).items()}
     # a parameter no gradient reached before the checkpoint has no state in it: it starts fresh, as it would have

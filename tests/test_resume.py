@@ -291,3 +291,26 @@ def test_a_report_never_overwrites_the_checkpoint(plain: dict[str, Any]) -> None
     before = target.read_bytes()
     _fails(_cli("probe", str(_spec(plain["folder"], RESUME)), "--json", str(target)), "opt.pdopt", "overwrite")
     assert target.read_bytes() == before
+
+
+def test_resume_dir_reads_sharded_weights(plain: dict[str, Any], tmp_path: Path) -> None:
+    """save_pretrained's sharded layout: model_state.pdparams.index.json naming the shard of every key."""
+    ckpt = _trainer_folder(plain, tmp_path)
+    state = paddle.load(str(ckpt / "model_state.pdparams"))
+    (ckpt / "model_state.pdparams").unlink()
+    shards = {"model_state-00001-of-00002.pdparams": [k for k in state if k.startswith("body.")],
+              "model_state-00002-of-00002.pdparams": [k for k in state if not k.startswith("body.")]}
+    for name, keys in shards.items():
+        paddle.save({k: state[k] for k in keys}, str(ckpt / name))
+    index = {"weight_map": {k: name for name, keys in shards.items() for k in keys}}
+    (ckpt / "model_state.pdparams.index.json").write_text(json.dumps(index))
+    out = tmp_path / "report.json"
+    result = _cli("probe", str(_spec(tmp_path)), "--resume", str(ckpt), "--steps", "30", "--json", str(out), "-q")
+    assert result.exit_code == 1, result.output
+    rep = json.loads(out.read_text())
+    assert rep["first_fault"]["step"] == plain["fault"]
+    assert rep["details"]["resumed"]["model"].endswith("model_state.pdparams.index.json")
+
+
+def test_resume_with_nproc_is_refused(plain: dict[str, Any]) -> None:
+    _fails(_cli("probe", str(_spec(plain["folder"], RESUME)), "--nproc", "2"), "--nproc 2", "not supported")
