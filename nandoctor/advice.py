@@ -9,8 +9,11 @@ for their own script under `run`, `watch` and the hapi callback, TrainingArgumen
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
+
+import yaml
 
 from nandoctor.findings import Code, Mode, Report
 
@@ -100,13 +103,62 @@ def spec_mode(mode: Mode | str | None) -> bool:
     return mode is None or Mode(mode) == Mode.PROBE
 
 
-def setting_text(what: str, value: Any, mode: Mode | str | None = None, *, lr: float | None = None) -> str:
+LR_KEY = "optimizer.args.learning_rate"
+SCHED_ARGS_KEY = "optimizer.lr_scheduler.args"
+
+
+def num3(x: float) -> float:
+    """Three significant digits, as a float YAML writes and reads back exactly."""
+    return float(f"{x:.3g}")
+
+
+def flow_yaml(value: Any) -> str:
+    """A value as one line of YAML (flow style), keys in their own order."""
+    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6)
+    return text.strip().removesuffix("...").strip()  # a bare scalar ends its document with "..."
+
+
+def lr_edit(optimizer: Any, scale: float | None, rate: float | None) -> tuple[dict[str, Any] | None, str]:
+    """The learning rate times `scale` as a spec edit (dotted key -> value) and a note, naming only keys the
+    validator accepts: the base rate `optimizer.args.learning_rate` (a scheduler by name that takes one, or a
+    warmup alone, starts from it); a scheduler whose rates are its own arguments (PiecewiseDecay's `values`,
+    OneCycleLR's `max_learning_rate`) gets those scaled; an `entry` scheduler has no key to set (None, and the
+    note says what to change in the user's function). `rate`: the rate in use, when the spec gives none."""
+    sched = getattr(optimizer, "lr_scheduler", None)
+    base = (getattr(optimizer, "args", None) or {}).get("learning_rate")
+    by = f" by {scale:.2g}" if scale else ""
+    if sched is not None and sched.entry:
+        return None, f"scale the learning rates your optimizer.lr_scheduler.entry ({sched.entry}) returns{by}"
+    if sched is not None and sched.name:
+        from nandoctor.schedulers import scheduler_classes
+
+        cls = scheduler_classes().get(sched.name)
+        if cls is not None and "learning_rate" not in inspect.signature(cls).parameters:
+            rates = {k: v for k, v in sched.args.items() if "learning_rate" in k or k == "values"}
+            if not rates or not scale:
+                return None, f"scale the rates of optimizer.lr_scheduler ({sched.name}){by}"
+            scaled = {k: [num3(x * scale) for x in v] if isinstance(v, list) else num3(v * scale)
+                      for k, v in rates.items()}
+            return {SCHED_ARGS_KEY: {**sched.args, **scaled}}, f"the scheduler's rates x{scale:.2g}"
+    start = base if isinstance(base, (int, float)) else rate
+    if not isinstance(start, (int, float)) or not scale:
+        return None, f"the learning rate{' x' + format(scale, '.2g') if scale else ''}"
+    what = "the scheduler's base rate" if sched is not None else "was"
+    return {LR_KEY: num3(start * scale)}, f"{what} {start:g}"
+
+
+def setting_text(what: str, value: Any, mode: Mode | str | None = None, *, lr: float | None = None,
+                 optimizer: Any = None) -> str:
     """One setting as the user writes it where they ran: `what` is `clip` (a global norm), `lr` (a
-    learning rate) or `warmup` (steps; `lr` the rate it warms up to). A code span, ready for a sentence."""
+    learning rate; `lr` the one in use) or `warmup` (steps; `lr` the rate it warms up to). A code span,
+    ready for a sentence. For a spec, `optimizer` (the spec's OptimizerSpec) picks the key that sets a
+    learning rate there (`lr_edit`)."""
     v = f"{value:.3g}" if isinstance(value, float) else str(value)
     if spec_mode(mode):
-        key = {"clip": "optimizer.grad_clip", "lr": "optimizer.args.learning_rate",
-               "warmup": "optimizer.lr_scheduler.warmup"}[what]
+        if what == "lr" and optimizer is not None:
+            edit, note = lr_edit(optimizer, value / lr if isinstance(lr, (int, float)) and lr > 0 else None, lr)
+            return " ".join(f"`{k}: {flow_yaml(x)}` in the spec" for k, x in edit.items()) if edit else note
+        key = {"clip": "optimizer.grad_clip", "lr": LR_KEY, "warmup": "optimizer.lr_scheduler.warmup"}[what]
         shown = {"clip": f"{{global_norm: {v}}}", "lr": v, "warmup": f"{{steps: {v}, start_lr: 0.0}}"}[what]
         return f"`{key}: {shown}` in the spec"
     if Mode(mode) == Mode.TRAINER:
@@ -123,10 +175,14 @@ def setting_text(what: str, value: Any, mode: Mode | str | None = None, *, lr: f
             f"start_lr=0.0, end_lr={end})` as the optimizer's learning_rate, {stepped}")
 
 
-def lower_lr_advice(lr: float | None, at: str = "", mode: Mode | str | None = None) -> str:
+def lower_lr_advice(lr: float | None, at: str = "", mode: Mode | str | None = None, optimizer: Any = None) -> str:
     """How far to lower the learning rate, scaled to the one in use: 3-10x is right for 3e-3, not for 1000;
-    the new rate and the warmup written for `mode`."""
+    the new rate and the warmup written for `mode` (and, for a spec, its `optimizer` block)."""
     warm = f"add a warmup of a few hundred steps ({setting_text('warmup', WARMUP_STEPS, mode, lr=lr)})"
+
+    def new_rate(rate: float) -> str:
+        return setting_text("lr", rate, mode, lr=lr, optimizer=optimizer)
+
     if not isinstance(lr, (int, float)) or lr <= 0 or lr != lr:
         return f"Lower the learning rate by 3-10x and {warm}."
     where = f" ({lr:g}{' ' + at if at else ''})"
@@ -138,12 +194,12 @@ def lower_lr_advice(lr: float | None, at: str = "", mode: Mode | str | None = No
                     f"1e-3 to 0.1 for SGD/Momentum): set it in that range. If 1e-{k} was meant, the exponent's "
                     f"minus sign is missing (1e{k}).")
         return (f"The learning rate{where} is far beyond any usual value (about 1e-5 to 1e-3 for Adam/AdamW, "
-                f"1e-3 to 0.1 for SGD/Momentum): set it in that range, e.g. 1e-3 ({setting_text('lr', 1e-3, mode)}), "
+                f"1e-3 to 0.1 for SGD/Momentum): set it in that range, e.g. 1e-3 ({new_rate(1e-3)}), "
                 f"and {warm}.")
     if lr >= 0.1:
         return (f"Lower the learning rate{where} by about 10x (to {lr / 10:.2g} or less), e.g. "
-                f"{setting_text('lr', float(f'{lr / 10:.2g}'), mode)}, and {warm}.")
-    return (f"Lower the learning rate{where} by 3-10x (e.g. {setting_text('lr', float(f'{lr / 5:.2g}'), mode)}) "
+                f"{new_rate(float(f'{lr / 10:.2g}'))}, and {warm}.")
+    return (f"Lower the learning rate{where} by 3-10x (e.g. {new_rate(float(f'{lr / 5:.2g}'))}) "
             f"and {warm}.")
 
 
@@ -186,7 +242,8 @@ def cause_advice(cause: str, **facts: Any) -> list[str]:
     if cause in ("grad.explosion", "loss.jump"):
         what = ("the gradient norm grew step after step" if cause == "grad.explosion" else
                 "the loss jumped in one update")
-        out = [f"The fault follows from the step size: {what} before it. " + lower_lr_advice(lr, at_text, mode),
+        lower = lower_lr_advice(lr, at_text, mode, facts.get("optimizer"))
+        out = [f"The fault follows from the step size: {what} before it. " + lower,
                clip_advice(facts.get("clip_norm"), mode, " so one large gradient cannot throw the weights this far")]
         scaled = scale_advice(facts.get("scales"))
         # data measured far from unit scale is the root: the learning rate only suits data of that scale
@@ -238,7 +295,7 @@ def advice_for(code: str, op: str | None = None, **facts: Any) -> list[str]:
                 f"({typical:.3g})" if clip_norm and typical else
                 f" at about {clip_norm:.3g}, from the norm seen before the growth began" if clip_norm else "")
         clip = [clip_advice(clip_norm, mode, seen)]
-        lower = lower_lr_advice(lr, at if lr_text else "", mode)
+        lower = lower_lr_advice(lr, at if lr_text else "", mode, facts.get("optimizer"))
         # a learning rate beyond any usual value is the thing to fix first; clipping would only hide it
         out += [lower, *clip] if isinstance(lr, (int, float)) and lr > 1.0 else [*clip, lower]
         return out
@@ -279,11 +336,12 @@ def nonfinite_filter_advice(shapes: dict[str, list[int]]) -> str:
             f"where `{masks}` (one boolean per sample), or check each sample in the Dataset's __getitem__.")
 
 
-def fit_mode(report: Report) -> None:
+def fit_mode(report: Report, optimizer: Any = None) -> None:
     """Settings in the report's advice written for the way the user ran (`Report.mode`): the findings whose
-    advice names a setting are re-made from their evidence. A spec's report is written in YAML already."""
+    advice names a setting are re-made from their evidence; for a spec, with the keys its `optimizer` block
+    accepts (a learning rate is not always `optimizer.args.learning_rate`)."""
     mode = report.mode
-    if spec_mode(mode):
+    if spec_mode(mode) and optimizer is None:
         return
     for f in report.findings:
         if f.code != Code.GRAD_EXPLOSION:
@@ -292,4 +350,5 @@ def fit_mode(report: Report) -> None:
         kept = [a for a in f.advice if a.startswith(("Verified by", "Tried by"))]
         f.advice = advice_for(Code.GRAD_EXPLOSION.value, clip_norm=ev.get("clip_threshold"),
                               learning_rate=ev.get("learning_rate"), lr_step=f.location.step,
-                              typical_norm=ev.get("typical_grad_norm", ev.get("typical_norm")), mode=mode) + kept
+                              typical_norm=ev.get("typical_grad_norm", ev.get("typical_norm")), mode=mode,
+                              optimizer=optimizer) + kept

@@ -51,14 +51,15 @@ def after_run(report: Report, causes: Causes, res: Any, workload: Any, lr: float
     fault = res.fault
     if causes.bad:
         nan_params.after_run(report, causes.bad, fault, workload.target(), res.steps_run, res.records)
-    explain(report, fault, res.records, lr, label=workload.spec.data.label)
+    explain(report, fault, res.records, lr, label=workload.spec.data.label, optimizer=workload.spec.optimizer)
 
 
 def explain(report: Report, fault: Any, records: list[Any] | None, lr: float | None, *,
-            label: str | None = None) -> None:
+            label: str | None = None, optimizer: Any = None) -> None:
     """The fault's causes (the growth before it, a loss jump, a NaN parameter read, the initial scale) and
     advice that fits the cause, the data's shape and the report's mode; every way in calls it once its
-    findings are made. `label`: the target field's name, when known."""
+    findings are made. `label`: the target field's name, when known; `optimizer`: a spec's optimizer block
+    (its settings' keys), None outside a spec."""
     if fault is not None and fault.kind == FaultKind.DATA:
         _data_advice(report, fault)
     if fault is not None and fault.kind in (FaultKind.NONFINITE, FaultKind.UPDATE):
@@ -66,8 +67,8 @@ def explain(report: Report, fault: Any, records: list[Any] | None, lr: float | N
         if found is not None:  # it sees the whole rise up to the fault: it replaces the tracker's warning
             report.findings = [f for f in report.findings if f.code != Code.GRAD_EXPLOSION]
             report.findings.append(found)
-        _name_causes(report, fault.step, records, lr, scales=field_scales(fault, label))
-    fit_mode(report)
+        _name_causes(report, fault.step, records, lr, scales=field_scales(fault, label), optimizer=optimizer)
+    fit_mode(report, optimizer)
 
 
 def field_scales(fault: Any, label: str | None) -> list[dict[str, Any]]:
@@ -121,14 +122,14 @@ _INIT_STEPS = 3  # a forward overflow this early still follows from the initial 
 
 
 def _name_causes(report: Report, fault_step: int, records: list[Any] | None = None, lr: float | None = None,
-                 scales: list[dict[str, Any]] | None = None) -> None:
+                 scales: list[dict[str, Any]] | None = None, optimizer: Any = None) -> None:
     """The fault's own finding says what led to it, so the first thing read is cause and symptom together;
     its advice then starts with what fixes that cause, not with what the op does wrong in general."""
     symptom = next((f for f in report.findings if f.code in _SYMPTOMS and f.location.step == fault_step), None)
     if symptom is None:
         return
     causes: list[tuple[str, str]] = []  # (code, text)
-    facts: dict[str, Any] = {"learning_rate": lr, "mode": report.mode, "scales": scales}
+    facts: dict[str, Any] = {"learning_rate": lr, "mode": report.mode, "scales": scales, "optimizer": optimizer}
     read = [f for f in report.findings if f.code == Code.PARAM_NONFINITE
             and f.evidence.get("first_read_step") == fault_step and f.location.parameter == symptom.location.parameter]
     if read:

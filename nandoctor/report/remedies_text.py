@@ -11,41 +11,24 @@ with a `# comment` saying what it was; for a user's own script, the Python or Tr
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-import yaml
-
-from nandoctor.advice import finite_rows_expr, spec_mode
+from nandoctor.advice import LR_KEY, finite_rows_expr, flow_yaml, lr_edit, num3, setting_text, spec_mode
 from nandoctor.findings import Mode
 from nandoctor.report.common import fmt_value
 
-LR_KEY = "optimizer.args.learning_rate"
 CLIP_KEY = "optimizer.grad_clip"
 WARMUP_KEY = "optimizer.lr_scheduler.warmup"
-SCHED_ARGS_KEY = "optimizer.lr_scheduler.args"
-
-
-def _num(x: float) -> float:
-    """Three significant digits, as a float YAML writes and reads back exactly."""
-    return float(f"{x:.3g}")
-
-
-def _yaml(value: Any) -> str:
-    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6)
-    return text.strip().removesuffix("...").strip()  # a bare scalar ends its document with "..."
 
 
 def change_text(edit: dict[str, Any], note: str | None = None, mode: Mode | str | None = None) -> str:
     """A `spec_change` as the user writes it: `key: value` lines for a spec (with `note` as a YAML comment),
     else the Python (or TrainingArguments) for their script."""
     if spec_mode(mode):
-        lines = [f"{key}: {_yaml(value)}" for key, value in edit.items()]
+        lines = [f"{key}: {flow_yaml(value)}" for key, value in edit.items()]
         if note:
             lines[-1] += f"  # {note}"
         return "\n".join(lines)
-    from nandoctor.advice import setting_text
-
     parts = []
     for key, value in edit.items():
         if key == CLIP_KEY:
@@ -61,7 +44,7 @@ def change_text(edit: dict[str, Any], note: str | None = None, mode: Mode | str 
 
 
 def clip_change(norm: float) -> dict[str, Any]:
-    return {CLIP_KEY: {"global_norm": _num(norm)}}
+    return {CLIP_KEY: {"global_norm": num3(norm)}}
 
 
 def warmup_change(steps: int) -> dict[str, Any]:
@@ -70,32 +53,9 @@ def warmup_change(steps: int) -> dict[str, Any]:
 
 
 def lr_change(optimizer_spec: Any, lr: float | None, scale: float) -> tuple[dict[str, Any] | None, str]:
-    """The learning rate times `scale` as a spec edit, and a note: the base rate `optimizer.args.learning_rate`
-    (a scheduler by name or a warmup alone starts from it); a scheduler whose rates are its own arguments
-    (PiecewiseDecay's `values`, OneCycleLR's `max_learning_rate`) gets those scaled; an `entry` scheduler
-    has no key to set (None, and the note says what to change in the user's function)."""
-    sched = getattr(optimizer_spec, "lr_scheduler", None)
-    args = dict(getattr(optimizer_spec, "args", None) or {})
-    base = args.get("learning_rate")
-    if sched is not None and sched.entry:
-        return None, f"scale the learning rates your optimizer.lr_scheduler.entry ({sched.entry}) returns by {scale:g}"
-    if sched is not None and sched.name:
-        from nandoctor.schedulers import scheduler_classes
-
-        cls = scheduler_classes().get(sched.name)
-        params = inspect.signature(cls).parameters if cls is not None else {}
-        if "learning_rate" not in params:
-            rates = {k: v for k, v in sched.args.items() if ("learning_rate" in k or k == "values")}
-            scaled = {k: ([_num(x * scale) for x in v] if isinstance(v, list) else _num(v * scale))
-                      for k, v in rates.items()}
-            if not scaled:
-                return None, f"scale the rates of optimizer.lr_scheduler ({sched.name}) by {scale:g}"
-            return {SCHED_ARGS_KEY: {**sched.args, **scaled}}, f"the scheduler's rates x{scale:g}"
-    rate = base if isinstance(base, (int, float)) else lr
-    if not isinstance(rate, (int, float)):
-        return None, f"the learning rate x{scale:g}"
-    what = "the scheduler's base rate" if sched is not None else "was"
-    return {LR_KEY: _num(rate * scale)}, f"{what} {rate:g}" if sched is not None else f"was {rate:g}"
+    """The learning rate times `scale` as a spec edit and a note (advice.lr_edit: only keys the validator
+    accepts; None for a scheduler of the user's own `entry`)."""
+    return lr_edit(optimizer_spec, scale, lr)
 
 
 def drop_nonfinite_text(fault: Any, rows: list[int]) -> str:
