@@ -169,10 +169,10 @@ def setting_text(what: str, value: Any, mode: Mode | str | None = None, *, lr: f
     if what == "lr":
         return f"`learning_rate={v}` for your optimizer or its LR scheduler"
     end = f"{lr:.3g}" if isinstance(lr, (int, float)) else "<your learning rate>"
-    stepped = ("(Model.fit steps it each batch)" if Mode(mode) == Mode.HAPI else
+    stepped = ("Model.fit's LRScheduler callback steps it after each batch" if Mode(mode) == Mode.HAPI else
                "with `scheduler.step()` after each `optimizer.step()`")
     return (f"`paddle.optimizer.lr.LinearWarmup(learning_rate=<your rate or scheduler>, warmup_steps={v}, "
-            f"start_lr=0.0, end_lr={end})` as the optimizer's learning_rate, {stepped}")
+            f"start_lr=0.0, end_lr={end})` as the optimizer's learning_rate; {stepped}")
 
 
 def lower_lr_advice(lr: float | None, at: str = "", mode: Mode | str | None = None, optimizer: Any = None) -> str:

@@ -110,21 +110,29 @@ def test_a_divergence_gets_step_size_and_scale_advice_in_yaml(probe):
     assert "paddle.nn.ClipGradByGlobalNorm" not in json.dumps(report["findings"])
 
 
-def _watch_divergence(folder: Path) -> dict[str, Any]:
-    """target_scale_divergence's loop under nandoctor.watch, in the user's own Python."""
-    import nandoctor
-
+def _divergence_setup() -> tuple[Any, Any, Any]:
     model = sample_module("target_scale_divergence", "model").build_model()
     sched = paddle.optimizer.lr.StepDecay(learning_rate=5.0e-4, step_size=100, gamma=0.5)
-    opt = paddle.optimizer.SGD(learning_rate=sched, parameters=model.parameters())
+    return model, sched, paddle.optimizer.SGD(learning_rate=sched, parameters=model.parameters())
 
-    def step(m: Any, batch: Any) -> Any:
-        x, y = (paddle.to_tensor(v) for v in batch)
-        return paddle.nn.functional.mse_loss(m(x), y)
 
-    with nandoctor.watch(model, opt, step_fn=step, report_dir=folder, fields=["x", "y"]) as doctor:
+def _step(m: Any, batch: Any) -> Any:
+    x, y = (paddle.to_tensor(v) for v in batch)
+    return paddle.nn.functional.mse_loss(m(x), y)
+
+
+def _watch_divergence(folder: Path, mode: Any = None) -> dict[str, Any]:
+    """target_scale_divergence's loop in the user's own Python under nandoctor.watch, or (`mode`) under the
+    Doctor as another way in builds it (the Trainer callback: Mode.TRAINER)."""
+    import nandoctor
+    from nandoctor.inloop.doctor import Doctor
+
+    model, sched, opt = _divergence_setup()
+    doctor = (nandoctor.watch(model, opt, step_fn=_step, report_dir=folder, fields=["x", "y"]) if mode is None else
+              Doctor(model, opt, step_fn=_step, report_dir=folder, fields=["x", "y"], mode=mode))
+    with doctor:
         for batch in sample_module("target_scale_divergence", "data").build_loader():
-            loss = step(model, batch)
+            loss = _step(model, batch)
             loss.backward()
             if not doctor.check(loss, batch):
                 break
@@ -134,16 +142,52 @@ def _watch_divergence(folder: Path) -> dict[str, Any]:
     return json.loads((folder / "report.json").read_text(encoding="utf-8"))
 
 
-def test_a_watched_divergence_gets_python_advice_for_the_users_script(tmp_path):
-    """nandoctor.watch: the same cause and scale advice, with settings as Python for the user's own script
-    (ClipGradByGlobalNorm passed as grad_clip, LinearWarmup), no spec key, no "loss formula"."""
+def _fit_divergence(folder: Path) -> dict[str, Any]:
+    """The same regression through paddle.Model.fit with nandoctor's hapi callback (the same batches)."""
+    from paddle.static import InputSpec
+
+    from nandoctor.hapi import NanDoctorCallback
+
+    batches = sample_module("target_scale_divergence", "data").build_loader()
+    xs, ys = np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches])
+
+    class Rows(paddle.io.Dataset):
+        def __getitem__(self, i: int) -> Any:
+            return xs[i], ys[i]
+
+        def __len__(self) -> int:
+            return len(xs)
+
+    net, _, opt = _divergence_setup()
+    model = paddle.Model(net, inputs=[InputSpec([None, 8], "float32", "x")],
+                         labels=[InputSpec([None, 1], "float32", "y")])
+    model.prepare(opt, paddle.nn.MSELoss())
+    model.fit(Rows(), epochs=1, batch_size=32, shuffle=False, verbose=0,
+              callbacks=[NanDoctorCallback(report_dir=folder)])
+    return json.loads((folder / "report.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize(("way", "python"), [
+    ("watch", ["`grad_clip=paddle.nn.ClipGradByGlobalNorm(", "paddle.optimizer.lr.LinearWarmup(", "scheduler.step()"]),
+    ("hapi", ["`grad_clip=paddle.nn.ClipGradByGlobalNorm(", "paddle.optimizer.lr.LinearWarmup(", "Model.fit"]),
+    ("trainer", ["`max_grad_norm=", "`warmup_steps=200` in your TrainingArguments", "`learning_rate=0.0001` in your "
+                 "TrainingArguments"]),
+])
+def test_an_in_loop_divergence_gets_advice_for_the_users_script(tmp_path, way, python):
+    """watch, hapi and the Trainer's Doctor: the same cause and scale advice as the probe, with settings as
+    Python for the user's own script (ClipGradByGlobalNorm passed as grad_clip, LinearWarmup) or as
+    TrainingArguments fields; no spec key, no "loss formula"."""
+    from nandoctor.findings import Mode
+
     truth_step = len(_plain_divergence(40)) - 1
-    report = _watch_divergence(tmp_path / "report")
-    assert report["run"]["mode"] == "watch" and report["first_fault"]["step"] == truth_step
+    folder = tmp_path / "report"
+    report = (_fit_divergence(folder) if way == "hapi" else
+              _watch_divergence(folder, Mode.TRAINER if way == "trainer" else None))
+    assert report["run"]["mode"] == way and report["first_fault"]["step"] == truth_step
     symptom = _symptom(report)
     assert symptom["evidence"]["causes"][0] in ("grad.explosion", "loss.jump"), symptom
     text = " ".join(symptom["advice"])
-    assert "`grad_clip=paddle.nn.ClipGradByGlobalNorm(" in text and "paddle.optimizer.lr.LinearWarmup(" in text
+    assert all(p in text for p in python), symptom["advice"]
     assert f"field 'y' of batch {truth_step}" in text and f"root mean square {_target_rms(truth_step):.3g}" in text
     assert not any(w in a for a in symptom["advice"] for w in _NOT_THIS_CAUSE), symptom["advice"]
     for finding in report["findings"]:  # every advice line of the report, the growth warning's included
