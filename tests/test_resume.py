@@ -38,7 +38,8 @@ LR = 0.1
 
 
 def _spec(folder: Path, resume: dict[str, Any] | None = None, *, data: str = "build_loader",
-          model_args: dict[str, Any] | None = None, optimizer: str = "Momentum", extra: dict | None = None) -> Path:
+          model_args: dict[str, Any] | None = None, optimizer: str = "Momentum", extra: dict | None = None,
+          warmup: int = 100) -> Path:
     raw: dict[str, Any] = {
         "version": 1,
         "model": {"entry": f"{MODELS}:build_model", "args": model_args or {}},
@@ -46,7 +47,7 @@ def _spec(folder: Path, resume: dict[str, Any] | None = None, *, data: str = "bu
         "loss": {"builtin": "mse"},
         "optimizer": {"name": optimizer, "args": {"learning_rate": LR, **({"momentum": 0.9} if optimizer ==
                                                                             "Momentum" else {})},
-                      "lr_scheduler": {"warmup": {"steps": 100, "start_lr": 0.0}}},
+                      "lr_scheduler": {"warmup": {"steps": warmup, "start_lr": 0.0}}},
     }
     if resume is not None:
         raw["resume"] = resume
@@ -56,13 +57,13 @@ def _spec(folder: Path, resume: dict[str, Any] | None = None, *, data: str = "bu
     return path
 
 
-def _plain(ckpt: Path, optimizer: str = "Momentum") -> dict[str, Any]:
+def _plain(ckpt: Path, optimizer: str = "Momentum", warmup: int = 100, n: int = N) -> dict[str, Any]:
     """The user's own loop, as nandoctor's step runs it (forward, mse, backward, step, clear_grad, the
     warmup's step): saves a checkpoint after N steps, stops at the first non-finite output, loss or
     gradient. Returns the losses by step, the fault's step and the first sublayer whose output was
     non-finite on that step."""
     model = rm.build_model()
-    sched = paddle.optimizer.lr.LinearWarmup(learning_rate=LR, warmup_steps=100, start_lr=0.0, end_lr=LR)
+    sched = paddle.optimizer.lr.LinearWarmup(learning_rate=LR, warmup_steps=warmup, start_lr=0.0, end_lr=LR)
     kw = {"momentum": 0.9} if optimizer == "Momentum" else {}
     opt = getattr(paddle.optimizer, optimizer)(learning_rate=sched, parameters=model.parameters(), **kw)
     bad_layers: list[str] = []
@@ -72,9 +73,9 @@ def _plain(ckpt: Path, optimizer: str = "Momentum") -> dict[str, Any]:
     losses: dict[int, float] = {}
     step = 0
     try:
-        for _epoch in range(100):
+        for _epoch in range(1000):
             for x, y in rm.build_loader():
-                if step == N:
+                if step == n:
                     ckpt.mkdir(parents=True, exist_ok=True)
                     paddle.save(model.state_dict(), str(ckpt / "model.pdparams"))
                     paddle.save(opt.state_dict(), str(ckpt / "opt.pdopt"))
@@ -314,3 +315,20 @@ def test_resume_dir_reads_sharded_weights(plain: dict[str, Any], tmp_path: Path)
 
 def test_resume_with_nproc_is_refused(plain: dict[str, Any]) -> None:
     _fails(_cli("probe", str(_spec(plain["folder"], RESUME)), "--nproc", "2"), "--nproc 2", "not supported")
+
+
+def test_a_late_fault_after_the_resume_is_named_where_reads_are_spaced_out(tmp_path: Path) -> None:
+    """A fault some 130 steps after the resume point, past the steps the probe reads in full: the snapshot
+    ring (taken from the resumed step on) and the spaced reads still name the plain loop's step and layer."""
+    n, warmup = 100, 250
+    truth = _plain(tmp_path / "ckpt", warmup=warmup, n=n)
+    assert truth["fault"] > n + 100
+    rep = _probe(_spec(tmp_path, {**RESUME, "step": n}, warmup=warmup), steps=200)
+    assert rep["first_fault"]["step"] == truth["fault"]
+    assert rep["first_fault"]["layer"] == truth["layer"]
+    kept = {p["step"]: p["loss"] for p in rep["timeline"] if p["loss"] is not None}
+    for step in (n, n + 1, n + 50):
+        assert kept[step] == pytest.approx(truth["losses"][step], rel=1e-5), step
+    rollback = rep["details"].get("rollback")
+    if rollback is not None and "replayed_from_step" in rollback:  # the fault was on an unread step
+        assert rollback["replayed_from_step"] >= n
