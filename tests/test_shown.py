@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import linecache
+import math
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from inloop_helpers import ROOT
@@ -23,6 +25,10 @@ from rich.console import Console
 from nandoctor.findings import Mode, Report
 from nandoctor.report import console as console_report
 from nandoctor.report import markdown as markdown_report
+from nandoctor.report import plots
+from nandoctor.report.common import as_float
+
+plt = plots._pyplot()
 
 LIMIT = 240
 
@@ -129,3 +135,156 @@ def test_in_loop_reports_name_no_exit_status_and_no_flag(mode: Mode) -> None:
 def test_no_markdown_footer_when_markdown_was_written(lr_run: tuple[Report, str, str]) -> None:
     _, stdout, _ = lr_run
     assert "--markdown" not in stdout and "Exit status 1" in " ".join(stdout.split())
+
+
+# --- Markdown ----------------------------------------------------------------------------------------------
+
+def _md_rows(markdown: str, section: str) -> list[list[str]]:
+    body = markdown.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+    return [[c.strip() for c in line.strip("|").split(" | ")] for line in body.splitlines() if line.startswith("|")]
+
+
+def test_markdown_change_column_is_code(lr_run: tuple[Report, str, str]) -> None:
+    report, _, markdown = lr_run
+    rows = {row[1]: row for row in _md_rows(markdown, "Remedies")}
+    for remedy in report.remedies:
+        if remedy["outcome"] == "fixed":
+            code = remedy["change"].split("  # ")[0].rsplit(" (", 1)[0].splitlines()[0]
+            assert f"`{code}`" in rows[f"`{remedy['remedy']}`"][2], rows[f"`{remedy['remedy']}`"]
+
+
+def test_markdown_timeline_shows_the_learning_rate(lr_run: tuple[Report, str, str]) -> None:
+    report, _, markdown = lr_run
+    rows = _md_rows(markdown, "Timeline")
+    header = rows[0]
+    assert "learning rate" in header
+    column = header.index("learning rate")
+    lrs = {p.step: p.lr for p in report.timeline}
+    assert all(lr is not None for lr in lrs.values())
+    for row in rows[2:]:
+        step = int(row[0].split("**")[1] if row[0].startswith("**") else row[0])
+        assert float(row[column]) == pytest.approx(lrs[step], rel=1e-3)
+
+
+# --- a finite norm float32 could not hold is not a fault ------------------------------------------------
+
+def _overflowed_report() -> Report:
+    """probe_nan_report with the step-30 norm written as Inf by a float32 sum of squares: the watcher ran
+    on to step 36 (where the gradients went non-finite), so step 30's gradients were finite."""
+    report = probe_nan_report()
+    report.timeline[30].grad_norm = float("inf")
+    report.details["grad_norms"] = {"parameters": ["w", "b"], "steps": [29, 30, 31],
+                                    "values": [[1.0, float("inf"), 3.0], [0.5, 0.7, 0.9]]}
+    return report
+
+
+def test_an_overflowed_norm_is_not_drawn_as_a_fault(drawn: Any) -> None:
+    report = _overflowed_report()
+    text = _console(report, 120)  # one sparkline cell per step
+    norm_line = next(line for line in text.splitlines() if line.startswith("grad norm"))
+    assert norm_line.count("✗") == 4 and norm_line.index("▲") == norm_line.index("▁") + 30  # 36-39; 30 apart
+    assert "1 overflowed in float32" in " ".join(text.split()) and ", 4 non-finite" in " ".join(text.split())
+    row30 = next(r for r in _md_rows(markdown_report.render(report), "Timeline") if r[0] == "30")
+    assert row30[2] == "overflowed in float32"
+    fig = drawn.loss(report)
+    lines = {line.get_label(): list(line.get_xdata()) for ax in fig.axes for line in ax.lines}
+    assert 30 not in lines.get("grad norm NaN/Inf", [])
+    assert lines["grad norm overflowed in float32 (gradients finite)"] == [30]
+    fig = drawn.heat(report)
+    texts = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    assert "NaN/Inf" not in texts and "norm overflowed in float32 (gradients finite)" in texts
+
+
+# --- plots ----------------------------------------------------------------------------------------------
+
+class _Drawn:
+    """The figure a plot function drew, taken before it is closed (the public writers, so the same test
+    reads the figures of any version of plots.py)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        self.monkeypatch, self.tmp_path, self.figures = monkeypatch, tmp_path, []
+        monkeypatch.setattr(plt, "close", self.figures.append)
+
+    def loss(self, report: Report) -> Any:
+        assert plots.plot_loss_and_grad_norm(report, self.tmp_path / "loss.png")
+        return self.figures[-1]
+
+    def heat(self, report: Report) -> Any:
+        assert plots.plot_activation_heatmap(report, self.tmp_path / "heat.png")
+        return self.figures[-1]
+
+
+@pytest.fixture
+def drawn(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    found = _Drawn(monkeypatch, tmp_path)
+    yield found
+    monkeypatch.undo()
+    for figure in found.figures:
+        plt.close(figure)
+
+
+def test_loss_and_grad_norm_have_their_own_y_axes_on_one_step_axis(lr_divergence: Report, drawn: Any) -> None:
+    fig = drawn.loss(lr_divergence)
+    owners = {line.get_label(): ax for ax in fig.axes for line in ax.lines}
+    loss_ax, norm_ax = owners["loss (left axis)"], owners["global grad norm (right axis)"]
+    assert loss_ax is not norm_ax and loss_ax.get_shared_x_axes().joined(loss_ax, norm_ax)
+    assert loss_ax.get_yscale() == norm_ax.get_yscale() == "log"
+    norms = [n for n in (as_float(p.grad_norm) for p in lr_divergence.timeline) if math.isfinite(n)]
+    low, high = norm_ax.get_ylim()
+    assert low <= min(norms) and max(norms) <= high  # the norm's own range, not the loss's
+
+
+def test_heatmap_sits_on_the_real_step_axis_under_the_loss_plot(lr_divergence: Report, drawn: Any) -> None:
+    """The probe records activations on some steps only (step 1 is missing here): each cell sits at its
+    own step, the fault line at the fault's step, and x range and plotting area match the loss plot's."""
+    steps = lr_divergence.details["activation_max"]["steps"]
+    assert steps != list(range(len(steps)))  # not every step: positions and steps differ
+    loss_fig, heat_fig = drawn.loss(lr_divergence), drawn.heat(lr_divergence)
+    loss_ax = loss_fig.axes[0]
+    panels = [ax for ax in heat_fig.axes if ax.get_ylabel() in ("layer", "parameter")]
+    assert panels
+    for ax in panels:
+        assert ax.get_xlim() == pytest.approx(loss_ax.get_xlim())
+        a, b = ax.get_position(), loss_ax.get_position()
+        assert (a.x0, a.x1) == pytest.approx((b.x0, b.x1), abs=1e-6)
+        assert any(list(line.get_xdata()) == [16, 16] for line in ax.lines)  # the fault at step 16
+    edges = panels[0].collections[0].get_coordinates()[0, :, 0]
+    for j, step in enumerate(steps):
+        assert edges[j] < step < edges[j + 1]
+
+
+def _small_activations(missing: bool = False) -> Report:
+    report = probe_nan_report()
+    values = [[1.0 + 0.1 * s for s in range(10)], [3.0 + 0.5 * s for s in range(10)]]
+    if missing:
+        values[0][4] = None
+    report.details["activation_max"] = {"layers": ["a", "b"], "steps": list(range(10)), "values": values}
+    return report
+
+
+def test_colour_scale_is_the_datas_not_float16s(drawn: Any) -> None:
+    """Activations of 1-8: the colours span 1-8 (float16's 65504 on the scale squeezed them into one hue)."""
+    ax = drawn.heat(_small_activations()).axes[0]
+    norm = (ax.images or ax.collections)[0].norm
+    assert norm.vmin == pytest.approx(1.0) and norm.vmax == pytest.approx(7.5)
+
+
+@pytest.mark.parametrize("build", ["loss", "heat"])
+def test_legends_sit_off_the_data(lr_divergence: Report, build: str, drawn: Any) -> None:
+    report = _small_activations(missing=True) if build == "heat" else lr_divergence
+    fig = drawn.loss(report) if build == "loss" else drawn.heat(report)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legends = list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert legends
+    data_axes = [ax for ax in fig.axes if ax.get_ylabel() in ("layer", "parameter") or ax.lines]
+    for legend in legends:
+        box = legend.get_window_extent(renderer)
+        for ax in data_axes:
+            assert not box.overlaps(ax.get_window_extent(renderer)), (build, ax.get_ylabel())
+
+
+def test_grey_cells_are_explained(drawn: Any) -> None:
+    fig = drawn.heat(_small_activations(missing=True))
+    texts = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    assert "not recorded at this step" in texts

@@ -23,6 +23,8 @@ from nandoctor.findings import Report, TimelinePoint, Verdict
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 NONFINITE_MARK = "✗"
+OVERFLOW_MARK = "▲"  # a gradient norm above float32's range (its square overflowed): finite gradients
+_OVERFLOWED: Any = object()  # stands for such a norm inside `sparkline`
 MISSING_MARK = " "
 
 _TEXT_FLOATS = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf,
@@ -205,7 +207,8 @@ def is_finite_point(point: TimelinePoint) -> bool:
     return True
 
 
-def sparkline(values: Sequence[Any], *, log: bool = False, width: int = 60) -> list[tuple[str, bool]]:
+def sparkline(values: Sequence[Any], *, log: bool = False, width: int = 60,
+              overflowed: Sequence[bool] | None = None) -> list[tuple[str, bool]]:
     """Unicode-block sparkline cells as (char, finite) pairs; non-finite values become ✗, missing a blank.
 
     With `log`, values are drawn on log10 (non-positive finite values sit at the bottom), which is how
@@ -213,8 +216,10 @@ def sparkline(values: Sequence[Any], *, log: bool = False, width: int = 60) -> l
     cells; a bucket that holds any non-finite value is drawn as non-finite, so the fault never vanishes.
     """
     numbers = [as_float(v) for v in values]
+    if overflowed is not None:  # a norm float32 could not hold: above every finite value, not a fault
+        numbers = [_OVERFLOWED if over else x for x, over in zip(numbers, overflowed)]
     buckets = _buckets(numbers, width)
-    finite_all = [x for b in buckets for x in b if x is not None and math.isfinite(x)]
+    finite_all = [x for b in buckets for x in b if isinstance(x, float) and math.isfinite(x)]
     scaled_all = [_scale(x, log) for x in finite_all]
     scaled_all = [s for s in scaled_all if s is not None]
     lo, hi = (min(scaled_all), max(scaled_all)) if scaled_all else (0.0, 0.0)
@@ -224,8 +229,11 @@ def sparkline(values: Sequence[Any], *, log: bool = False, width: int = 60) -> l
         if not present:
             cells.append((MISSING_MARK, True))
             continue
-        if any(not math.isfinite(x) for x in present):
+        if any(not math.isfinite(x) for x in present if x is not _OVERFLOWED):
             cells.append((NONFINITE_MARK, False))
+            continue
+        if any(x is _OVERFLOWED for x in present):
+            cells.append((OVERFLOW_MARK, True))
             continue
         scaled = [s for s in (_scale(x, log) for x in present) if s is not None]
         level = max(scaled) if scaled else lo
@@ -247,9 +255,12 @@ def _buckets(numbers: list[float | None], width: int) -> list[list[float | None]
     return [numbers[int(k * size):max(int((k + 1) * size), int(k * size) + 1)] for k in range(width)]
 
 
-def range_text(values: Sequence[Any], *, log: bool = False) -> str:
-    """'2.31 → 0.4 (min 0.39, max 2.31)' style caption for a sparkline: first, last, min and max finite."""
-    numbers = [as_float(v) for v in values]
+def range_text(values: Sequence[Any], *, log: bool = False, overflowed: Sequence[bool] | None = None) -> str:
+    """'2.31 → 0.4 (min 0.39, max 2.31)' style caption for a sparkline: first, last, min and max finite;
+    norms float32 could not hold (`overflowed`) are counted apart from the non-finite ones."""
+    over = sum(bool(o) for o in overflowed) if overflowed is not None else 0
+    numbers = [None if overflowed is not None and o else as_float(v) for v, o in
+               zip(values, overflowed if overflowed is not None else [False] * len(values))]
     present = [x for x in numbers if x is not None]
     finite = [x for x in present if math.isfinite(x)]
     if not present:
@@ -261,6 +272,8 @@ def range_text(values: Sequence[Any], *, log: bool = False) -> str:
     bad = len(present) - len(finite)
     if bad:
         text += f", {bad} non-finite"
+    if over:
+        text += f", {over} {OVERFLOW_NOTE} (gradients finite)"
     return text
 
 

@@ -27,6 +27,7 @@ from nandoctor.report.common import (
     finding_advice,
     fmt_value,
     ordered_stats,
+    overflowed_norm,
     range_text,
     shown_report,
     shown_value,
@@ -263,23 +264,25 @@ def _fields_list(headers: list[str], rows: list[list[str]]) -> Group:
 
 
 def _timeline(report: Report, width: int) -> Group:
-    """Sparklines of loss and gradient norm (log scale); a red ✗ marks each non-finite step."""
+    """Sparklines of loss and gradient norm (log scale); a red ✗ marks each non-finite step, a ▲ a norm
+    above float32's range at a step whose gradients were finite (not a fault)."""
     spark_width = min(SPARK_WIDTH, max(16, width - 60))
     first, last = report.timeline[0].step, report.timeline[-1].step
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold", no_wrap=True)
     grid.add_column(no_wrap=True)
     grid.add_column(style="dim", overflow="fold")
-    series = [("loss", [p.loss for p in report.timeline], False),
-              ("grad norm", [p.grad_norm for p in report.timeline], True),
-              ("loss scale", [p.loss_scale for p in report.timeline], True)]
-    for label, values, log in series:
+    over = [overflowed_norm(report, p.step, p.grad_norm, p.skipped) for p in report.timeline]
+    series = [("loss", [p.loss for p in report.timeline], False, None),
+              ("grad norm", [p.grad_norm for p in report.timeline], True, over if any(over) else None),
+              ("loss scale", [p.loss_scale for p in report.timeline], True, None)]
+    for label, values, log, overflowed in series:
         if label != "loss" and not any(as_float(v) is not None for v in values):
             continue
         spark = Text()
-        for char, finite in sparkline(values, log=log, width=spark_width):
+        for char, finite in sparkline(values, log=log, width=spark_width, overflowed=overflowed):
             spark.append(char, style="" if finite else "bold red")
-        grid.add_row(label, spark, range_text(values, log=log))
+        grid.add_row(label, spark, range_text(values, log=log, overflowed=overflowed))
     return Group(Text(""), Text(f"timeline (steps {first}–{last})", style="bold"), grid)
 
 

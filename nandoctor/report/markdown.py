@@ -23,14 +23,18 @@ from urllib.parse import quote
 
 from nandoctor.findings import Finding, Report
 from nandoctor.report.common import (
+    OVERFLOW_NOTE,
     VERDICT_TEXT,
     as_float,
+    change_parts,
     downsample,
     fault_step,
     field_table,
+    finding_advice,
     fmt_number,
     fmt_value,
     ordered_stats,
+    overflowed_norm,
     shown_report,
     summary_parts,
 )
@@ -174,7 +178,7 @@ def _advice(report: Report) -> list[str]:
         if not (f.advice or f.evidence):
             continue
         out += [f"### {i}. {code(_code(f))} ({f.severity.value}): {text(f.location.describe())}", ""]
-        out += [f"- {prose(line)}" for line in f.advice]
+        out += [f"- {prose(line)}" for line in finding_advice(f.advice, report.remedies)]
         if f.evidence:
             evidence = "; ".join(f"{text(k)}: {text(fmt_value(v))}" for k, v in f.evidence.items())
             out += ([""] if f.advice else []) + [f"Evidence: {evidence}"]
@@ -188,7 +192,7 @@ def _remedies(report: Report) -> list[str]:
 
     if not report.remedies and not rt.notice(report):
         return []
-    rows = [[cell(rt.outcome_label(r)), cell(r.get("remedy"), code_span=True), cell(r.get("change")),
+    rows = [[cell(rt.outcome_label(r)), cell(r.get("remedy"), code_span=True), _change_cell(r.get("change")),
              cell(rt.loss_text(r)), cell(rt.run_text(r))] for r in report.remedies]
     out = ["## Remedies", ""]
     summary = rt.summary_line(report)
@@ -203,6 +207,15 @@ def _remedies(report: Report) -> list[str]:
     return out
 
 
+def _change_cell(change: Any) -> str:
+    """A remedy's change with its code in code spans (one per line of YAML), its notes as text."""
+    pieces = change_parts(change)
+    if not pieces:
+        return "—"
+    return "".join("<br>" if piece == "\n" else code(piece.strip(), in_table=True) if is_code
+                   else text(piece) for piece, is_code in pieces)
+
+
 def _timeline(report: Report) -> list[str]:
     points = report.timeline
     if not points:
@@ -211,12 +224,16 @@ def _timeline(report: Report) -> list[str]:
     shown = downsample(points, fault, TIMELINE_ROWS)
     with_scale = any(as_float(p.loss_scale) is not None for p in points)
     with_skipped = any(p.skipped for p in points)
-    header = ["step", "loss", "grad norm"] + (["loss scale"] if with_scale else []) + (
-        ["skipped"] if with_skipped else [])
+    with_lr = any(as_float(p.lr) is not None for p in points)
+    header = ["step", "loss", "grad norm"] + (["learning rate"] if with_lr else []) + (
+        ["loss scale"] if with_scale else []) + (["skipped"] if with_skipped else [])
     rows = []
     for p in shown:
-        row = [f"**{p.step}** (fault)" if p.step == fault else str(p.step), fmt_number(p.loss),
-               fmt_number(p.grad_norm)]
+        norm = (OVERFLOW_NOTE if overflowed_norm(report, p.step, p.grad_norm, p.skipped)
+                else fmt_number(p.grad_norm))
+        row = [f"**{p.step}** (fault)" if p.step == fault else str(p.step), fmt_number(p.loss), norm]
+        if with_lr:
+            row.append(fmt_number(p.lr))
         if with_scale:
             row.append(fmt_number(p.loss_scale))
         if with_skipped:

@@ -3,6 +3,11 @@
 Matplotlib with the Agg backend only (no display, works on a headless CI box). Every plot is optional:
 missing or empty report details mean that plot is skipped, never an exception, because a bundle must be
 written even for a run that crashed at step 0.
+
+The two pictures are read one above the other: both put the step on x over the same range, and their
+plotting areas sit at the same left and right edges (fixed margins, colour bars outside them), so a step
+in the heat map lies under the same step of the loss plot. `loss_figure` and `heatmap_figure` return the
+figures, for tests that read their axes.
 """
 
 from __future__ import annotations
@@ -13,10 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from nandoctor.findings import Report
+from nandoctor.report.common import OVERFLOW_NOTE, overflowed_norm
 
 FP16_MAX = 65504.0
 LOSS_PLOT = "loss_and_grad_norm.png"
 HEATMAP_PLOT = "activation_heatmap.png"
+WIDTH = 9.0  # inches, both figures: with the margins below, their plotting areas line up
+LEFT, RIGHT = 0.11, 0.84  # fractions of the width: the plotting area, the same in both figures
+MARKERS_UP_TO = 200  # points per line drawn with markers; a longer run is a plain line
+MISSING_COLOUR, FAULT_COLOUR, OVERFLOW_COLOUR = "lightgrey", "crimson", "darkorange"
 
 
 def make_plots(report: Report, folder: Path) -> dict[str, str]:
@@ -39,6 +49,24 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(figure: Any, path: Path) -> bool:
+    if figure is None:
+        return False
+    try:
+        figure.savefig(path)
+    finally:
+        _pyplot().close(figure)
+    return True
+
+
+def plot_loss_and_grad_norm(report: Report, path: Path) -> bool:
+    return _save(loss_figure(report), path)
+
+
+def plot_activation_heatmap(report: Report, path: Path) -> bool:
+    return _save(heatmap_figure(report), path)
+
+
 def _finite_positive(value: Any) -> float | None:
     """A value a log axis can show: finite and > 0 ('nan'/'inf' strings from a re-read JSON are missing)."""
     try:
@@ -48,60 +76,82 @@ def _finite_positive(value: Any) -> float | None:
     return x if math.isfinite(x) and x > 0 else None
 
 
-def _fault_step(report: Report) -> int | None:
-    ff = report.first_fault
-    return ff.step if ff is not None and ff.step is not None else None
-
-
-def plot_loss_and_grad_norm(report: Report, path: Path) -> bool:
-    """Loss and global gradient norm on a log scale; the fault step and the clipping threshold marked."""
-    points = report.timeline
-    series = {
-        "loss": [(p.step, _finite_positive(p.loss)) for p in points],
-        "global grad norm": [(p.step, _finite_positive(p.grad_norm)) for p in points],
-    }
-    if not any(v is not None for values in series.values() for _, v in values):
-        return False
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=110)
-    try:
-        for (label, values), colour in zip(series.items(), ("tab:blue", "tab:orange")):
-            xs = [s for s, v in values if v is not None]
-            ys = [v for _, v in values if v is not None]
-            if xs:
-                ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.4, label=label, color=colour)
-        # Steps whose value was NaN/Inf cannot sit on a log axis: mark them along the top instead.
-        bad = [p.step for p in points if p.loss is not None and _finite_positive(p.loss) is None
-               and _is_nonfinite(p.loss)]
-        if bad:
-            ax.plot(bad, [1.0] * len(bad), linestyle="none", marker="x", color="crimson",
-                    transform=ax.get_xaxis_transform(), clip_on=False, label="loss NaN/Inf")
-        fault = _fault_step(report)
-        if fault is not None:
-            ax.axvline(fault, color="crimson", linestyle="--", linewidth=1.2,
-                       label=f"first fault (step {fault})")
-        clip = _finite_positive(report.details.get("clip"))
-        if clip is not None:
-            ax.axhline(clip, color="grey", linestyle=":", linewidth=1.2,
-                       label=f"clipping threshold ({clip:g})")
-        ax.set_yscale("log")
-        ax.set_xlabel("step")
-        ax.set_ylabel("value (log scale)")
-        ax.set_title("Loss and global gradient norm per step")
-        ax.grid(True, which="major", alpha=0.3)
-        ax.legend(loc="best", fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
-    return True
-
-
 def _is_nonfinite(value: Any) -> bool:
     try:
         return not math.isfinite(float(value))
     except (TypeError, ValueError):
         return False
+
+
+def _fault_step(report: Report) -> int | None:
+    ff = report.first_fault
+    return ff.step if ff is not None and ff.step is not None else None
+
+
+def step_range(report: Report) -> tuple[float, float] | None:
+    """The x range both figures share: every step of the timeline and of the per-step maps, half a step
+    beyond each end."""
+    steps = [p.step for p in report.timeline]
+    for key, names in (("activation_max", "layers"), ("grad_norms", "parameters")):
+        found = _matrix(report.details.get(key), names)
+        if found is not None:
+            steps += [s for s in found[1] if isinstance(s, (int, float))]
+    return (min(steps) - 0.5, max(steps) + 0.5) if steps else None
+
+
+def _top_marks(ax: Any, steps: list[int], colour: str, marker: str, label: str) -> None:
+    """Steps whose value cannot sit on a log axis, marked along the top of the plotting area."""
+    if steps:
+        ax.plot(steps, [1.0] * len(steps), linestyle="none", marker=marker, color=colour,
+                transform=ax.get_xaxis_transform(), clip_on=False, label=label)
+
+
+def loss_figure(report: Report) -> Any:
+    """Loss (left axis) and global gradient norm (right axis), each on its own log scale over the same
+    steps; the fault step, the clipping threshold (on the norm's axis) and non-finite values marked. A
+    norm float32 could not hold at a step whose gradients were finite is marked as that, not as a fault.
+    The legend sits above the plotting area, off the data. None when there is nothing to draw."""
+    points = report.timeline
+    loss = [(p.step, _finite_positive(p.loss)) for p in points]
+    norm = [(p.step, _finite_positive(p.grad_norm)) for p in points]
+    if not any(v is not None for _, v in loss + norm):
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(WIDTH, 4.6), dpi=110)
+    fig.subplots_adjust(left=LEFT, right=RIGHT, top=0.72, bottom=0.12)
+    ax_norm = ax.twinx()
+    for axis, values, colour, label in ((ax, loss, "tab:blue", "loss (left axis)"),
+                                        (ax_norm, norm, "tab:orange", "global grad norm (right axis)")):
+        xs = [s for s, v in values if v is not None]
+        ys = [v for _, v in values if v is not None]
+        if xs:
+            marker = "o" if len(xs) <= MARKERS_UP_TO else None
+            axis.plot(xs, ys, marker=marker, markersize=3, linewidth=1.4, label=label, color=colour)
+        axis.set_yscale("log")
+    _top_marks(ax, [p.step for p in points if _is_nonfinite(p.loss)], FAULT_COLOUR, "x", "loss NaN/Inf")
+    over = [p.step for p in points if overflowed_norm(report, p.step, p.grad_norm, p.skipped)]
+    bad = [p.step for p in points if _is_nonfinite(p.grad_norm) and p.step not in over]
+    _top_marks(ax_norm, bad, FAULT_COLOUR, "+", "grad norm NaN/Inf")
+    _top_marks(ax_norm, over, OVERFLOW_COLOUR, "^", f"grad norm {OVERFLOW_NOTE} (gradients finite)")
+    fault = _fault_step(report)
+    if fault is not None:
+        ax.axvline(fault, color=FAULT_COLOUR, linestyle="--", linewidth=1.2, label=f"first fault (step {fault})")
+    clip = _finite_positive(report.details.get("clip"))
+    if clip is not None:
+        ax_norm.axhline(clip, color="grey", linestyle=":", linewidth=1.2, label=f"clipping threshold ({clip:g})")
+    limits = step_range(report)
+    if limits is not None:
+        ax.set_xlim(*limits)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (log scale)", color="tab:blue")
+    ax_norm.set_ylabel("global grad norm (log scale)", color="tab:orange")
+    ax.grid(True, which="major", alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    more = ax_norm.get_legend_handles_labels()
+    ax.legend(handles + more[0], labels + more[1], loc="lower left", bbox_to_anchor=(0.0, 1.02, 1.0, 0.2),
+              mode="expand", ncol=2, fontsize=8, borderaxespad=0.0, frameon=False)
+    fig.suptitle("Loss and global gradient norm per step", fontsize=11, y=0.985)
+    return fig
 
 
 def _matrix(block: Any, names_key: str) -> tuple[list[str], list[Any], list[list[float]]] | None:
@@ -112,6 +162,8 @@ def _matrix(block: Any, names_key: str) -> tuple[list[str], list[Any], list[list
     if not (isinstance(names, Sequence) and isinstance(steps, Sequence) and isinstance(values, Sequence)):
         return None
     if not names or not steps or len(values) != len(names):
+        return None
+    if not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) for s in steps):
         return None
     rows: list[list[float]] = []
     for row in values:
@@ -130,8 +182,18 @@ def _cell(value: Any) -> float:
     return math.inf if math.isnan(x) else x
 
 
-def plot_activation_heatmap(report: Report, path: Path) -> bool:
-    """Per-layer max |activation| per step (log colours, float16's 65504 marked); grad norms if present."""
+def _edges(steps: list[float]) -> list[float]:
+    """Cell edges on the step axis: halfway between recorded steps (a step recorded every 8 covers 8)."""
+    if len(steps) == 1:
+        return [steps[0] - 0.5, steps[0] + 0.5]
+    mids = [(a + b) / 2 for a, b in zip(steps, steps[1:])]
+    return [steps[0] - 0.5] + mids + [steps[-1] + 0.5]
+
+
+def heatmap_figure(report: Report) -> Any:
+    """Per-layer max |activation| per step (log colours from the data's own range, float16's 65504 marked
+    when it falls inside it), and per-parameter gradient norms if present, on the real step axis. Red:
+    NaN/Inf; grey: not recorded at that step; both named in a legend. None without data."""
     panels = []
     act = _matrix(report.details.get("activation_max"), "layers")
     if act is not None:
@@ -140,65 +202,79 @@ def plot_activation_heatmap(report: Report, path: Path) -> bool:
     if grads is not None:
         panels.append(("Per-parameter gradient norm per step", "parameter", grads, False))
     if not panels:
-        return False
+        return None
     import numpy as np
     from matplotlib.colors import LogNorm
+    from matplotlib.patches import Patch
 
     plt = _pyplot()
-    heights = [max(2.2, 0.28 * len(p[2][0]) + 1.4) for p in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, sum(heights)), dpi=110, squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
-    try:
-        fault = _fault_step(report)
-        for ax, (title, what, (names, steps, rows), mark_fp16) in zip(axes[:, 0], panels):
-            data = np.array(rows, dtype=float)
-            finite = data[np.isfinite(data) & (data > 0)]
-            lo = float(finite.min()) if finite.size else 1e-3
-            hi = float(finite.max()) if finite.size else 1.0
-            if mark_fp16:
-                hi = max(hi, FP16_MAX * 2)  # keep 65504 on the colour bar, to read off the fp16 headroom
-            lo = min(lo, hi / 10)
-            # NaN/Inf cells are drawn "over" every finite value (crimson); missing ones grey.
-            cmap = plt.get_cmap("viridis").with_extremes(over="crimson", under="white", bad="lightgrey")
-            shown = np.where(np.isinf(data), hi * 10, data)
-            shown = np.where(shown <= 0, lo / 10, shown)
-            norm = LogNorm(vmin=lo, vmax=hi, clip=False)
-            image = ax.imshow(np.ma.masked_invalid(shown), aspect="auto", interpolation="nearest", cmap=cmap,
-                              norm=norm)
-            bar = fig.colorbar(image, ax=ax, extend="max", pad=0.01)
-            bar.set_label("max |value| (log)\nred line: fp16 max 65504" if mark_fp16 else "norm (log)",
-                          fontsize=8)
-            if mark_fp16:
+    heights = [max(2.4, 0.28 * len(p[2][0]) + 1.6) for p in panels]
+    heights[-1] += 0.4  # room for the key under the last panel
+    fig, axes = plt.subplots(len(panels), 1, figsize=(WIDTH, sum(heights)), dpi=110, squeeze=False,
+                             sharex=True, gridspec_kw={"height_ratios": heights})
+    fig.subplots_adjust(left=LEFT, right=RIGHT, top=1 - 0.45 / sum(heights), bottom=0.9 / sum(heights),
+                        hspace=0.45)
+    legend: dict[str, Any] = {}
+    fault = _fault_step(report)
+    limits = step_range(report)
+    for ax, (title, what, (names, steps, rows), is_activation) in zip(axes[:, 0], panels):
+        data = np.array(rows, dtype=float)
+        over = np.zeros(data.shape, dtype=bool)
+        if not is_activation:  # a per-parameter norm float32 could not hold, before any fault: not a fault
+            for j, step in enumerate(steps):
+                over[:, j] = [overflowed_norm(report, int(step), v) for v in data[:, j]]
+        faulty = np.isinf(data) & ~over
+        finite = data[np.isfinite(data) & (data > 0)]
+        lo = float(finite.min()) if finite.size else 1e-3
+        hi = float(finite.max()) if finite.size else 1.0
+        if hi <= lo:
+            lo, hi = lo / 10, hi * 10
+        shown = np.where(faulty | over, hi, np.where(data <= 0, lo, data))
+        cmap = plt.get_cmap("viridis").with_extremes(bad=MISSING_COLOUR)
+        mesh = ax.pcolormesh(_edges(steps), np.arange(len(names) + 1) - 0.5, np.ma.masked_invalid(shown),
+                             cmap=cmap, norm=LogNorm(vmin=lo, vmax=hi), shading="flat")
+        handles = []
+        if faulty.any():  # NaN/Inf cells painted over the scale, in the fault's colour
+            mesh_bad = np.ma.masked_where(~faulty, np.ones(data.shape))
+            ax.pcolormesh(_edges(steps), np.arange(len(names) + 1) - 0.5, mesh_bad,
+                          cmap=plt.get_cmap("Reds").with_extremes(bad=(0, 0, 0, 0)), vmin=0, vmax=1)
+            handles.append(Patch(facecolor="darkred", label="NaN/Inf"))
+        if over.any():
+            ys, xs = np.nonzero(over)
+            ax.scatter([steps[i] for i in xs], ys, marker="^", s=30, color=OVERFLOW_COLOUR)
+            handles.append(Patch(facecolor=OVERFLOW_COLOUR, label=f"norm {OVERFLOW_NOTE} (gradients finite)"))
+        if np.isnan(data).any():
+            handles.append(Patch(facecolor=MISSING_COLOUR, label="not recorded at this step"))
+        cax = fig.add_axes([RIGHT + 0.02, ax.get_position().y0, 0.015, ax.get_position().height])
+        bar = fig.colorbar(mesh, cax=cax)
+        label = "max |value| (log)" if is_activation else "norm (log)"
+        if is_activation:
+            fp16 = np.isfinite(data) & (data > FP16_MAX)
+            if lo <= FP16_MAX <= hi:
                 bar.ax.axhline(FP16_MAX, color="red", linewidth=2)
-                over = np.isfinite(data) & (data > FP16_MAX)
-                if over.any():  # finite, but float16 would overflow here: outline those cells
-                    ys, xs = np.nonzero(over)
-                    ax.scatter(xs, ys, marker="s", s=30, facecolors="none", edgecolors="red", linewidths=0.8)
-                    title += "\nred squares: above 65504 (float16 would overflow)"
-            title += "; red cells: NaN/Inf" if np.isinf(data).any() else ""
-            ax.set_yticks(range(len(names)))
-            ax.set_yticklabels(names, fontsize=7)
-            step_ticks = _tick_positions(len(steps))
-            ax.set_xticks(step_ticks)
-            ax.set_xticklabels([str(steps[i]) for i in step_ticks], fontsize=7)
-            if fault is not None and fault in steps:
-                ax.axvline(steps.index(fault), color="red", linestyle="--", linewidth=1.0)
+                label += "\nred line: fp16 max 65504"
+            elif hi < FP16_MAX:
+                label += "\nall below fp16's 65504"
+            if fp16.any():  # finite, but float16 would overflow here: outline those cells
+                ys, xs = np.nonzero(fp16)
+                ax.scatter([steps[i] for i in xs], ys, marker="s", s=30, facecolors="none", edgecolors="red",
+                           linewidths=0.8)
+                handles.append(Patch(facecolor="none", edgecolor="red", label="above 65504 (float16 overflows)"))
+        bar.set_label(label, fontsize=8)
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels(names, fontsize=7)
+        ax.set_ylim(len(names) - 0.5, -0.5)
+        if limits is not None:
+            ax.set_xlim(*limits)
+        if fault is not None:
+            ax.axvline(fault, color="red", linestyle="--", linewidth=1.0)
+        if ax is axes[-1, 0]:  # the panels share the step axis: one label, under the last
             ax.set_xlabel("step")
-            ax.set_ylabel(what)
-            ax.set_title(title, fontsize=10)
-        fig.tight_layout()
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
-    return True
-
-
-def _tick_positions(n: int, most: int = 20) -> list[int]:
-    """At most `most` evenly spread column indices, always including the last."""
-    if n <= most:
-        return list(range(n))
-    stride = math.ceil(n / most)
-    ticks = list(range(0, n, stride))
-    if ticks[-1] != n - 1:
-        ticks.append(n - 1)
-    return ticks
+        ax.set_ylabel(what)
+        ax.set_title(title, fontsize=10, loc="left")
+        for handle in handles:
+            legend.setdefault(handle.get_label(), handle)
+    if legend:  # one key for every panel, under the figure's last axis: off the cells and the titles
+        fig.legend(handles=list(legend.values()), loc="lower center", ncol=min(len(legend), 3), fontsize=7,
+                   frameon=False, bbox_to_anchor=(0.5 * (LEFT + RIGHT), 0.0))
+    return fig
