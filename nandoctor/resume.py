@@ -90,14 +90,16 @@ def apply_resume(resume: ResumeSpec, model: Any, optimizer: Any) -> dict[str, An
     info: dict[str, Any] = {"from": resume.source, "step": resume.step, "model": str(resume.model)}
     if resume.trainer_state is not None:
         info["trainer_global_step"] = resume.trainer_state["global_step"]
+    opt_state: dict[str, Any] | None = None
     if resume.optimizer is not None:
         info["optimizer"] = str(resume.optimizer)
-        info["optimizer_state"] = _load_optimizer(resume, resume.optimizer, model, optimizer, names)
+        opt_state = read_state(resume.optimizer, _key(resume, "optimizer"))  # read once: it is the largest file
+        info["optimizer_state"] = _load_optimizer(resume, opt_state, model, optimizer, names)
     else:
         info["optimizer"] = None
         info["note"] = ("no optimizer state was given: the optimizer starts fresh (Adam's moments at zero), "
                         "which is not how the run went on")
-    sched_note = _load_scheduler(resume, optimizer)
+    sched_note = _load_scheduler(resume, optimizer, (opt_state or {}).get("LR_Scheduler"))
     if resume.lr_scheduler is not None:
         info["lr_scheduler"] = str(resume.lr_scheduler)
     if sched_note:
@@ -146,7 +148,7 @@ def read_state(file: Path, source: str) -> dict[str, Any]:
 def load_model_state(resume: ResumeSpec, model: Any) -> dict[str, str]:
     """Check the checkpoint's keys and shapes against the model, then load it. Returns the checkpoint's
     internal parameter names -> this process's (to translate the optimizer's state)."""
-    source, file = f"{resume.source}.model" if resume.source == "resume" else resume.source, resume.model
+    source, file = _key(resume, "model"), resume.model
     state = read_state(file, source)
     state.pop(_NAMES_KEY, None)
     expected = model.state_dict()
@@ -187,6 +189,11 @@ def load_model_state(resume: ResumeSpec, model: Any) -> dict[str, str]:
     return {str(old): ours[k].name for old, k in names.items() if old and k in ours}
 
 
+def _key(resume: ResumeSpec, what: str) -> str:
+    """Where a file came from, for messages: `resume.model` in a spec, or `--resume DIR`."""
+    return f"{resume.source}.{what}" if resume.source == "resume" else resume.source
+
+
 def _set_model_state(model: Any, state: dict[str, Any], expected: dict[str, Any]) -> None:
     import paddle
 
@@ -215,14 +222,14 @@ def _shape(value: Any) -> list[int]:
 
 
 # ---- the optimizer --------------------------------------------------------------------------------------
-def _load_optimizer(resume: ResumeSpec, file: Path, model: Any, optimizer: Any,
+def _load_optimizer(resume: ResumeSpec, loaded: dict[str, Any], model: Any, optimizer: Any,
                     names: dict[str, str]) -> dict[str, Any]:
     """The accumulators (Adam's moments, momentum...) created now and set from the checkpoint, every key
     placed or refused: Paddle would otherwise fill them lazily at the first step and assert there."""
     import paddle
 
-    source = f"{resume.source}.optimizer" if resume.source == "resume" else resume.source
-    state = dict(read_state(file, source))
+    source, file = _key(resume, "optimizer"), resume.optimizer
+    state = dict(loaded)
     state.pop("LR_Scheduler", None)  # loaded with the scheduler (_load_scheduler)
     master = state.pop("master_weights", None)
     params = [p for p in model.parameters() if not p.stop_gradient]
@@ -274,17 +281,15 @@ def _load_optimizer(resume: ResumeSpec, file: Path, model: Any, optimizer: Any,
     return {"keys_loaded": placed, "parameters_without_state": len({p for p, _ in ours} - filled)}
 
 
-def _load_scheduler(resume: ResumeSpec, optimizer: Any) -> str | None:
+def _load_scheduler(resume: ResumeSpec, optimizer: Any, in_optimizer_file: Any) -> str | None:
     """The scheduler's state from its own file (else from the optimizer file's LR_Scheduler entry)."""
     from nandoctor.schedulers import lr_scheduler
 
     sched = lr_scheduler(optimizer)
-    source = f"{resume.source}.lr_scheduler" if resume.source == "resume" else resume.source
-    state: Any = None
+    source = _key(resume, "lr_scheduler")
+    state: Any = in_optimizer_file
     if resume.lr_scheduler is not None:
         state = read_state(resume.lr_scheduler, source)
-    elif resume.optimizer is not None:
-        state = read_state(resume.optimizer, source).get("LR_Scheduler")
     if state is None:
         return None
     if sched is None:
