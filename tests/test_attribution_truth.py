@@ -293,3 +293,78 @@ def test_hapi_fit_divergence_is_not_sample_specific_and_grows_from_step_0(tmp_pa
     for s in range(step):
         if timeline.get(s) is not None:
             assert isinstance(timeline[s], float) and timeline[s] == pytest.approx(norms[s], rel=1e-3), s
+
+
+def test_backward_op_made_in_the_root_forward_is_the_roots(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """sqrt at a duplicate pair, in the root model's own forward: the backward's sqrt_grad is inf. Which
+    layer's forward made the op comes from Paddle itself: with FLAGS_call_stack_level=3 the checker prints
+    the stack that created it, and the innermost frame in the sample's model.py lies in the forward of one
+    class only (the root's here). The gradient hooks alone would name head.proj, which shares ea."""
+    import inspect
+
+    from paddle.amp import debugging
+
+    name = "root_forward_sqrt"
+    config = SAMPLES / name / "backward.yaml"
+    raw = yaml.safe_load(config.read_text(encoding="utf-8"))
+    base = config.parent
+    paddle.seed(0)
+    data = raw["data"]
+    batches = plain_train.load_entry(data["entry"], base)(**data["args"])
+    model = plain_train.load_entry(raw["model"]["entry"], base)(**raw["model"]["args"])
+    optimizer, _, _, _ = plain_train.build_optimizer(raw, model, config, base)
+    compute = plain_train.loss_of(raw, base)
+    old = paddle.get_flags(["FLAGS_call_stack_level"])
+    paddle.set_flags({"FLAGS_call_stack_level": 3})
+    try:
+        for i, batch in enumerate(batches):
+            fields = plain_train.name_fields(batch, data)
+            loss = compute(model, fields)
+            capfd.readouterr()
+            debugging.enable_tensor_checker(debugging.TensorCheckerConfig(
+                enable=True, debug_mode=debugging.DebugMode.CHECK_NAN_INF_AND_ABORT))
+            try:
+                loss.backward()
+            except RuntimeError as exc:
+                step, op = i, re.search(r"op=(\w+)", str(exc)).group(1)
+                printed = capfd.readouterr()
+                break
+            finally:
+                debugging.disable_tensor_checker()
+            optimizer.step()
+            optimizer.clear_grad()
+        else:
+            raise AssertionError("the plain loop never went non-finite")
+    finally:
+        paddle.set_flags(old)
+    model_file = str((base / "model.py").resolve())
+    frames = [int(n) for f, n, fn in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', printed.out + printed.err)
+              if str(Path(f).resolve()) == model_file and fn == "forward"]
+    assert frames, printed.err[-2000:]
+    line = frames[-1]
+
+    def owns(layer: Any) -> bool:
+        lines, first = inspect.getsourcelines(type(layer).forward)
+        return first <= line < first + len(lines)
+
+    owners = [n for n, layer in [("", model), *model.named_sublayers()] if owns(layer)]
+    assert owners == [""]  # the root's own forward made it, no sublayer's
+    samples = []
+    for row in range(len(fields["a"])):
+        part = {k: v[row:row + 1] for k, v in fields.items()}
+        optimizer.clear_grad()
+        compute(model, part).backward()
+        if not all(p.grad is None or bool(np.isfinite(p.grad.numpy().astype("float64")).all())
+                   for p in model.parameters()):
+            samples.append(row)
+    optimizer.clear_grad()
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(app, ["probe", str(config), "--no-try-fixes", "--device", "cpu", "--json", str(out)])
+    assert result.exit_code == 1, result.output
+    report = json.loads(out.read_text(encoding="utf-8"))
+    ff = report["first_fault"]
+    assert (ff["step"], ff["phase"], ff["layer"], ff["op"], ff["sample_indices"]) == (
+        step, "backward", None, op, samples)
+    f = error_finding(report)
+    assert "in the model's own forward" in f["message"] and "loss or step code" not in f["message"]
+    assert f["evidence"]["source"].endswith(f"model.py:{line} in forward")

@@ -47,7 +47,7 @@ FAULTS = [
     "loader_crash", "loader_worker_crash", "log_of_zero", "lr_divergence", "masked_attention", "masked_where_grad",
     "nan_checkpoint", "nan_in_data", "nan_parameter", "neg_fractional_pow", "nonfinite_update", "outlier_sample",
     "seq_too_long", "sqrt_at_zero", "transformer_lr_divergence", "warmup_needed/no_warmup",
-    "log_inf_before_nan", "root_forward_sqrt", "whole_batch_overflow",
+    "log_inf_before_nan", "root_forward_sqrt", "root_forward_sqrt/backward", "whole_batch_overflow",
 ]
 # the probe reports no first fault (bad_init and fp16_overflow_risk: warnings only, at_risk, exit 0)
 NO_FAULT = [

@@ -142,6 +142,10 @@ EXPECTED: dict[str, Expect] = {
                                  {"activation.nonfinite"}),
     # sqrt of a negative total in the root model's own forward; head, called by keyword, only carries it
     "root_forward_sqrt": Expect(NAN, 1, fault(5, "forward", None, "sqrt", None, 5, [6]), {"activation.nonfinite"}),
+    # sqrt at a duplicate pair in the root's own forward: the backward's sqrt_grad, not head.proj's
+    "root_forward_sqrt/backward": Expect(NAN, 1, fault(3, "backward", None, "sqrt_grad",
+                                                       frozenset({None, "encoder.0.bias", "encoder.0.weight"}), 3,
+                                                       [2]), {"grad.nonfinite"}),
     # a steady divergence overflows the loss's sum: no strict subset of the batch is special
     "whole_batch_overflow": Expect(NAN, 1, fault(17, "loss", None, "mean", None, 17, None),
                                    {"loss.nonfinite", "grad.explosion"}, before_fault={"grad.explosion"},

@@ -30,3 +30,22 @@ class CountRegressor(nn.Layer):
 def build_model(in_features: int = 6, hidden: int = 16) -> nn.Layer:
     paddle.seed(0)
     return CountRegressor(in_features, hidden)
+
+
+class PairScorer(nn.Layer):
+    """Scores a pair from one item's encoding plus the distance between the two, computed in its own forward."""
+
+    def __init__(self, in_features: int, hidden: int) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(in_features, hidden), nn.Tanh())
+        self.head = Head(hidden)
+
+    def forward(self, a: paddle.Tensor, b: paddle.Tensor) -> paddle.Tensor:
+        ea, eb = self.encoder(a), self.encoder(b)
+        dist = paddle.sqrt(((ea - eb) ** 2).sum(axis=-1))  # the bug: sqrt'(0) = inf for a duplicate pair
+        return self.head(hidden_states=ea) + dist
+
+
+def build_pair_model(in_features: int = 6, hidden: int = 16) -> nn.Layer:
+    paddle.seed(0)
+    return PairScorer(in_features, hidden)
