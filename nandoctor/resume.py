@@ -84,8 +84,8 @@ def from_trainer_dir(folder: Path, spec: Spec) -> ResumeSpec:
 
 
 def apply_resume(resume: ResumeSpec, model: Any, optimizer: Any) -> dict[str, Any]:
-    """Load every state the checkpoint has into the model and optimizer (all checked first); returns what the
-    report's `details.resumed` says."""
+    """Load every state the checkpoint has into the model and optimizer, each file checked against them
+    before it is loaded (a mismatch ends the run, exit 2); returns what the report's `details.resumed` says."""
     names = load_model_state(resume, model)
     info: dict[str, Any] = {"from": resume.source, "step": resume.step, "model": str(resume.model)}
     if resume.trainer_state is not None:
