@@ -35,7 +35,7 @@ EXPECT = {
     "lr_divergence": ("lr_x0.1", set()),  # the learning rate is too high
     "exploding_rnn": ("grad_clip", set()),  # clip an RNN's gradients
     "bad_init_overflow": ("reinit", {"lr_x0.1"}),  # a fan-in scaled init
-    "nan_in_data": ("drop_samples", {"lr_x0.1"}),  # filter the NaN samples out
+    "nan_in_data": ("drop_samples", set()),  # filter the NaN samples out (no rate or clip replays: not candidates)
     # re-draw the NaN row; dropping its two samples fails when epoch 1 reads the row again (step 19)
     "embedding_nan_row": ("reinit_rows", {"lr_x0.1", "drop_samples"}),
 }
@@ -87,7 +87,8 @@ def test_the_practitioners_fix_is_verified_first(probe, name):
     assert outcomes == sorted(outcomes, key=["fixed", "not_fixed", "not_applicable"].index)
     info = report["details"]["remedies"]
     assert info["control"]["reproduced"] is True  # without a change the replay faults where the probe did
-    assert info["seconds"] <= info["budget_seconds"]
+    timed = report["details"]["timings"]["remedies"]  # clock-dependent figures live under details.timings
+    assert timed["seconds"] <= timed["budget_seconds"]
     # the fault's own finding leads its advice with what was verified
     symptom = next(f for f in report["findings"] if f["location"]["step"] == fault_step
                    and f["severity"] == "error")
@@ -100,7 +101,7 @@ def test_divergence_remedies_restart_before_the_growth(probe):
     by = _by_name(report)
     assert by["lr_x0.1"]["start_step"] <= growth["location"]["step"] < report["first_fault"]["step"]
     assert by["warmup"]["start_step"] == 0
-    assert by["op_guard"]["outcome"] == "not_applicable"  # matmul: no epsilon to add
+    assert "op_guard" not in by  # a divergence's overflow: an epsilon on its last op is not a candidate
     assert by["drop_samples"]["outcome"] == "not_applicable"  # the weights diverged, not a sample
     assert "learning_rate: 0.003" in by["lr_x0.1"]["change"]
     assert "grad_clip: {global_norm:" in by["grad_clip"]["change"]

@@ -124,6 +124,7 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
             from nandoctor.probe.snapshots import SnapshotRing
 
             loop.snapshots = SnapshotRing.for_model(model, optimizer)
+            _keep_batches(loop)
         res = loop.run()
         if loop.snapshots is not None:
             report.details["snapshots"] = loop.snapshots.summary()
@@ -149,7 +150,8 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
         if res.interrupted:
             _interrupted(report, res.steps_run)
         elif loop.snapshots is not None and res.fault is not None:
-            _remedies(report, res, workload, optimizer, loop, options, device, time.perf_counter() - t_start)
+            _remedies(report, res, workload, optimizer, loop, options, device, time.perf_counter() - t_start,
+                      progress)
     finally:  # hooks, checker and mode restored whatever stopped the run, our own failure included
         if loop is not None:
             loop.close()
@@ -160,8 +162,21 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
             model.eval()
 
 
+def _keep_batches(loop: ProbeLoop) -> None:
+    """The loop reads through a tape that keeps its batches, so the replays (rollback, remedies) run on them
+    rather than re-reading the user's loader (probe/batch_tape.py)."""
+    import dataclasses
+
+    from nandoctor.probe.batch_tape import BatchTape
+
+    if getattr(loop, "start_step", 0):  # a resumed loop is positioned by its own loader: replays re-read it
+        return
+    tape = loop.snapshots.batches = BatchTape(loop.w.make_loader)
+    loop.w = dataclasses.replace(loop.w, make_loader=tape.recording)
+
+
 def _remedies(report: Report, res: LoopResult, workload: Any, optimizer: Any, loop: ProbeLoop,
-              options: ProbeOptions, device: str, probe_seconds: float) -> None:
+              options: ProbeOptions, device: str, probe_seconds: float, progress: ProgressFn = no_progress) -> None:
     """Replay the candidate fixes (hooks detached, the checker off first: replays are plain training)."""
     from nandoctor.probe.remedies import try_remedies
 
@@ -170,7 +185,8 @@ def _remedies(report: Report, res: LoopResult, workload: Any, optimizer: Any, lo
     try:
         with replaying(report, workload.spec.base_dir, "the remedy replays"):
             try_remedies(report, res, workload, optimizer, loop.snapshots, fix_steps=options.fix_steps,
-                         probe_seconds=probe_seconds, amp=workload.spec.amp.enabled, device=device)
+                         probe_seconds=probe_seconds, amp=workload.spec.amp.enabled, device=device,
+                         progress=progress)
     except Exception as exc:  # noqa: BLE001 - a bug in our replays must not cost the user the diagnosis
         report.remedies = []
         report.details["remedies"] = {"error": f"nandoctor's own remedy replay failed (a nandoctor bug, not "

@@ -24,6 +24,7 @@ from nandoctor.probe.remedy_weights import init_stds, nan_rows, rows_text
 from nandoctor.probe.snapshots import Snapshot, SnapshotRing, restore
 from nandoctor.probe.warnings import CLIP_FACTOR
 from nandoctor.probe.watcher import FaultKind
+from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.report import remedies_text as rt
 
 FIX_STEPS = 20  # replays run to the fault step + this many steps
@@ -49,7 +50,7 @@ class Candidate:
 
 def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: SnapshotRing, *,
                  fix_steps: int = FIX_STEPS, probe_seconds: float = 0.0, amp: bool = False,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", progress: ProgressFn = no_progress) -> None:
     """Fill `report.remedies` (verified first) and `report.details['remedies']`; the model and RNG are put
     back as they were. Only faults with a training state to restart from are tried."""
     fault = res.fault
@@ -70,8 +71,13 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
     rows: list[dict[str, Any]] = []
     try:
         if control_start is not None:
+            progress(0, None, "replaying without any change (does the fault come back?)")
             control = replay(workload, optimizer, ring, control_start, fault.step + 2, Change(), t0 + budget)
+        tried = [c for c in cands if c.why_not is None and c.start is not None]
         for c in cands:
+            if c in tried:  # the display says what runs, not the probe's last step
+                k = tried.index(c) + 1
+                progress(k, len(tried), f"trying remedy {k}/{len(tried)}: {c.remedy}")
             if c.why_not is None and time.perf_counter() - t0 > budget:
                 c.why_not = f"not tried: the remedies' time budget ({budget:.0f} s) was spent"
             if c.why_not is not None or c.start is None:
@@ -102,12 +108,12 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
     if control is not None and not control.cut:
         reproduced = not control.finite and control.failed_at is not None and \
             fault.step <= control.failed_at <= fault.step + late
-    if reproduced is False:
+    if not reproduced:  # a replay that never met the fault says nothing about a remedy, either way
+        why = _unverified(control, reproduced, ring)
         for row in rows:
-            if row["outcome"] == FIXED:
-                row["outcome"] = NOT_FIXED
-                row["note"] = ("the fault did not reproduce in a replay without any change (a nondeterministic "
-                               "run), so this result is not evidence")
+            if row["outcome"] != NOT_APPLICABLE:
+                row["outcome"], row["note"] = NOT_APPLICABLE, why
+                row.pop("skip_list", None)
     order = {FIXED: 0, NOT_FIXED: 1, NOT_APPLICABLE: 2}
     rows.sort(key=lambda r: order[r["outcome"]])  # stable: the practitioner's order within each outcome
     report.remedies = rows
@@ -119,6 +125,23 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
                                                  "failed_at": control.failed_at}}
     report.details["snapshots"] = ring.summary()  # now with the fault-time snapshot's epoch kept
     _mark_advice(report, rows, fault.step)
+
+
+def _unverified(control: Replay | None, reproduced: bool | None, ring: SnapshotRing) -> str:
+    """Why no remedy can be called verified: the replay without any change did not meet the fault."""
+    tail = ", so no replay is evidence for or against a remedy"
+    if control is None:
+        return "no replay without any change could start (no state before the fault to restart from)" + tail
+    if control.not_applicable:
+        return control.not_applicable
+    if control.cut:
+        return "the replay without any change ran out of time before the fault step" + tail
+    data = control.data_note or getattr(ring.batches, "stream", None)
+    seen = f"it stopped at step {control.failed_at}" if control.failed_at is not None else "it stayed finite"
+    if data:
+        return f"the replay without any change did not reproduce the fault ({seen}): {data}" + tail
+    return (f"the replay without any change did not reproduce the fault on the same batches ({seen}; a "
+            "nondeterministic run)" + tail)
 
 
 def _fault_snapshot(fault: Any, ring: SnapshotRing, entry: Snapshot) -> Snapshot | None:
@@ -164,14 +187,19 @@ def _candidates(report: Report, fault: Any, workload: Any, ring: SnapshotRing, h
     if fault.kind == FaultKind.DATA:
         text = rt.drop_nonfinite_text(fault, rows)  # the mask fits each field's shape (an NCHW image too)
         out.append(Candidate("drop_samples", text, Change(drop_nonfinite=True), here))
-    elif rows:
-        drop = (fault.epoch, fault.batch_index or 0, rows)
-        out.append(Candidate("drop_samples", _skip_text(fault, rows, workload), Change(drop=drop), here,
-                             extra={"skip_list": _skip_list(fault, rows, workload)}))
+    elif rows and _sample_specific(report, symptom):
+        records = _records(ring, fault, rows)
+        if records is not None:  # the dataset's own indices: left out wherever the sampler yields them
+            out.append(Candidate("drop_samples", _records_text(fault, rows, records), Change(
+                drop_records=frozenset(records)), here, extra={"records": records}))
+        else:
+            drop = (fault.epoch, fault.batch_index or 0, rows)
+            out.append(Candidate("drop_samples", _skip_text(fault, rows, workload), Change(drop=drop), here,
+                                 extra={"skip_list": _skip_list(fault, rows, workload)}))
     else:
         out.append(Candidate("drop_samples", "leave out the offending samples", Change(), None,
-                             why_not="no subset of the batch was found to cause the fault (the batch as a whole "
-                             "or the weights are at fault)"))
+                             why_not="no subset of the batch was found to cause the fault (not sample-specific: the "
+                             "batch as a whole or the weights are at fault)"))
     stds = init_stds(report, workload.model, first)
     if stds:
         names = ", ".join(list(stds)[:4]) + ("…" if len(stds) > 4 else "")
@@ -205,7 +233,26 @@ def _candidates(report: Report, fault: Any, workload: Any, ring: SnapshotRing, h
         out.append(Candidate("loss_scale", "amp.init_loss_scaling: a lower start (YAML)", Change(), None, why_not=why))
     for c in out:
         c.accumulate = _accumulate(workload)
+    out = [c for c in out if c.remedy in _by_cause(fault, symptom, growth)]
     return _ordered(out, report, fault, symptom, growth, workload.model)
+
+
+_DATA_REMEDIES = {"drop_samples", "reinit_rows"}
+_DIVERGENCE = ("loss.jump", Code.GRAD_EXPLOSION.value)
+
+
+def _by_cause(fault: Any, symptom: Any, growth: Any) -> set[str]:
+    """The remedies worth a replay for the cause found: a NaN in the data is the data's (a learning rate,
+    clipping or warmup cannot remove it); an overflow at the end of a divergence is the step size's (an epsilon
+    on the op that overflowed last only hides it)."""
+    every = {"op_guard", "drop_samples", "reinit_rows", "reinit", "grad_clip", "lr_x0.1", "warmup", "fp32_layer",
+             "loss_scale"}
+    if fault.kind == FaultKind.DATA:
+        return _DATA_REMEDIES
+    causes = set(symptom.evidence.get("causes", [])) if symptom is not None else set()
+    if growth is not None or causes & set(_DIVERGENCE):
+        return every - {"op_guard"}
+    return every
 
 
 def _ordered(cands: list[Candidate], report: Report, fault: Any, symptom: Any, growth: Any,
@@ -226,6 +273,8 @@ def _ordered(cands: list[Candidate], report: Report, fault: Any, symptom: Any, g
 
 def _judge(r: Replay, fault_step: int, end_step: int, c: Candidate,
            before: float | None) -> tuple[str, str | None]:
+    if r.not_applicable is not None:
+        return NOT_APPLICABLE, r.not_applicable
     if r.error is not None:
         return NOT_FIXED, f"the replay raised {r.error}"
     unused = never_fired(r, c.change)  # before the outcome: a guard never applied says nothing about the fix
@@ -238,7 +287,8 @@ def _judge(r: Replay, fault_step: int, end_step: int, c: Candidate,
                                "again (leaving samples out cannot repair a NaN weight; re-initialise it)")
         return NOT_FIXED, f"still NaN/Inf at step {r.failed_at}"
     last = r.start_step + r.steps_run - 1
-    if last <= fault_step:
+    kept_only = r.data_note is not None and last == fault_step  # the faulty batch was the last one it could have
+    if last < fault_step or (last == fault_step and not kept_only):
         why = "the data ran out" if r.ended else "the time budget ran out"
         return NOT_FIXED, f"{why} before the replay passed the fault step"
     before = before if before is not None else _first_loss(r)
@@ -248,7 +298,12 @@ def _judge(r: Replay, fault_step: int, end_step: int, c: Candidate,
     if after is not None and abs(after) > STUCK:
         return NOT_FIXED, f"finite, but the loss stays at {after:.3g}: training does not recover"
     note = None
-    if last < end_step - 1:
+    if kept_only:
+        note = (f"finite on the faulty batch (step {fault_step}), the last the probe kept: {r.data_note}, so no "
+                "step after it was replayed")
+    elif last < end_step - 1 and r.data_note:
+        note = f"finite through step {last}, the last batch the probe kept: {r.data_note}"
+    elif last < end_step - 1:
         note = f"finite through step {last} (stopped early: {'data' if r.ended else 'time'} ran out)"
     if held:  # e.g. samples dropped around a NaN embedding row: finite only while no batch reads it
         note = (f"{note or f'finite through step {last}'}, but {held}: this holds only while no "
@@ -299,6 +354,8 @@ def _row(c: Candidate, outcome: str, r: Replay | None, note: str | None,
         row.update(c.extra)
         if r is not None and r.dropped:
             row["skip_list"] = _skip_list_of(r.dropped, c.accumulate)
+            if "records" in c.extra:  # the records themselves: what to filter out, whatever epoch reads them
+                row["skip_list"] = {"records": c.extra["records"], **row["skip_list"]}
     elif "threshold" in c.extra:
         row["threshold"] = c.extra["threshold"]
     return row
@@ -333,7 +390,33 @@ def _accumulate(workload: Any) -> int:
 def _skip_text(fault: Any, rows: list[int], workload: Any) -> str:
     sl = _skip_list(fault, rows, workload)
     return (f"leave out sample(s) {rows} of batch {fault.batch_index} (epoch {fault.epoch}), or skip that step: "
-            f"skip_data_intervals: {sl['skip_data_intervals']}")
+            f"skip_data_intervals: {sl['skip_data_intervals']} (the loader has no batch sampler to name the records "
+            "by, so this leaves out that position of that batch only: if the loader yields the same records again, "
+            "in another epoch, they are not left out there)")
+
+
+def _sample_specific(report: Report, symptom: Any) -> bool:
+    """Whether the localisation named samples as the cause (a whole-batch fault names none)."""
+    ff = report.first_fault
+    if ff is not None and not ff.sample_indices:
+        return False
+    return symptom is None or symptom.evidence.get("samples_scope") != "not_sample_specific"
+
+
+def _records(ring: SnapshotRing, fault: Any, rows: list[int]) -> list[int] | None:
+    """The dataset indices of the faulty batch's rows, from its batch sampler (None: no sampler, or the batch
+    was not kept)."""
+    tape = ring.batches
+    ids = tape.records.get((fault.epoch, fault.batch_index or 0)) if tape is not None else None
+    if ids is None or any(r >= len(ids) for r in rows):
+        return None
+    return sorted({ids[r] for r in rows})
+
+
+def _records_text(fault: Any, rows: list[int], records: list[int]) -> str:
+    return (f"leave out record(s) {records} of the dataset (dataset index, from the batch sampler; sample(s) {rows} "
+            f"of batch {fault.batch_index}, epoch {fault.epoch}) in every epoch: filter them out of the dataset, or "
+            "give the DataLoader a sampler without them")
 
 
 def _clip_threshold(report: Report, growth: Any, fault_step: int) -> float | None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from nandoctor.batches import subset
 from nandoctor.interrupt import stop_loader
+from nandoctor.probe.batch_tape import END
 from nandoctor.probe.op_guards import Guard, guarded
 from nandoctor.probe.snapshots import Snapshot, SnapshotRing, restore
 
@@ -34,6 +35,7 @@ class Change:
     clip_norm: float | None = None
     drop: tuple[int, int, list[int]] | None = None  # (epoch, batch_index, rows) left out of that batch
     drop_nonfinite: bool = False  # leave out every sample holding NaN/Inf, in every batch (a loader filter)
+    drop_records: frozenset[int] = frozenset()  # dataset indices left out wherever the sampler yields them
     guard: Guard | None = None
     source: str | None = None  # where the guarded op was created ("model.py:13 in forward")
     guard_scope: str = "line"  # op_guards.guarded: "line", "within" (the line's call) or "any"
@@ -72,6 +74,12 @@ class Replay:
     ended: bool = False  # the data ran out (a loader that cannot be re-made)
     dropped: list[tuple[int, int | None, int, list[int]]] = field(default_factory=list)  # (epoch, batch, step, rows)
     failed: FailedStep | None = None  # with record=True: the step it stopped at
+    data_note: str | None = None  # why the replay's data ended early (a loader that cannot be re-read the same way)
+    not_applicable: str | None = None  # the change cannot be made on this optimizer (in `.error` too), and why
+
+
+class NotApplicable(Exception):
+    """The replay cannot make this change (or drive this optimizer): not the user's error, and not a verdict."""
 
 
 def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change,
@@ -92,6 +100,9 @@ def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, en
         out.still_nonfinite = _held(workload.model)
     except KeyboardInterrupt:
         raise
+    except NotApplicable as exc:
+        out.not_applicable = out.error = str(exc)
+        out.finite = False
     except Exception as exc:  # noqa: BLE001 - the user's code (or a subset it cannot take) raised
         out.error = f"{type(exc).__name__}: {exc}"[:300]
         out.finite = False
@@ -115,23 +126,28 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
     params = [p for _, p in named]
     epoch, batch_index, step = snap.epoch, snap.batch_index, snap.step
     before = _nonfinite_counts(params)  # NaN the weights already held (a corrupt checkpoint) is not new
-    it = _loader_at(w, ring, snap)
+    feed = _batches(w, ring, snap)
     opt.clear_grad()
     try:
         while step < end_step:
             if time.perf_counter() > deadline:
                 out.cut = True
                 break
-            batch = next(it, _END)
-            if batch is _END:
+            item = next(feed, None)
+            if item is None:  # the kept batches ended and the loader cannot give the same ones again
+                out.ended = True
+                out.data_note = getattr(ring.batches, "stream", None)
+                break
+            epoch, batch_index, batch = item
+            if batch is END:
                 if batch_index == 0:
                     out.ended = True
                     break
                 engine.end_epoch()
-                stop_loader(it)
-                epoch, batch_index, it = epoch + 1, 0, iter(w.make_loader())
                 continue
-            fields = _changed_fields(w.layout.fields(batch, batch_index), change, epoch, batch_index, step, out)
+            records = ring.batches.records.get((epoch, batch_index)) if ring.batches is not None else None
+            fields = _changed_fields(w.layout.fields(batch, batch_index), change, epoch, batch_index, step, out,
+                                     records)
             set_factor(step)
             here = (step, epoch, batch_index, fields, paddle.get_rng_state()) if record else None
             loss = engine.loss(fields)
@@ -160,7 +176,7 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
         if out.steps_run and any(n > b for n, b in zip(after, before)):
             out.finite, out.failed_at = False, step  # the last update wrote (more) NaN/Inf
     finally:
-        stop_loader(it)  # a DataLoader's worker processes end with the replay
+        feed.close()  # a DataLoader's worker processes end with the replay
 
 
 def _failed(out: Replay, step: int, kind: str, here: tuple[Any, ...] | None, loss: float,
@@ -172,10 +188,16 @@ def _failed(out: Replay, step: int, kind: str, here: tuple[Any, ...] | None, los
 
 
 def _changed_fields(fields: dict[str, Any], change: Change, epoch: int, batch_index: int, step: int,
-                    out: Replay) -> dict[str, Any]:
-    """The batch as the remedy sees it: the offending samples left out of their batch, or every sample
-    holding NaN/Inf left out of every batch (a loader filter); what was dropped is recorded."""
-    if change.drop is not None and (epoch, batch_index) == change.drop[:2]:
+                    out: Replay, records: list[int] | None = None) -> dict[str, Any]:
+    """The batch as the remedy sees it: the offending records left out wherever they come (by dataset
+    index), the offending samples left out of their batch, or every sample holding NaN/Inf left out of
+    every batch (a loader filter); what was dropped is recorded."""
+    if change.drop_records and records is not None:
+        drop = {i for i, r in enumerate(records) if r in change.drop_records}
+        if drop:
+            fields = subset(fields, [i for i in range(_rows(fields)) if i not in drop])
+            out.dropped.append((epoch, batch_index, step, sorted(drop)))
+    elif change.drop is not None and (epoch, batch_index) == change.drop[:2]:
         drop = set(change.drop[2])
         fields = subset(fields, [i for i in range(_rows(fields)) if i not in drop])
         out.dropped.append((epoch, batch_index, step, sorted(drop)))
@@ -185,6 +207,30 @@ def _changed_fields(fields: dict[str, Any], change: Change, epoch: int, batch_in
             fields = subset(fields, [i for i in range(_rows(fields)) if i not in bad])
             out.dropped.append((epoch, batch_index, step, sorted(bad)))
     return fields
+
+
+def _batches(w: Any, ring: SnapshotRing, snap: Snapshot) -> Iterator[tuple[int, int, Any]]:
+    """(epoch, batch_index, batch) from the snapshot's position, `END` where an epoch ended: the batches
+    the probe kept (batch_tape.py) where there are any, else a fresh loader at the position."""
+    tape = ring.batches
+    if tape is not None:
+        snap.rng.restore()
+        yield from tape.read(snap.epoch, snap.batch_index, ring.epoch_rng)
+        return
+    it = _loader_at(w, ring, snap)
+    epoch, batch_index = snap.epoch, snap.batch_index
+    try:
+        while True:
+            batch = next(it, _END)
+            if batch is _END:
+                yield epoch, batch_index, END
+                stop_loader(it)
+                epoch, batch_index, it = epoch + 1, 0, iter(w.make_loader())
+                continue
+            yield epoch, batch_index, batch
+            batch_index += 1
+    finally:
+        stop_loader(it)
 
 
 def _loader_at(w: Any, ring: SnapshotRing, snap: Snapshot) -> Iterator[Any]:
@@ -209,9 +255,22 @@ def _optimizer_changed(opt: Any, change: Change) -> Iterator[Any]:
 
     from nandoctor.schedulers import lr_scheduler
 
+    name = type(opt).__name__
+    if _needs_closure(opt):
+        raise NotApplicable(f"the optimizer's step takes a closure ({name}.step(closure)), which the replays do not "
+                            "have: they cannot train this optimizer, so no remedy was replayed")
     sched = lr_scheduler(opt)
-    clip = opt._grad_clip
-    base = None if sched is not None else float(opt.get_lr())
+    changes_lr = change.lr_scale != 1.0 or bool(change.warmup_steps)
+    if changes_lr and sched is None and not (callable(getattr(opt, "get_lr", None))
+                                             and callable(getattr(opt, "set_lr", None))):
+        raise NotApplicable(f"the optimizer ({name}) has no get_lr/set_lr to change its learning rate through (not "
+                            "a paddle.optimizer.Optimizer): change the rate in your own optimizer")
+    missing = object()
+    clip = getattr(opt, "_grad_clip", missing)
+    if change.clip_norm is not None and clip is missing:
+        raise NotApplicable(f"the optimizer ({name}) has no gradient clip to set (not a paddle.optimizer.Optimizer): "
+                            "clip in your own step, e.g. paddle.nn.ClipGradByGlobalNorm on the (param, grad) pairs")
+    base = float(opt.get_lr()) if changes_lr and sched is None else None
     if change.clip_norm is not None:
         opt._grad_clip = paddle.nn.ClipGradByGlobalNorm(float(change.clip_norm))
 
@@ -224,16 +283,29 @@ def _optimizer_changed(opt: Any, change: Change) -> Iterator[Any]:
     def set_factor(step: int) -> None:
         f = factor(step)
         if sched is None:
-            opt.set_lr(base * f)
+            if base is not None:
+                opt.set_lr(base * f)
         elif f != 1.0:  # the scheduler's own value for this step, scaled (its next step recomputes it)
             sched.last_lr = float(sched.get_lr()) * f
 
     try:
         yield set_factor
     finally:
-        opt._grad_clip = clip
+        if clip is not missing:
+            opt._grad_clip = clip
         if base is not None:
             opt.set_lr(base)
+
+
+def _needs_closure(opt: Any) -> bool:
+    """Whether `opt.step` needs an argument (LBFGS's closure): the replays call `step()`."""
+    import inspect
+
+    try:
+        params = inspect.signature(opt.step).parameters.values()
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
 @contextlib.contextmanager

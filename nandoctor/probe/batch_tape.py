@@ -1,0 +1,243 @@
+"""The batches the probe's loop read, kept for its replays, so a replay does not re-read the user's loader.
+
+A remedy or rollback replay restarts from a snapshot several steps before the fault. Re-reading the
+loader from batch 0 for each replay calls the user's dataset again (nine times for one probe) and, for a
+stream (an IterableDataset over a queue, a generator that goes on where it stopped), yields other data:
+no replay then sees the faulty batch, and its verdict is worthless. So the probe's loop reads through a
+`BatchTape`: every batch it yields is kept (host references to what the loader returned, no copies), up
+to `KEPT_BYTES` (the oldest go first), with the dataset indices a paddle.io.DataLoader's batch sampler
+gave it (the records, for dropping a bad record in every epoch). A replay reads the kept batches; past
+them (the steps after the fault) it makes one fresh loader, checks that it yields the kept batches again
+on the way (else the loader is a stream: `stream` says so and the replays end with the kept batches), and
+keeps what it reads there for the next replay.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import numpy as np
+
+from nandoctor.interrupt import stop_loader
+
+KEPT_BYTES = 64 * 2**20  # all kept batches together; the oldest are let go first
+END = object()  # yielded (with the epoch and batch count) where an epoch's loader ended
+
+
+class BatchTape:
+    """Batches by (epoch, batch_index), the records in them, and where each epoch ended."""
+
+    def __init__(self, make_loader: Callable[[], Any], max_bytes: int | None = None) -> None:
+        self._make = make_loader
+        self.max_bytes = KEPT_BYTES if max_bytes is None else max_bytes
+        self.batches: dict[tuple[int, int], Any] = {}
+        self.records: dict[tuple[int, int], list[int]] = {}  # dataset indices of a batch (a batch sampler's)
+        self.ends: dict[int, int] = {}  # epoch -> its number of batches, where its end was seen
+        self._sizes: dict[tuple[int, int], int] = {}
+        self.nbytes = 0
+        self.evicted = 0  # batches let go to stay within max_bytes
+        self.loaders = 0  # loaders made for replays (the probe's own not counted)
+        self.stream: str | None = None  # why the loader cannot be re-read the same way
+        self._epochs = 0
+
+    def recording(self) -> Any:
+        """The probe loop's `make_loader`: the user's loader, with what it yields kept."""
+        epoch = self._epochs
+        self._epochs += 1
+        return _Recording(self._make(), self, epoch)
+
+    def keep(self, pos: tuple[int, int], batch: Any, records: list[int] | None) -> None:
+        size = batch_nbytes(batch)
+        if size > self.max_bytes:
+            self.evicted += 1
+            return
+        self.batches[pos], self._sizes[pos] = batch, size
+        if records is not None:
+            self.records[pos] = records
+        self.nbytes += size
+        while self.nbytes > self.max_bytes:  # the oldest first: replays start near the fault
+            old = min(self._sizes)
+            self.nbytes -= self._sizes.pop(old)
+            self.batches.pop(old, None)
+            self.evicted += 1
+
+    def kept_from(self) -> tuple[int, int] | None:
+        """The earliest kept position (None: nothing kept)."""
+        return min(self.batches) if self.batches else None
+
+    def read(self, epoch: int, index: int, epoch_rng: dict[int, Any]) -> Iterator[tuple[int, int, Any]]:
+        """(epoch, batch_index, batch) from the position on, with `END` where an epoch ended; kept batches
+        as they are, the rest from one fresh loader per epoch. Stops where the data ends for the replay."""
+        e, b = epoch, index
+        while True:
+            if (e, b) in self.batches:
+                yield e, b, self.batches[(e, b)]
+                b += 1
+            elif self.ends.get(e) == b:
+                yield e, b, END
+                e, b = e + 1, 0
+            elif self.stream is not None:
+                return
+            else:
+                for n, batch in self._reread(e, b, epoch_rng.get(e)):
+                    yield e, n, batch
+                if self.stream is not None or self.ends.get(e) is None:
+                    return
+                b = self.ends[e]
+
+    def _reread(self, epoch: int, start: int, rng: Any) -> Iterator[tuple[int, Any]]:
+        """Batches `start`.. of a fresh loader for `epoch`, made with the RNG the probe made that epoch's
+        with (its shuffle order), the training's own RNG put back after (an epoch the probe never made draws
+        from the training's RNG, as the training would). The kept batches before `start` must come again, or
+        the loader is a stream and nothing it yields is used."""
+        saved = _rng_now()
+        if rng is not None:
+            rng.restore()
+        self.loaders += 1
+        it = iter(_Recording(self._make(), self, epoch, keep=False))
+        n = 0
+        try:
+            while True:
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    self.ends[epoch] = n
+                    return
+                finally:
+                    if n == 0 and rng is not None:  # a sampler draws its order as the first batch is fetched
+                        _rng_restore(saved)
+                pos = (epoch, n)
+                if pos in self.batches:
+                    if not same(batch, self.batches[pos]):
+                        self.stream = (f"the loader did not yield batch {n} of epoch {epoch} again as the training "
+                                       "read it (a stream, or an order that is not seeded)")
+                        return
+                else:
+                    self.keep(pos, batch, it.last_records)
+                if n >= start:
+                    yield n, self.batches.get(pos, batch)
+                n += 1
+        finally:
+            stop_loader(it)
+
+
+class _Recording:
+    """The user's loader; its iterator keeps each batch (and its batch sampler's indices) on the tape."""
+
+    def __init__(self, loader: Any, tape: BatchTape, epoch: int, keep: bool = True) -> None:
+        self.loader, self.tape, self.epoch, self.keep = loader, tape, epoch, keep
+        self.it: Any = None
+        self.n = 0
+        self.last_records: list[int] | None = None
+        self._indices: list[list[int]] | None = None
+
+    def __iter__(self) -> _Recording:
+        inner = getattr(self.loader, "_loader", self.loader)  # a GuardedLoader's DataLoader
+        sampler = getattr(inner, "batch_sampler", None)
+        if sampler is not None and not _iterable_dataset(inner):
+            self._indices = []
+            inner.batch_sampler = _Indices(sampler, self._indices)  # read once, by the iterator made below
+            try:
+                self.it = iter(self.loader)
+            finally:
+                inner.batch_sampler = sampler
+        else:
+            self.it = iter(self.loader)
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.it)
+        idx = self._indices
+        self.last_records = [int(i) for i in idx[self.n]] if idx is not None and self.n < len(idx) else None
+        if self.keep:
+            self.tape.keep((self.epoch, self.n), batch, self.last_records)
+        self.n += 1
+        return batch
+
+    def _try_shutdown_all(self) -> None:  # interrupt.stop_loader: the DataLoader's workers end now
+        stop_loader(self.it)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "it":
+            raise AttributeError(name)
+        return getattr(self.it, name)
+
+
+class _Indices:
+    """A batch sampler that also appends each batch's indices to a list (in the order batches come)."""
+
+    def __init__(self, inner: Any, out: list[list[int]]) -> None:
+        self.inner, self.out = inner, out
+
+    def __iter__(self) -> Iterator[Any]:
+        for indices in self.inner:
+            self.out.append(list(indices))
+            yield indices
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _iterable_dataset(loader: Any) -> bool:
+    import paddle
+
+    return isinstance(getattr(loader, "dataset", None), paddle.io.IterableDataset)
+
+
+def _leaves(batch: Any) -> list[Any]:
+    if isinstance(batch, dict):
+        return [x for k in sorted(batch, key=str) for x in _leaves(batch[k])]
+    if isinstance(batch, (list, tuple)):
+        return [x for v in batch for x in _leaves(v)]
+    return [batch]
+
+
+def batch_nbytes(batch: Any) -> int:
+    from nandoctor.probe.snapshots import tensor_nbytes
+
+    total = 0
+    for leaf in _leaves(batch):
+        if isinstance(leaf, np.ndarray):
+            total += leaf.nbytes
+        elif hasattr(leaf, "shape") and hasattr(leaf, "element_size"):
+            total += tensor_nbytes(leaf)
+        else:
+            total += 64
+    return total
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether two batches hold the same values (NaN equal to NaN)."""
+    from nandoctor.batches import to_numpy
+
+    la, lb = _leaves(a), _leaves(b)
+    if len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb):
+        ax, ay = to_numpy(x), to_numpy(y)
+        if ax is None or ay is None:
+            if ax is not ay and x != y:
+                return False
+            continue
+        if ax.shape != ay.shape or not np.array_equal(ax, ay, equal_nan=ax.dtype.kind in "fc"):
+            return False
+    return True
+
+
+def _rng_now() -> tuple[Any, Any, Any]:
+    import paddle
+
+    return paddle.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def _rng_restore(state: tuple[Any, Any, Any]) -> None:
+    import paddle
+
+    paddle.set_rng_state(state[0])
+    np.random.set_state(state[1])
+    random.setstate(state[2])
