@@ -341,8 +341,8 @@ def fit_mode(report: Report, optimizer: Any = None) -> None:
     advice names a setting are re-made from their evidence; for a spec, with the keys its `optimizer` block
     accepts (a learning rate is not always `optimizer.args.learning_rate`)."""
     mode = report.mode
-    if spec_mode(mode) and optimizer is None:
-        return
+    if spec_mode(mode) and (optimizer is None or set(lr_edit(optimizer, 0.5, 1.0)[0] or {}) == {LR_KEY}):
+        return  # the YAML written already names optimizer.args.learning_rate, the key this spec takes
     for f in report.findings:
         if f.code != Code.GRAD_EXPLOSION:
             continue
