@@ -172,6 +172,7 @@ def test_first_nonfinite_op_and_its_layer(name: str, tmp_path: Path) -> None:
     if name == "log_inf_before_nan":
         assert (op, layer) == ("log", "scale")  # the plain loop's own answer, as the config says
         assert f["evidence"]["nan_op"] == "multiply" and "(op log," in f["message"]
+        assert any(re.search(r"\blog\b", a) for a in f["advice"]), f["advice"]  # log's advice, not a generic one
     else:
         assert (op, layer) == ("sqrt", None)
         assert "model's own forward" in f["message"] and "head" not in f["message"]
