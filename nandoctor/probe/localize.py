@@ -270,7 +270,7 @@ class Replayer:
                         tensor_hooks.append(t.register_hook(on_grad))
                 return None
 
-            hooks.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+            hooks.append(origin.pre_hook_with_kwargs(layer, pre))
             hooks.append(layer.register_forward_post_hook(post))
         for pname, p in self.params:
             def on_param(g: Any, _n: str = pname) -> None:

@@ -134,6 +134,22 @@ def worst(tensors: list[Any]) -> str | None:
     return NAN if NAN in kinds else INF if INF in kinds else None
 
 
+def pre_hook_with_kwargs(layer: Any, hook: Callable[[Any, Any, Any], None]) -> Any:
+    """A forward pre-hook that also sees the call's keyword arguments (`self.head(hidden_states=h)`); a Paddle
+    without `with_kwargs` (before 3.1) passes it none."""
+    try:
+        return layer.register_forward_pre_hook(hook, with_kwargs=True)
+    except TypeError:
+        return layer.register_forward_pre_hook(lambda mod, args: hook(mod, args, {}))
+
+
+def post_hook_with_kwargs(layer: Any, hook: Callable[[Any, Any, Any, Any], None]) -> Any:
+    try:
+        return layer.register_forward_post_hook(hook, with_kwargs=True)
+    except TypeError:
+        return layer.register_forward_post_hook(lambda mod, args, out: hook(mod, args, {}, out))
+
+
 def trace(layers: list[tuple[str, Any]], run: Callable[[], Any], tensors: Callable[[Any], list[Any]]) -> Trace:
     """A plain forward (no grad) with every call's inputs and output classified; `layers` includes ("", model)."""
     import paddle
@@ -172,8 +188,8 @@ def trace(layers: list[tuple[str, Any]], run: Callable[[], Any], tensors: Callab
                 suspects.add(parent)
             return None
 
-        hooks.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-        hooks.append(layer.register_forward_post_hook(post, with_kwargs=True))
+        hooks.append(pre_hook_with_kwargs(layer, pre))
+        hooks.append(post_hook_with_kwargs(layer, post))
     try:
         with paddle.no_grad():
             out.loss = run()
