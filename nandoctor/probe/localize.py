@@ -6,13 +6,18 @@ never stepped the optimizer on it) and the RNG state captured before it. Replays
 statistics), RNG states, device and flags back when it is restored, so nothing the user trains on changes.
 
 - forward/loss faults (origin.py): a traced forward names the innermost layer call that turned clean
-  inputs into NaN (or a harmful Inf; a mask's intended -inf does not count), then the tensor checker in
-  log mode, on during that call only, names the op and a line tracer the user's line.
+  inputs (keyword arguments included) into NaN (or a harmful Inf; a mask's intended -inf does not count),
+  then the tensor checker in log mode, on during that call only, names the op (the first whose output was
+  non-finite: a harmful Inf before the NaN, `log(0)` before `-inf * 0`; the NaN op goes to `nan_op`) and
+  a line tracer the user's line.
 - backward faults: forward without the checker, then the checker on for backward only (a forward value
   that `where()` discards must not be blamed), for the op; the layer is the innermost sublayer whose
-  forward is on the stack Paddle printed for it (frames.py). One replay without the checker hooks every
-  layer's output and input gradients: the parameters with bad gradients, and the layer when the stack
-  names none (the layer whose output gradient is finite while its input or parameter gradients are not).
+  forward is on the stack Paddle printed for it (frames.py), or none when only the root model's own
+  forward is (`model_forward`). One replay without the checker hooks every layer's output and input
+  gradients: the parameters with bad gradients, and the layer when the stack names none (the layer whose
+  output gradient is finite while its input or parameter gradients are not); never a sublayer when the
+  stack shows the op was made in the root's own forward (a sibling that shares the tensor sees its
+  gradient too).
 - samples: bisection of the batch (samples.py).
 """
 
