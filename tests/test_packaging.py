@@ -1,0 +1,203 @@
+"""Packaging and the edges of the command line (issue 21, "Packaging" and `--json -`): without Paddle every
+command says how to install it (exit 2); a path the file system refuses is exit 2 naming it; the
+internal-error message says where to report; py.typed and the schema ship in the wheel; `--json -` gives
+standard output to the JSON alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from test_watcher import write_spec
+from typer.testing import CliRunner
+
+from nandoctor.cli import app
+from nandoctor.probe.watcher import StepWatcher
+
+ROOT = Path(__file__).resolve().parent.parent
+# A sitecustomize that makes `import paddle` fail as on a machine without it (find_spec raises, as a
+# meta-path finder may; a real absence makes it return None: errors.paddle_installed takes both).
+HIDE_PADDLE = '''
+import sys
+
+class _NoPaddle:
+    def find_spec(self, name, path=None, target=None):
+        if name == "paddle" or name.startswith("paddle."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoPaddle())
+'''
+
+
+def _cli(*args: object):
+    return CliRunner(env={"COLUMNS": "100", "NO_COLOR": "1"}).invoke(app, [str(a) for a in args])
+
+
+def _nandoctor(*args: object, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nandoctor", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+# --- without Paddle -----------------------------------------------------------------------------------
+
+def test_every_command_without_paddle_says_how_to_install_it(tmp_path):
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(HIDE_PADDLE, encoding="utf-8")
+    env = {"PYTHONPATH": os.pathsep.join([str(hide), str(ROOT)])}
+    spec = write_spec(tmp_path)
+    check = _nandoctor("-c", "pass", cwd=tmp_path, env=env)  # the hiding works in this Python
+    assert subprocess.run([sys.executable, "-c", "import paddle"], env={**os.environ, **env},
+                          capture_output=True).returncode != 0, check.stderr
+    for args in (["scan", spec], ["probe", spec, "--steps", "2"], ["probe", spec, "--nproc", "2"], ["env"],
+                 ["run", "--", sys.executable, "-c", "pass"]):
+        done = _nandoctor(*args, cwd=tmp_path, env=env)
+        text = _flat(done.stdout + done.stderr)
+        assert done.returncode == 2, (args, text)
+        assert 'pip install "nandoctor[cpu]"' in text and "paddlepaddle-gpu" in text, (args, text)
+        assert "internal error" not in text and "Traceback" not in text, (args, text)
+    assert not list(tmp_path.glob("nandoctor-internal-error-*"))
+
+
+def test_report_rerenders_without_paddle(tmp_path):
+    """`nandoctor report` needs no Paddle: a saved report is shown on any machine."""
+    from report_samples import probe_nan_report
+
+    from nandoctor.report import json as json_report
+
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(HIDE_PADDLE, encoding="utf-8")
+    saved = tmp_path / "r.json"
+    saved.write_text(json_report.render(probe_nan_report()), encoding="utf-8")
+    done = _nandoctor("report", saved, cwd=tmp_path, env={"PYTHONPATH": str(hide)})
+    assert done.returncode == 1, done.stderr
+    assert "head.distance" in done.stdout
+
+
+# --- paths the file system refuses ----------------------------------------------------------------------
+
+LONG = "x" * 300  # one name longer than any file system's 255 bytes
+
+
+@pytest.mark.parametrize("option, value", [("--json", LONG + ".json"), ("--markdown", LONG + ".md"),
+                                           ("--bundle", LONG), ("--json", f"{LONG}/report.json"),
+                                           ("--bundle", f"{LONG}/bundle")])
+@pytest.mark.parametrize("command", ["scan", "probe"])
+def test_too_long_output_path_is_exit_2_naming_it(tmp_path, command, option, value):
+    target = tmp_path / value
+    result = _cli(command, write_spec(tmp_path), option, target, "-q")
+    text = _flat(result.output)
+    assert result.exit_code == 2, text
+    assert str(target) in text and "too long" in text.lower(), text
+    assert "internal error" not in text and not list(tmp_path.glob("nandoctor-internal-error-*"))
+
+
+def test_too_long_spec_path_is_exit_2_naming_it(tmp_path):
+    spec = tmp_path / (LONG + ".yaml")
+    for command in ("scan", "probe"):
+        result = _cli(command, spec)
+        text = _flat(result.output)
+        assert result.exit_code == 2, text
+        assert str(spec) in text and "too long" in text.lower() and "internal error" not in text
+
+
+@pytest.mark.parametrize("option, value", [("--json", LONG + ".json"), ("--markdown", LONG + ".md"),
+                                           ("--bundle", LONG)])
+def test_too_long_path_of_nandoctor_run_is_exit_2_naming_it(tmp_path, option, value):
+    target = tmp_path / value
+    result = _cli("run", option, target, "--", sys.executable, "-c", "pass")
+    text = _flat(result.output)
+    assert result.exit_code == 2, text
+    assert str(target) in text and "too long" in text.lower() and "internal error" not in text
+
+
+def test_too_long_markdown_of_nandoctor_report_is_exit_2(tmp_path):
+    from report_samples import probe_nan_report
+
+    from nandoctor.report import json as json_report
+
+    saved = tmp_path / "r.json"
+    saved.write_text(json_report.render(probe_nan_report()), encoding="utf-8")
+    target = tmp_path / (LONG + ".md")
+    result = _cli("report", saved, "--markdown", target)
+    text = _flat(result.output)
+    assert result.exit_code == 2 and str(target) in text and "too long" in text.lower(), text
+
+
+def test_an_oserror_on_a_path_of_ours_is_still_a_bug(tmp_path, monkeypatch):
+    """Only the user's paths are the user's: an OSError elsewhere stays exit 3."""
+    def broken(self, loss):
+        raise OSError(36, "File name too long", str(tmp_path / "ours" / "internal.bin"))
+
+    monkeypatch.setattr(StepWatcher, "after_backward", broken)
+    monkeypatch.chdir(tmp_path)
+    result = _cli("probe", write_spec(tmp_path), "--steps", "2", "-q", "--json", tmp_path / "r.json")
+    assert result.exit_code == 3, result.output
+
+
+# --- the internal-error message -------------------------------------------------------------------------
+
+def test_internal_error_names_the_tracker_from_the_package_metadata_and_the_saved_traceback(tmp_path, monkeypatch):
+    monkeypatch.setattr(StepWatcher, "after_backward", lambda self, loss: 1 / 0)
+    monkeypatch.chdir(tmp_path)
+    result = _cli("probe", write_spec(tmp_path), "--steps", "2", "-q")
+    text = _flat(result.output)
+    assert result.exit_code == 3, text
+    urls = dict(u.split(", ", 1) for u in metadata.metadata("nandoctor").get_all("Project-URL"))
+    assert urls["Issues"] in text, text
+    [saved] = tmp_path.glob("nandoctor-internal-error-*.txt")
+    assert str(saved.resolve()) in text and "ZeroDivisionError" in saved.read_text(encoding="utf-8")
+
+
+# --- what the wheel ships -------------------------------------------------------------------------------
+
+def test_the_build_ships_py_typed_the_schema_and_the_project_metadata(tmp_path):
+    """What setuptools puts in a wheel: the packages' files (build_py) and the metadata (egg_info)."""
+    # built from a copy: setuptools writes build/ and *.egg-info beside the sources
+    source = tmp_path / "src"
+    shutil.copytree(ROOT / "nandoctor", source / "nandoctor", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    done = subprocess.run([sys.executable, "-c", "from setuptools import setup; setup()", "-q", "egg_info",
+                           "--egg-base", str(tmp_path), "build_py", "--build-lib", str(tmp_path / "lib")],
+                          capture_output=True, text=True, timeout=300, cwd=source)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "lib" / "nandoctor" / "py.typed").is_file()
+    assert (tmp_path / "lib" / "nandoctor" / "report" / "schemas" / "nandoctor.report-1.schema.json").is_file()
+    text = (tmp_path / "nandoctor.egg-info" / "PKG-INFO").read_text(encoding="utf-8")
+    assert "Project-URL: Issues, " in text and "License: " in text and "Typing :: Typed" in text
+
+
+# --- `--json -` -----------------------------------------------------------------------------------------
+
+def test_json_dash_writes_the_json_alone_to_standard_output(tmp_path):
+    spec = write_spec(tmp_path)
+    for args in (["probe", spec, "--steps", "3"], ["scan", spec]):
+        done = _nandoctor(*args, "--json", "-", cwd=tmp_path)
+        data = json.loads(done.stdout)  # nothing else on stdout: `... --json - | python -m json.tool` works
+        assert data["schema"] == "nandoctor.report/1" and data["command"] == args[0]
+        assert done.returncode == 0, done.stderr
+        assert "healthy" in done.stderr  # the report for people went to standard error
+        assert not (tmp_path / "-").exists()
+
+
+def test_json_dash_of_nandoctor_run_keeps_the_scripts_output_off_standard_output(tmp_path):
+    done = _nandoctor("run", "--json", "-", "--", sys.executable, str(ROOT / "examples" / "unmodified_loop.py"),
+                      cwd=tmp_path, env={"PYTHONPATH": str(ROOT)})
+    data = json.loads(done.stdout)
+    assert done.returncode == 1, done.stderr
+    assert data["verdict"] == "nan_found" and data["first_fault"]["op"]
+    assert "step 0 loss" in done.stderr  # the script's own prints, moved to standard error
+    assert not (tmp_path / "-").exists()
