@@ -288,3 +288,26 @@ def test_grey_cells_are_explained(drawn: Any) -> None:
     fig = drawn.heat(_small_activations(missing=True))
     texts = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
     assert "not recorded at this step" in texts
+
+
+def test_a_long_run_keeps_its_fault_in_a_heat_map_of_bounded_width(drawn: Any) -> None:
+    """20,000 recorded steps: at most MAX_COLUMNS cells a row (more than the image has pixels), and the
+    one NaN/Inf cell still shows."""
+    report = probe_nan_report()
+    steps = list(range(20_000))
+    values = [[1.0 + (s % 7) for s in steps] for _ in range(3)]
+    values[1][12_345] = float("nan")
+    report.details["activation_max"] = {"layers": ["a", "b", "c"], "steps": steps, "values": values}
+    fig = drawn.heat(report)
+    mesh = fig.axes[0].collections[0]
+    assert mesh.get_coordinates().shape[1] - 1 <= plots.MAX_COLUMNS
+    assert "NaN/Inf" in [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    assert fig.axes[0].get_xlim() == pytest.approx((-0.5, 19_999.5))
+
+
+def test_timeline_strings_of_a_foreign_report_are_still_made_inert() -> None:
+    """The timeline skips the renderer's cleaning round trip for speed; a string in it is still cleaned."""
+    report = probe_nan_report()
+    report.timeline[3].loss = "\x1b]0;owned\x07\x1b[2J"
+    text = _console(report, 120) + markdown_report.render(report)
+    assert "\x1b" not in text and "owned" not in text

@@ -12,6 +12,7 @@ characters, nesting cut at `MAX_NESTING` levels, and for public output paths mad
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -460,7 +461,12 @@ def shown_report(report: Report, *, public: bool = False, limit: int | None = TE
     the project's and home folder's absolute paths rewritten as `public_paths` does."""
     project = project_dir(report) if public else None
     rules = _path_rules(project) if public else []
-    return Report.from_dict(_shown(report.to_dict(), rules, limit, 0))
+    # The timeline (up to tens of thousands of points) goes around the round trip: its numbers need no
+    # cleaning, and only a point holding a string (a foreign file's) is cleaned. 0.9 s -> 0.1 s at 20k steps.
+    shown = Report.from_dict(_shown(dataclasses.replace(report, timeline=[]).to_dict(), rules, limit, 0))
+    shown.timeline = [p if all(not isinstance(v, str) for v in vars(p).values())
+                      else TimelinePoint(**_shown(vars(p), rules, limit, 0)) for p in report.timeline]
+    return shown
 
 
 def shown_value(value: Any, *, limit: int | None = TEXT_LIMIT) -> Any:

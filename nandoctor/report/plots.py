@@ -26,6 +26,7 @@ HEATMAP_PLOT = "activation_heatmap.png"
 WIDTH = 9.0  # inches, both figures: with the margins below, their plotting areas line up
 LEFT, RIGHT = 0.11, 0.84  # fractions of the width: the plotting area, the same in both figures
 MARKERS_UP_TO = 200  # points per line drawn with markers; a longer run is a plain line
+MAX_COLUMNS = 600  # heat-map cells per row: about one per pixel column of the plotting area
 MISSING_COLOUR, FAULT_COLOUR, OVERFLOW_COLOUR = "lightgrey", "crimson", "darkorange"
 
 
@@ -92,10 +93,12 @@ def step_range(report: Report) -> tuple[float, float] | None:
     """The x range both figures share: every step of the timeline and of the per-step maps, half a step
     beyond each end."""
     steps = [p.step for p in report.timeline]
-    for key, names in (("activation_max", "layers"), ("grad_norms", "parameters")):
-        found = _matrix(report.details.get(key), names)
-        if found is not None:
-            steps += [s for s in found[1] if isinstance(s, (int, float))]
+    for key in ("activation_max", "grad_norms"):
+        block = report.details.get(key)
+        found = block.get("steps") if isinstance(block, dict) else None
+        if isinstance(found, Sequence) and not isinstance(found, str):
+            steps += [s for s in found if isinstance(s, (int, float)) and not isinstance(s, bool)
+                      and math.isfinite(s)]
     return (min(steps) - 0.5, max(steps) + 0.5) if steps else None
 
 
@@ -190,6 +193,33 @@ def _edges(steps: list[float]) -> list[float]:
     return [steps[0] - 0.5] + mids + [steps[-1] + 0.5]
 
 
+def _columns(data: Any, faulty: Any, over: Any, steps: list[Any]) -> tuple[Any, Any, Any, list[float], list[float]]:
+    """At most MAX_COLUMNS columns (a plot 9 inches wide shows no more): longer runs are cut into runs of
+    consecutive steps, each drawn as one cell holding its largest value; a run that holds a fault is a
+    fault, one that holds an overflowed norm is that, and only a run with no value at all is grey.
+    Returns (data, faulty, over, cell edges, cell centres)."""
+    import numpy as np
+
+    edges = _edges([float(s) for s in steps])
+    n = data.shape[1]
+    if n <= MAX_COLUMNS:
+        return data, faulty, over, edges, [float(s) for s in steps]
+    size = math.ceil(n / MAX_COLUMNS)
+    starts = list(range(0, n, size))
+    shown = np.full((data.shape[0], len(starts)), np.nan)
+    bad = np.zeros(shown.shape, dtype=bool)
+    high = np.zeros(shown.shape, dtype=bool)
+    for k, a in enumerate(starts):
+        block = data[:, a:a + size]
+        finite = np.where(np.isfinite(block), block, -np.inf).max(axis=1)
+        shown[:, k] = np.where(finite > -np.inf, finite, np.nan)
+        bad[:, k] = faulty[:, a:a + size].any(axis=1)
+        high[:, k] = over[:, a:a + size].any(axis=1) & ~bad[:, k]
+    shown = np.where(bad | high, np.inf, shown)
+    cut = [edges[a] for a in starts] + [edges[-1]]
+    return shown, bad, high, cut, [(x + y) / 2 for x, y in zip(cut, cut[1:])]
+
+
 def heatmap_figure(report: Report) -> Any:
     """Per-layer max |activation| per step (log colours from the data's own range, float16's 65504 marked
     when it falls inside it), and per-parameter gradient norms if present, on the real step axis. Red:
@@ -221,9 +251,10 @@ def heatmap_figure(report: Report) -> Any:
         data = np.array(rows, dtype=float)
         over = np.zeros(data.shape, dtype=bool)
         if not is_activation:  # a per-parameter norm float32 could not hold, before any fault: not a fault
-            for j, step in enumerate(steps):
-                over[:, j] = [overflowed_norm(report, int(step), v) for v in data[:, j]]
+            for i, j in zip(*np.nonzero(np.isinf(data))):
+                over[i, j] = overflowed_norm(report, int(steps[j]), data[i, j])
         faulty = np.isinf(data) & ~over
+        data, faulty, over, edges, steps = _columns(data, faulty, over, steps)
         finite = data[np.isfinite(data) & (data > 0)]
         lo = float(finite.min()) if finite.size else 1e-3
         hi = float(finite.max()) if finite.size else 1.0
@@ -231,12 +262,12 @@ def heatmap_figure(report: Report) -> Any:
             lo, hi = lo / 10, hi * 10
         shown = np.where(faulty | over, hi, np.where(data <= 0, lo, data))
         cmap = plt.get_cmap("viridis").with_extremes(bad=MISSING_COLOUR)
-        mesh = ax.pcolormesh(_edges(steps), np.arange(len(names) + 1) - 0.5, np.ma.masked_invalid(shown),
+        mesh = ax.pcolormesh(edges, np.arange(len(names) + 1) - 0.5, np.ma.masked_invalid(shown),
                              cmap=cmap, norm=LogNorm(vmin=lo, vmax=hi), shading="flat")
         handles = []
         if faulty.any():  # NaN/Inf cells painted over the scale, in the fault's colour
             mesh_bad = np.ma.masked_where(~faulty, np.ones(data.shape))
-            ax.pcolormesh(_edges(steps), np.arange(len(names) + 1) - 0.5, mesh_bad,
+            ax.pcolormesh(edges, np.arange(len(names) + 1) - 0.5, mesh_bad,
                           cmap=plt.get_cmap("Reds").with_extremes(bad=(0, 0, 0, 0)), vmin=0, vmax=1)
             handles.append(Patch(facecolor="darkred", label="NaN/Inf"))
         if over.any():
