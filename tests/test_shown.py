@@ -311,3 +311,17 @@ def test_timeline_strings_of_a_foreign_report_are_still_made_inert() -> None:
     report.timeline[3].loss = "\x1b]0;owned\x07\x1b[2J"
     text = _console(report, 120) + markdown_report.render(report)
     assert "\x1b" not in text and "owned" not in text
+
+
+def test_source_line_of_a_run_is_found_beside_the_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`nandoctor run -- python examples/unmodified_loop.py` names plain_loop.py:N (a module beside the
+    script), whatever the working folder."""
+    monkeypatch.chdir(tmp_path)
+    examples = ROOT / "examples"
+    number = next(i for i, line in enumerate((examples / "plain_loop.py").read_text().splitlines(), 1)
+                  if "paddle.sqrt(" in line)
+    report = probe_nan_report()
+    report.run = {"mode": "run", "command_line": f"{sys.executable} {examples / 'unmodified_loop.py'}"}
+    report.details["source"] = f"plain_loop.py:{number} in forward"
+    expected = linecache.getline(str(examples / "plain_loop.py"), number).strip()
+    assert expected.split("#")[0].strip() in " ".join(_console(report, 160).split())

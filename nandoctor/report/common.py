@@ -375,7 +375,7 @@ def source_text(report: Report) -> str | None:
         return None
     path, number = Path(match["path"]).expanduser(), int(match["line"])
     config = report.run.get("config")
-    bases = ([Path(str(config)).expanduser().parent] if config else []) + [Path.cwd()]
+    bases = ([Path(str(config)).expanduser().parent] if config else []) + _script_folders(report) + [Path.cwd()]
     for base in bases:
         candidate = path if path.is_absolute() else base / path
         try:
@@ -389,6 +389,17 @@ def source_text(report: Report) -> str | None:
             continue
         return None
     return None
+
+
+def _script_folders(report: Report) -> list[Path]:
+    """The folders of the .py files in `nandoctor run`'s command line: the user's code sits beside them."""
+    import shlex
+
+    try:
+        words = shlex.split(str(report.run.get("command_line") or ""))
+    except ValueError:
+        return []
+    return [Path(w).expanduser().parent for w in words if w.endswith(".py")]
 
 
 # --- gradient norms: a float32 overflow is not a fault -------------------------------------------------
