@@ -271,7 +271,7 @@ def report(
     except KeyboardInterrupt as exc:
         raise _interrupted(exc) from None
     except Exception as exc:  # noqa: BLE001 - a report that loads but breaks a renderer is our bug
-        mistake = _user_error(exc, {"--markdown": markdown_path})
+        mistake = _user_error(exc, {"report": report_json, "--markdown": markdown_path})
         if mistake is not None:
             raise _fail(mistake) from None
         raise _internal(exc, markdown_path) from None

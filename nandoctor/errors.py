@@ -63,7 +63,7 @@ def paddle_missing(exc: BaseException) -> PaddleMissing | None:
 
 
 def path_error(exc: OSError, paths: dict[str, Path | None]) -> NandoctorError | None:
-    """An OSError on a path the user gave (`--json`, `--markdown`, `--bundle` or the spec), or on a file
+    """An OSError on a path the user gave (`--json`, `--markdown`, `--bundle`, the spec or report), or on a file
     inside it (a bundle's files), as a message naming that path (exit 2): a name too long for the file
     system, a read-only disk, a full one are the user's to change. None when the error is on a path of
     ours: that one is a bug."""
@@ -79,6 +79,9 @@ def path_error(exc: OSError, paths: dict[str, Path | None]) -> NandoctorError | 
             if what == "spec":
                 return SpecError(f"cannot read the spec {path}: {reason}. Pass the path of your nandoctor YAML "
                                  "spec.")
+            if what == "report":
+                return SpecError(f"cannot read the report {path}: {reason}. Pass a report.json written by --json "
+                                 "or --bundle.")
             return OutputError(f"cannot write {what} {path}: {reason}. Pick another path.")
     return None
 

@@ -136,6 +136,13 @@ def test_too_long_markdown_of_nandoctor_report_is_exit_2(tmp_path):
     assert result.exit_code == 2 and str(target) in text and "too long" in text.lower(), text
 
 
+def test_too_long_report_path_of_nandoctor_report_is_exit_2(tmp_path):
+    target = tmp_path / (LONG + ".json")
+    result = _cli("report", target)
+    text = _flat(result.output)
+    assert result.exit_code == 2 and str(target) in text and "too long" in text.lower(), text
+
+
 def test_an_oserror_on_a_path_of_ours_is_still_a_bug(tmp_path, monkeypatch):
     """Only the user's paths are the user's: an OSError elsewhere stays exit 3."""
     def broken(self, loss):
