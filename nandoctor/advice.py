@@ -246,8 +246,9 @@ def cause_advice(cause: str, **facts: Any) -> list[str]:
         out = [f"The fault follows from the step size: {what} before it. " + lower,
                clip_advice(facts.get("clip_norm"), mode, " so one large gradient cannot throw the weights this far")]
         scaled = scale_advice(facts.get("scales"))
-        # data measured far from unit scale is the root: the learning rate only suits data of that scale
-        far = any((s.get("rms") or 0) >= 100 for s in facts.get("scales") or [])
+        # data measured an order of magnitude or more off unit scale is the root: a learning rate suits the
+        # data's scale, and standardising fixes the run where a lower rate only slows it
+        far = any((s.get("rms") or 0) >= 10 for s in facts.get("scales") or [])
         return [scaled, *out] if far else [*out, scaled]
     if cause == "param.nonfinite":
         name = facts.get("parameter") or "the parameter"

@@ -121,6 +121,22 @@ def _step(m: Any, batch: Any) -> Any:
     return paddle.nn.functional.mse_loss(m(x), y)
 
 
+def test_a_mean_that_overflows_at_the_end_of_a_divergence_is_not_an_empty_selection(probe):
+    """whole_batch_overflow: the MSE's mean overflows at step 17 after a steady growth (features of std 30):
+    the advice standardises the inputs first, citing their scale as numpy measures it, then the step size;
+    nothing about an empty selection or the loss formula."""
+    report = probe(SAMPLES / "whole_batch_overflow" / "config.yaml")
+    symptom = _symptom(report)
+    assert symptom["location"]["op"] == "mean" and symptom["evidence"]["causes"][0] == "grad.explosion"
+    step = report["first_fault"]["step"]
+    x, _ = sample_module("whole_batch_overflow", "data").build_loader(batches=40, batch_size=64, scale=30.0)[step]
+    rms = float(np.sqrt(np.mean(x.astype(np.float64) ** 2)))
+    own = _own(symptom["advice"])
+    assert own[0].startswith("Standardise") and f"input field 'x' of batch {step}" in own[0], own
+    assert f"root mean square {rms:.3g}" in own[0] and "learning rate" in own[1]
+    assert not any(w in a for a in symptom["advice"] for w in _NOT_THIS_CAUSE), symptom["advice"]
+
+
 def _watch_divergence(folder: Path, mode: Any = None) -> dict[str, Any]:
     """target_scale_divergence's loop in the user's own Python under nandoctor.watch, or (`mode`) under the
     Doctor as another way in builds it (the Trainer callback: Mode.TRAINER)."""

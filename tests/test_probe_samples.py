@@ -82,6 +82,13 @@ EXPECTED: dict[str, Expect] = {
     # weights diverge: every sample alone overflows too, so it is the batch as a whole (null)
     "lr_divergence": Expect(NAN, 1, fault(16, "forward", "out", "matmul", None, 16, None),
                             {"activation.nonfinite", "grad.explosion"}, before_fault={"grad.explosion"}),
+    # targets around 3000 under MSE: the squared error overflows at step 8 at the end of a growth (plain loop:
+    # the first non-finite loss at step 8; tests/test_advice_truth.py); which samples overflow alone: ANY
+    "target_scale_divergence": Expect(NAN, 1, fault(8, "loss", None, "square", None, 8, ANY),
+                                      {"loss.nonfinite", "grad.explosion"}, before_fault={"grad.explosion"}),
+    # a NaN pixel, images[2, 0, 4, 7] of batch 3 (NCHW): the data check stops the step before the update
+    "nan_in_images": Expect(NAN, 1, fault(3, "data", None, None, None, 3, [2]), {"data.nonfinite"},
+                            where={"data.nonfinite": {"field": "image"}}),
     "exploding_rnn": Expect(NAN, 1, fault(14, "forward", "rnn", "rnn_intermediate", None, 14, None),
                             {"activation.nonfinite", "grad.explosion"}, before_fault={"grad.explosion"}),
     # the probe runs the init-scale check before training, so the cause comes with the symptom
