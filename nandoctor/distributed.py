@@ -115,6 +115,17 @@ class RankSync:
                 return r
         return next((r for r, v in enumerate(self.levels) if v), None)
 
+    def alone(self, doctor: Any, report: Any) -> Any:
+        """This rank's own code raised: no collective (the other ranks are inside another one, DataParallel's
+        gradient all-reduce, and a mismatched call aborts them all), this rank's report written to
+        report_dir/rank-N/ and returned; whoever reads the ranks' folders afterwards merges (`merge_crashed`)."""
+        from nandoctor.inloop import outcome
+
+        _mark_rank(report, self.rank)
+        if doctor.report_dir is not None:
+            outcome.write_report(report, Path(doctor.report_dir) / f"rank-{self.rank}")
+        return report
+
     def finish(self, doctor: Any, report: Any) -> Any:
         """After a fault, on every rank: learn whose own batch reproduces it, write this rank's report to
         report_dir/rank-N/, wait for every rank, then (rank 0) return the merged report."""
@@ -131,11 +142,7 @@ class RankSync:
         t = paddle.to_tensor(vec, dtype="int32")
         dist.all_reduce(t)  # the fault's second (and last) collective: whose own batch reproduces it
         self.reproduced = [bool(v) for v in t.numpy().tolist()]
-        report.run["rank"] = self.rank
-        report.details["rank"] = self.rank
-        for loc in [report.first_fault] + [f.location for f in report.findings]:
-            if loc is not None:
-                loc.rank = self.rank
+        _mark_rank(report, self.rank)
         if doctor.report_dir is None:
             return report
         folder = Path(doctor.report_dir)
@@ -168,3 +175,51 @@ class RankSync:
         merged.run["first_rank"] = first
         merged.artifacts = source.artifacts if source is report else {}
         return merged
+
+
+def _mark_rank(report: Any, rank: int) -> None:
+    """The contract's `rank` on the first fault and every finding of one rank's own report."""
+    report.run["rank"] = rank
+    report.details["rank"] = rank
+    for loc in [report.first_fault] + [f.location for f in report.findings]:
+        if loc is not None:
+            loc.rank = rank
+
+
+def merge_crashed(reports: dict[int, Any], world: int, silent: dict[int, str] | None = None) -> Any:
+    """The job's report when ranks died without agreeing (one raised, was killed or hung): the report of
+    the rank whose own code raised first (lowest step, then lowest rank), named in its first finding, with
+    every rank's fate in `details.ranks`. `silent` says what is known of ranks that wrote nothing (killed
+    by a signal, no progress for a while). None when no rank wrote a report."""
+    from nandoctor.findings import Report
+
+    if not reports:
+        return None
+    def order(r: int) -> tuple[int, int]:
+        ff = reports[r].first_fault
+        return (ff.step if ff is not None and ff.step is not None else 1 << 62, r)
+
+    first = min(reports, key=order)
+    source: Report = reports[first]
+    merged = Report(command=source.command, findings=list(source.findings), first_fault=source.first_fault,
+                    timeline=list(source.timeline), environment=dict(source.environment), run=dict(source.run),
+                    details=dict(source.details), crashed=source.crashed, artifacts=dict(source.artifacts))
+    for loc in [merged.first_fault] + [f.location for f in merged.findings]:
+        if loc is not None:
+            loc.rank = first
+    if merged.findings and merged.findings[0].severity.value == "error":
+        merged.findings[0].message = f"Rank {first} of {world}: {merged.findings[0].message}"
+    silent = silent or {}
+    merged.details["ranks"] = [{"rank": r, "verdict": reports[r].verdict.value if r in reports else None,
+                                "step": _step(reports.get(r)), "fate": silent.get(r)}
+                               for r in range(world)]
+    merged.details["first_rank"] = first
+    merged.run.pop("rank", None)
+    merged.run["world_size"] = world
+    merged.run["first_rank"] = first
+    return merged
+
+
+def _step(report: Any) -> int | None:
+    ff = report.first_fault if report is not None else None
+    return ff.step if ff is not None else None

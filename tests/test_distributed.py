@@ -180,3 +180,63 @@ def test_watch_starts_no_collective_in_processes_that_joined_no_group(monkeypatc
     model = paddle.nn.Linear(4, 2)
     with nandoctor.watch(model, paddle.optimizer.SGD(parameters=model.parameters()), report_dir=None) as doctor:
         assert doctor.sync is None
+
+
+_MISBEHAVING = '''
+import os
+import time
+
+import paddle.nn as nn
+
+
+class Net(nn.Layer):
+    """Rank 1 misbehaves at its 4th forward (step 3): raises, is SIGKILLed, or hangs."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.how, self.calls = how, 0
+
+    def forward(self, a, b):
+        self.calls += 1
+        if os.environ.get("PADDLE_TRAINER_ID") == "1" and self.calls == 4:
+            if self.how == "raise":
+                raise ValueError("rank 1 alone hits this")
+            if self.how == "kill":
+                os.kill(os.getpid(), 9)
+            time.sleep(3600)
+        return self.body(a - b).squeeze(-1)
+'''
+
+
+@pytest.mark.parametrize(("how", "code"), [("raise", "user_code.error"), ("kill", "rank.killed"),
+                                            ("hang", "rank.hung")])
+def test_probe_nproc_names_a_rank_that_raises_is_killed_or_hangs(tmp_path: Path, how: str, code: str) -> None:
+    """One rank's own failure stops the job with a report naming that rank, its step and phase (the other
+    rank waits in DataParallel's all-reduce), and no rank is left running."""
+    import yaml
+
+    (tmp_path / "dp_data.py").write_text(_DATA, encoding="utf-8")
+    (tmp_path / "bad_model.py").write_text(_MISBEHAVING, encoding="utf-8")
+    spec = {"version": 1, "model": {"entry": "bad_model.py:Net", "args": {"how": how}},
+            "data": {"entry": "dp_data.py:loader", "fields": ["a", "b", "target"], "inputs": ["a", "b"],
+                     "label": "target"},
+            "loss": {"builtin": "mse"}, "optimizer": {"name": "Adam", "args": {"learning_rate": 0.003}}}
+    (tmp_path / "dp.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
+    cmd = [sys.executable, "-m", "nandoctor", "probe", str(tmp_path / "dp.yaml"), "--steps", "8", "--nproc", "2",
+           "--json", str(tmp_path / "r.json"), "-q"]
+    try:
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=LIMIT,
+                              env={**_env(), "NANDOCTOR_RANK_HANG_SECONDS": "6"})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"probe --nproc 2 did not finish in {LIMIT} s")
+    left = subprocess.run(["pgrep", "-af", str(tmp_path / "dp.yaml")], capture_output=True, text=True).stdout
+    assert not left.strip(), f"ranks left running: {left}"
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert data["verdict"] == "crashed"
+    ff = data["first_fault"]
+    assert (ff["rank"], ff["step"], ff["phase"]) == (1, 3, "forward")
+    first = data["findings"][0]
+    assert first["code"] == code and first["location"]["rank"] == 1
+    assert first["message"].startswith("Rank 1 of 2")

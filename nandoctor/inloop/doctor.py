@@ -327,12 +327,16 @@ class Doctor:
             if not was_training:
                 self.model.eval()
             _disable_checker()
-        if self.sync is not None:
+        # A rank whose own code raised goes alone: the others are in a collective of the user's it never reaches
+        alone = self.sync is not None and fault is not None and fault.kind == FaultKind.CRASH
+        if alone:
+            report = self.sync.alone(self, report)
+        elif self.sync is not None:
             report = self.sync.finish(self, report)
         self.report = report
         text = outcome.render_text(report)
         (log.error if report.exit_code else log.warning)("nandoctor report\n%s", text)
-        if self.report_dir is not None and (self.sync is None or self.sync.writes_report):
+        if self.report_dir is not None and not alone and (self.sync is None or self.sync.writes_report):
             try:
                 written = outcome.write_report(report, self.report_dir)
                 log.error("nandoctor: report written to %s", written)
@@ -340,7 +344,7 @@ class Doctor:
                 log.error("nandoctor: could not write the report to %s (%s); it is in doctor.report, and the "
                           "report above is the same. Pass a writable report_dir= to nandoctor.watch.",
                           self.report_dir, exc.strerror or exc)
-        if self.sync is not None:
+        if self.sync is not None and not alone:
             self.sync.barrier()  # no rank exits (and gets the launcher to kill the others) before rank 0 wrote
 
     def _target(self, replay_loss: Any) -> StepTarget:
