@@ -102,7 +102,7 @@ def test_the_replays_read_the_kept_batches_instead_of_the_dataset(monkeypatch):
 
     _, probe_only = reads(try_fixes=False)
     kept, with_tape = reads()
-    monkeypatch.setattr(probe_pkg, "_keep_batches", lambda loop: None)  # every replay re-reads the loader
+    monkeypatch.setattr(probe_pkg, "_keep_batches", lambda loop: None, raising=False)  # every replay re-reads
     reread, without = reads()
     assert kept.first_fault.step == reread.first_fault.step == 16
     assert _rows(kept)["op_guard"]["outcome"] == _rows(reread)["op_guard"]["outcome"] == "fixed"
@@ -228,3 +228,68 @@ def test_the_progress_display_names_the_remedy_being_replayed():
     assert shown == [f"trying remedy {k}/{len(tried)}: {r['remedy']}" for k, r in enumerate(tried, 1)] or \
         len(shown) == len(tried)
     assert shown[0].startswith(f"trying remedy 1/{len(shown)}: ")
+
+
+# -- 5. a clamp that works -------------------------------------------------------------------------------------
+
+
+def _load(path: Path) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"truth_{path.parent.name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _vae_steps(limit: float, steps: int = 30) -> int | None:
+    """Ground truth, a plain Paddle loop over vae_exp with exp's input clamped at `limit`: the first step whose
+    loss or gradients hold NaN/Inf (float64 on the host), or None."""
+    vae_data, vae_model = (_load(SAMPLES / "vae_exp" / f"{name}.py") for name in ("data", "model"))
+    net = vae_model.build_model()
+    opt = paddle.optimizer.Adam(parameters=net.parameters(), learning_rate=0.003)
+    real_exp = paddle.exp
+    for step, x in enumerate(vae_data.build_loader()[:steps]):
+        x = paddle.to_tensor(x)
+        paddle.exp = lambda z: real_exp(paddle.clip(z, max=limit))  # the guard the remedy names
+        try:
+            recon, mu, logvar, std = net(x)
+        finally:
+            paddle.exp = real_exp
+        loss = ((recon - x) ** 2).sum(-1).mean() + 0.5 * (mu ** 2 + std ** 2 - logvar - 1).sum(-1).mean()
+        loss.backward()
+        grads = [np.asarray(p.grad.numpy(), "float64") for p in net.parameters() if p.grad is not None]
+        if not np.isfinite(float(loss)) or not all(np.isfinite(g).all() for g in grads):
+            return step
+        opt.step()
+        opt.clear_grad()
+    return None
+
+
+def test_the_exp_clamp_is_searched_until_it_verifies_and_the_bundle_agrees(tmp_path):
+    """exp clamped at 60 is ~1e26, squared downstream: still inf. The search goes tighter and reports the
+    clamp that verified; a plain loop confirms both; the bundle's reproduce.py applies that same clamp."""
+    from test_bundle_parity import FIXED_LINE, _reproduce
+    from test_bundle_parity import _probe as bundle_probe
+
+    report = bundle_probe(SAMPLES / "vae_exp" / "config.yaml", tmp_path / "b")
+    assert (report["first_fault"]["step"], report["first_fault"]["op"]) == (10, "exp")
+    row = next(r for r in report["remedies"] if r["remedy"] == "op_guard")
+    assert row["outcome"] == "fixed", row
+    limit = row["threshold"]
+    assert limit < 60 and f"max={limit:g}" in row["change"] and "clamped at 60" in row["note"]
+    assert _vae_steps(60.0) == 10  # the usual clamp does not help
+    assert _vae_steps(limit) is None  # the one found does, through every step
+    done = _reproduce(tmp_path / "b", tmp_path, "--with-remedy", "op_guard")
+    assert done.returncode == 0 and FIXED_LINE in done.stdout.splitlines(), done.stdout + done.stderr
+
+
+def test_a_dropped_record_verified_by_the_probe_verifies_in_the_bundle(tmp_path):
+    from test_bundle_parity import FIXED_LINE, _reproduce
+    from test_bundle_parity import _probe as bundle_probe
+
+    report = bundle_probe(SAMPLES / "bad_record_epochs" / "config.yaml", tmp_path / "b")
+    row = next(r for r in report["remedies"] if r["remedy"] == "drop_samples")
+    assert row["outcome"] == "fixed" and row["skip_list"]["records"] == [37]
+    done = _reproduce(tmp_path / "b", tmp_path, "--with-remedy", "drop_samples")
+    assert done.returncode == 0 and FIXED_LINE in done.stdout.splitlines(), done.stdout + done.stderr

@@ -98,10 +98,31 @@ def bundle_table() -> dict[str, Any]:
     return {"format": TABLE_FORMAT, "grad_suffix": GRAD_SUFFIX, "aliases": dict(ALIASES), "guards": guards}
 
 
-def _guarded_args(op: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+def limit_of(op: str) -> float | None:
+    """The clamp's upper bound a threshold search may tighten (exp's 60), or None for a guard without one."""
+    rule = RULES.get(op)
+    return rule.hi if rule is not None and rule.kind == "clip" and rule.hi is not None and rule.lo is None else None
+
+
+def change_text(guard: Guard, limit: float | None) -> str:
+    """The guard's code change with the clamp the replay used (`max=60.0` -> `max=15.0`)."""
+    default = limit_of(guard.op)
+    if limit is None or default is None:
+        return guard.change
+    return guard.change.replace(f"max={default}", f"max={limit:g}")
+
+
+def _rule(op: str, limit: float | None) -> Rule | None:
+    rule = RULES.get(op)
+    if rule is None or limit is None or limit_of(op) is None:
+        return rule
+    return Rule(rule.kind, rule.arg, rule.value, rule.lo, float(limit))
+
+
+def _guarded_args(op: str, args: tuple[Any, ...], limit: float | None = None) -> tuple[Any, ...]:
     import paddle
 
-    rule = RULES.get(op)
+    rule = _rule(op, limit)
     if rule is None or len(args) <= rule.arg or not isinstance(args[0], paddle.Tensor):
         return args
     x = args[rule.arg]
@@ -116,9 +137,10 @@ def _guarded_args(op: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (*args[:rule.arg], new, *args[rule.arg + 1:])
 
 
-def _changes(op: str, args: tuple[Any, ...]) -> bool:
+def _changes(op: str, args: tuple[Any, ...], limit: float | None = None) -> bool:
     """Whether the guard alters a value of this call (one host sync: replays are not the hot path)."""
-    rule = RULES[op]
+    rule = _rule(op, limit)
+    assert rule is not None
     x = args[rule.arg]
     if rule.kind == "add":  # sqrt/rsqrt: the epsilon matters where the input is at (or past) 0
         return bool((x <= 0).any())
@@ -159,11 +181,14 @@ def _at(source: str | None) -> tuple[str, int] | None:
 
 
 @contextlib.contextmanager
-def guarded(guard: Guard, source: str | None, scope: str = "line") -> Iterator[dict[str, Any]]:
+def guarded(guard: Guard, source: str | None, scope: str = "line", limit: float | None = None,
+            observe: Callable[[float], None] | None = None) -> Iterator[dict[str, Any]]:
     """Within the block, `guard.op` calls get the epsilon/clamp: those made at `source` (scope "line"),
     those made while the call at `source` runs ("within"), or all of them ("any", also when `source` is
     unknown). Yields {"calls": firings, "sites": {line that made the call: firings that changed a value}},
-    so a replay can tell whether the guard was reached at all, and where it mattered."""
+    so a replay can tell whether the guard was reached at all, and where it mattered. `limit` replaces the
+    clamp's upper bound (exp's 60: the threshold search); with `observe`, nothing is changed: each call's
+    largest input goes to `observe` (what the healthy steps feed the op)."""
     import paddle
 
     where = _at(source) if scope != "any" else None
@@ -178,11 +203,14 @@ def guarded(guard: Guard, source: str | None, scope: str = "line") -> Iterator[d
                     frame.f_lineno == where[1] and os.path.basename(frame.f_code.co_filename) == where[0]
                 if not mine:
                     return fn(*args, **kwargs)
-            new = _guarded_args(guard.op, args)
+            new = _guarded_args(guard.op, args, limit)
             if new is args:  # not a tensor call the guard can change (a / 2.0)
                 return fn(*args, **kwargs)
+            if observe is not None:
+                observe(float(args[RULES[guard.op].arg].max()))
+                return fn(*args, **kwargs)
             hits["calls"] += 1
-            if _changes(guard.op, args):
+            if _changes(guard.op, args, limit):
                 at = site(frame)
                 hits["sites"][at] = hits["sites"].get(at, 0) + 1
             return fn(*new, **kwargs)

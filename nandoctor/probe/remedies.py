@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nandoctor.findings import Code, Report
-from nandoctor.probe.op_guards import guard_for
+from nandoctor.probe.op_guards import guard_for, limit_of
 from nandoctor.probe.remedy_guard import guard_info, guard_text, never_fired, replay_guard, scope_note
 from nandoctor.probe.remedy_replay import Change, Replay, replay
 from nandoctor.probe.remedy_weights import init_stds, nan_rows, rows_text
@@ -72,7 +72,9 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
     try:
         if control_start is not None:
             progress(0, None, "replaying without any change (does the fault come back?)")
-            control = replay(workload, optimizer, ring, control_start, fault.step + 2, Change(), t0 + budget)
+            control = replay(workload, optimizer, ring, control_start, fault.step + 2, Change(), t0 + budget,
+                             watch=_watch(cands))
+        healthy = _healthy_max(control, fault.step)
         tried = [c for c in cands if c.why_not is None and c.start is not None]
         for c in cands:
             if c in tried:  # the display says what runs, not the probe's last step
@@ -88,14 +90,17 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
             def run(change: Change, start: Snapshot = start) -> Any:
                 return replay(workload, optimizer, ring, start, end_step, change, t0 + budget)
 
+            searched = None
             if c.change.guard is not None:  # widened past the reported line while it never fired
-                r, c.change = replay_guard(run, c.change)
+                r, c.change, searched = _search_guard(run, c, report, fault.step, end_step, healthy)
                 c.change_text = guard_text(c.change, r)
                 c.extra["guard"] = guard_info(c.change, r)
             else:
                 r = run(c.change)
             before = _baseline_loss(report, r.start_step)
             outcome, note = _judge(r, fault.step, end_step, c, before)
+            if searched:
+                note = "; ".join(n for n in (searched, note) if n)
             widened = scope_note(c.change, r)
             note = "; ".join(n for n in (widened, note) if n) or None
             rows.append(_row(c, outcome, r, note=note, before=before))
@@ -125,6 +130,63 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
                                                  "failed_at": control.failed_at}}
     report.details["snapshots"] = ring.summary()  # now with the fault-time snapshot's epoch kept
     _mark_advice(report, rows, fault.step)
+
+
+_MAX_LIMITS = 6  # clamps a threshold search tries: the rule's bound, then halved
+
+
+def _watch(cands: list[Candidate]) -> tuple[Any, str | None] | None:
+    """The op of a clamp whose bound may be searched (exp), for the control replay to record its inputs."""
+    c = next((c for c in cands if c.change.guard is not None and c.why_not is None and c.start is not None), None)
+    if c is None or limit_of(c.change.guard.op) is None:
+        return None
+    return c.change.guard, c.change.source
+
+
+def _healthy_max(control: Replay | None, fault_step: int) -> float | None:
+    """The largest input the watched op got on the steps before the fault (what a clamp must leave alone)."""
+    import math
+
+    vals = [v for s, v in (control.observed if control is not None else []) if s < fault_step and math.isfinite(v)]
+    return max(vals) if vals else None
+
+
+def _limits(top: float, healthy: float | None) -> list[float]:
+    """The rule's bound, then halved while it stays above what the healthy steps used (and above 1)."""
+    out = [top]
+    floor = max(healthy if healthy is not None else 0.0, 1.0)
+    while len(out) < _MAX_LIMITS and out[-1] / 2 > floor:
+        out.append(out[-1] / 2)
+    return out
+
+
+def _search_guard(run: Any, c: Candidate, report: Report, fault_step: int, end_step: int,
+                  healthy: float | None) -> tuple[Replay, Change, str | None]:
+    """The guard's replay; for a clamp with an upper bound (exp's 60), tighter bounds while it does not
+    verify: a value clamped at 60 can still overflow where it is squared downstream (a VAE's std). Returns
+    the last replay, its change, and what the search tried (for the row's note)."""
+    import dataclasses
+
+    top = limit_of(c.change.guard.op) if c.change.guard is not None else None
+    if top is None:
+        r, change = replay_guard(run, c.change)
+        return r, change, None
+    tried: list[tuple[float, str]] = []
+    for limit in _limits(top, healthy):
+        r, change = replay_guard(run, dataclasses.replace(c.change, guard_limit=limit))
+        outcome, note = _judge(r, fault_step, end_step, dataclasses.replace(c, change=change),
+                               _baseline_loss(report, r.start_step))
+        c.extra["threshold"] = limit
+        tried.append((limit, outcome if outcome == FIXED else (note or outcome)))
+        if outcome != NOT_FIXED or not r.guard_calls or r.error is not None:
+            break
+    if len(tried) == 1:
+        return r, change, None
+    op = change.guard.op if change.guard is not None else "op"
+    seen = f" (the healthy steps' largest {op} input: {healthy:.3g})" if healthy is not None else ""
+    failed = "; ".join(f"clamped at {lim:g}: {why}" for lim, why in tried[:-1])
+    last = "verified at" if tried[-1][1] == FIXED or tried[-1][1] is None else "last tried"
+    return r, change, f"threshold searched from {top:g} down{seen}: {failed}; {last} {tried[-1][0]:g}"
 
 
 def _unverified(control: Replay | None, reproduced: bool | None, ring: SnapshotRing) -> str:

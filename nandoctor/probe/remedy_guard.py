@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from nandoctor.probe.op_guards import change_text
 from nandoctor.probe.remedy_replay import Change, Replay
 
 SCOPES = ("line", "within", "any")
@@ -42,7 +43,8 @@ def never_fired(r: Replay, change: Change) -> str | None:
 
 def guard_text(change: Change, r: Replay) -> str:
     """Where to put the epsilon: the reported line, or the line inside the library that made the op."""
-    base = change.guard.change if change.guard is not None else "an epsilon or clamp for the faulting op"
+    base = change_text(change.guard, change.guard_limit) if change.guard is not None else \
+        "an epsilon or clamp for the faulting op"
     if change.guard_scope == "line" or not r.guard_calls:
         return f"{base} at {change.source}" if change.source else base
     sites = sorted(r.guard_sites.items(), key=lambda kv: -kv[1])

@@ -39,6 +39,7 @@ class Change:
     guard: Guard | None = None
     source: str | None = None  # where the guarded op was created ("model.py:13 in forward")
     guard_scope: str = "line"  # op_guards.guarded: "line", "within" (the line's call) or "any"
+    guard_limit: float | None = None  # the clamp's bound when searched (exp: 60, then tighter), else the rule's
     reinit_rows: dict[str, list[int]] = field(default_factory=dict)  # parameter -> rows drawn afresh (NaN rows)
     reinit: dict[str, float] = field(default_factory=dict)  # parameter name -> std to draw it from
 
@@ -76,6 +77,7 @@ class Replay:
     failed: FailedStep | None = None  # with record=True: the step it stopped at
     data_note: str | None = None  # why the replay's data ended early (a loader that cannot be re-read the same way)
     not_applicable: str | None = None  # the change cannot be made on this optimizer (in `.error` too), and why
+    observed: list[tuple[int, float]] = field(default_factory=list)  # (step, largest input) of a watched op
 
 
 class NotApplicable(Exception):
@@ -83,18 +85,21 @@ class NotApplicable(Exception):
 
 
 def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change,
-           deadline: float, record: bool = False) -> Replay:
+           deadline: float, record: bool = False, watch: tuple[Guard, str | None] | None = None) -> Replay:
     """Train from `snap` to `end_step` with `change`; never raises for the user's errors (they go in `.error`).
     `record`: keep the failing step's batch and RNG state (`.failed`) and check the weights after every
-    update too, so the step that went non-finite first is named exactly (the rollback's replay)."""
+    update too, so the step that went non-finite first is named exactly (the rollback's replay). `watch`
+    (a guard's op and source line): record each step's largest input to that op, changing nothing."""
     t0 = time.perf_counter()
     out = Replay(snap.step)
+    now = [snap.step]  # the step running, for what `watch` records
     restore(snap, workload.model, optimizer)
     _reinit(workload.model, change.reinit)
     _reinit_rows(workload.model, change.reinit_rows)
     try:
-        with _optimizer_changed(optimizer, change) as set_factor, _guard(change) as hits:
-            _run(workload, optimizer, ring, snap, end_step, change, deadline, set_factor, out, record)
+        with _optimizer_changed(optimizer, change) as set_factor, _guard(change) as hits, \
+                _watched(watch, lambda v: out.observed.append((now[0], v))):
+            _run(workload, optimizer, ring, snap, end_step, change, deadline, set_factor, out, record, now)
             if hits is not None:
                 out.guard_calls, out.guard_sites = hits["calls"], dict(hits["sites"])
         out.still_nonfinite = _held(workload.model)
@@ -115,7 +120,7 @@ def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, en
 
 
 def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change, deadline: float,
-         set_factor: Any, out: Replay, record: bool = False) -> None:
+         set_factor: Any, out: Replay, record: bool = False, now: list[int] | None = None) -> None:
     import paddle
 
     from nandoctor.training import StepEngine
@@ -139,6 +144,8 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
                 out.data_note = getattr(ring.batches, "stream", None)
                 break
             epoch, batch_index, batch = item
+            if now is not None:
+                now[0] = step
             if batch is END:
                 if batch_index == 0:
                     out.ended = True
@@ -313,8 +320,18 @@ def _guard(change: Change) -> Iterator[dict[str, int] | None]:
     if change.guard is None:
         yield None
         return
-    with guarded(change.guard, change.source, change.guard_scope) as hits:
+    with guarded(change.guard, change.source, change.guard_scope, change.guard_limit) as hits:
         yield hits
+
+
+@contextlib.contextmanager
+def _watched(watch: tuple[Guard, str | None] | None, observe: Any) -> Iterator[None]:
+    if watch is None:
+        yield
+        return
+    guard, source = watch
+    with guarded(guard, source, "line" if source else "any", observe=observe):
+        yield
 
 
 def _reinit(model: Any, stds: dict[str, float]) -> None:

@@ -692,8 +692,13 @@ def replay_with_remedy(report: dict[str, Any], spec: dict[str, Any], batch: dict
         scope = (row.get("guard") or {}).get("scope") or ("line" if source else "any")
         if scope not in SCOPES:
             raise BundleError(f"report.json's op_guard row has scope {scope!r}; expected one of {', '.join(SCOPES)}.")
-        print(f"guarding {op} ({scope_text(scope, source)}), as nandoctor's replay did")
-        with guard(table["guards"][op], source, scope) as hits:
+        rule = dict(table["guards"][op])
+        limit = row.get("threshold")  # the clamp the probe's threshold search verified (exp: 60, or tighter)
+        if limit is not None and rule.get("kind") == "clip" and rule.get("hi") is not None and rule.get("lo") is None:
+            rule["hi"] = float(limit)
+        at = f", clamped at {rule['hi']:g}" if limit is not None and rule.get("hi") is not None else ""
+        print(f"guarding {op} ({scope_text(scope, source)}{at}), as nandoctor's replay did")
+        with guard(rule, source, scope) as hits:
             found = replay_step(spec, batch, expected, rate)
     if hits is not None and not hits["calls"]:
         print(f"note: the guard was never applied: no {op} on a tensor was called {scope_text(scope, source)}, so "
