@@ -122,6 +122,7 @@ class RankSync:
         from nandoctor.inloop import outcome
 
         _mark_rank(report, self.rank)
+        report.run["world_size"] = self.world
         if doctor.report_dir is not None:
             outcome.write_report(report, Path(doctor.report_dir) / f"rank-{self.rank}")
         return report

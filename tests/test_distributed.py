@@ -100,6 +100,26 @@ def test_nandoctor_run_over_the_launcher_names_rank_1(tmp_path: Path) -> None:
     assert [r["own_fault"] for r in data["details"]["ranks"]] == [False, True]
 
 
+def test_nandoctor_run_over_the_launcher_names_the_rank_whose_code_raised(tmp_path: Path) -> None:
+    """Rank 1's own forward raises at step 3 while rank 0 waits in DataParallel's all-reduce: the report is
+    rank 1's user_code.error (it used to be the launcher's exit status and no report)."""
+    cmd = [sys.executable, "-m", "nandoctor", "run", "--json", str(tmp_path / "r.json"), "-q", "--",
+           sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
+           str(tmp_path / "log"), str(EXAMPLES / "unmodified_distributed.py"), "--raise-rank", "1"]
+    try:
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=LIMIT,
+                              env={**_env(), "PYTHONPATH": str(ROOT)})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"nandoctor run over 2 processes did not finish in {LIMIT} s: {_logs(tmp_path)}")
+    assert proc.returncode == 1, proc.stderr[-2000:] + _logs(tmp_path)
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert data["verdict"] == "crashed"
+    ff = data["first_fault"]
+    assert (ff["rank"], ff["step"], ff["phase"], ff["layer"]) == (1, 3, "forward", "encoder.0")
+    assert data["findings"][0]["code"] == "user_code.error"
+    assert data["findings"][0]["message"].startswith("Rank 1 of 2")
+
+
 _DATA = '''
 import numpy as np
 import paddle

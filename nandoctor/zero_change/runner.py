@@ -57,6 +57,8 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
         script = _Script(command, env, stdout=2 if is_stdout(json_path) or is_stdout(markdown_path) else None)
         returncode, stopped_by = script.wait()
         if not result.is_file():
+            _merge_ranks(result)  # a rank's own exception under a launcher: rank 0 wrote nothing
+        if not result.is_file():
             if stopped_by is not None:
                 _stderr().print(f"nandoctor run: {_signal_name(stopped_by)} stopped the script before it wrote a "
                                 "report (before its first training step, or a library it imports had taken over "
@@ -143,6 +145,25 @@ class _Script:
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _merge_ranks(result: Path) -> None:
+    """Ranks whose own code raised each wrote `report.rankN.json` alone (no collective: the others were
+    inside one of the script's); the job's report names the first of them, written where rank 0's goes."""
+    from nandoctor.distributed import merge_crashed
+    from nandoctor.report import json as json_report
+
+    reports = {}
+    for path in result.parent.glob(f"{result.stem}.rank*{result.suffix}"):
+        try:
+            rank = int(path.stem.rsplit(".rank", 1)[1])
+            reports[rank] = Report.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    world = max([int(r.run.get("world_size") or 0) for r in reports.values()] + [max(reports, default=-1) + 1])
+    merged = merge_crashed(reports, world)
+    if merged is not None:
+        result.write_text(json_report.render(merged), encoding="utf-8")
 
 
 def _signal_name(signum: int) -> str:
