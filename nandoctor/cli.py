@@ -3,8 +3,10 @@
 Exit status (the contract): 0 when the report holds no error finding, 1 when it does, 2 for a bad
 command line or a spec that cannot be loaded, 3 for nandoctor's own bug, 130/143 when Ctrl-C/SIGTERM
 stopped the run. Every NandoctorError becomes one message on stderr and exit 2, no traceback for a
-mistake the user made; any other exception is ours: one message asking to report it, the traceback in
-a file.
+mistake the user made, and so do two set-up problems that arrive as plain exceptions (`_user_error`):
+Paddle not installed, and an OSError on a path the user gave. Any other exception is ours: one message
+naming the issue tracker, the traceback in a file. `--json -` puts the JSON on standard output and the
+report for people on standard error.
 """
 
 from __future__ import annotations
