@@ -82,14 +82,28 @@ def field_scales(fault: Any, label: str | None) -> list[dict[str, Any]]:
             continue
         if arr.dtype.kind != "f" or arr.size == 0:
             continue
-        arr = arr.astype(np.float64)
-        arr = arr[np.isfinite(arr)]
-        if arr.size == 0:
+        n, s1, s2 = _moments(arr)
+        if n == 0:
             continue
+        mean = s1 / n
         out.append({"field": name, "role": "target" if name == label else ("input" if label else "field"),
-                    "batch": fault.batch_index, "mean": float(arr.mean()), "std": float(arr.std()),
-                    "rms": float(np.sqrt(np.mean(arr * arr)))})
+                    "batch": fault.batch_index, "mean": mean, "std": math.sqrt(max(s2 / n - mean * mean, 0.0)),
+                    "rms": math.sqrt(s2 / n)})
     return out
+
+
+_CHUNK = 1 << 20  # values converted to float64 at a time: an image batch is not copied whole
+
+
+def _moments(arr: np.ndarray) -> tuple[int, float, float]:
+    """Count, sum and sum of squares of the finite values, accumulated in float64."""
+    flat = arr.reshape(-1)
+    n, s1, s2 = 0, 0.0, 0.0
+    for i in range(0, flat.size, _CHUNK):
+        c = flat[i:i + _CHUNK].astype(np.float64)
+        c = c[np.isfinite(c)]
+        n, s1, s2 = n + c.size, s1 + float(c.sum()), s2 + float(np.dot(c, c))
+    return n, s1, s2
 
 
 def _data_advice(report: Report, fault: Any) -> None:
