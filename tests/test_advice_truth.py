@@ -318,14 +318,15 @@ def test_every_settings_change_loads_in_the_validator(probe, configs, name):
     assert any("learning_rate" in s or "values" in s for s in spans), spans  # the advice names a rate
 
 
-def test_the_verified_changes_train_on_in_a_plain_loop(probe):
-    """The changes the probe verified on target_scale_divergence, applied by hand to a plain Paddle loop from
-    the change's own numbers: every loss finite through the fault step + 20."""
+def test_the_settings_changes_do_in_a_plain_loop_what_the_report_says(probe):
+    """The settings changes the probe replayed on target_scale_divergence, applied by hand to a plain Paddle
+    loop from the change's own numbers: a `fixed` one keeps every loss finite through the fault step + 20, a
+    `not_fixed` one does not."""
     report = probe(SAMPLES / "target_scale_divergence" / "config.yaml")
-    fixed = [r for r in report["remedies"] if r["outcome"] == "fixed" and r["remedy"] in _SETTINGS]
-    assert {r["remedy"] for r in fixed} >= {"lr_x0.1"}, report["remedies"]
+    tried = [r for r in report["remedies"] if r["outcome"] != "not_applicable" and r["remedy"] in _SETTINGS]
+    assert {r["remedy"] for r in tried if r["outcome"] == "fixed"} >= {"lr_x0.1"}, report["remedies"]
     end = report["first_fault"]["step"] + 20
-    for row in fixed:
+    for row in tried:
         edit = yaml.safe_load(row["change"])
         kwargs: dict[str, Any] = {}
         if "optimizer.args.learning_rate" in edit:
@@ -336,4 +337,5 @@ def test_the_verified_changes_train_on_in_a_plain_loop(probe):
             kwargs["warmup"] = edit["optimizer.lr_scheduler.warmup"]["steps"]
         assert kwargs, row
         losses = _plain_divergence(end + 1, **kwargs)
-        assert len(losses) == end + 1 and all(math.isfinite(v) for v in losses), (row["change"], losses[-3:])
+        finite = len(losses) == end + 1 and all(math.isfinite(v) for v in losses)
+        assert finite == (row["outcome"] == "fixed"), (row["change"], row["outcome"], losses[-3:])
