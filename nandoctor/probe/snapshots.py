@@ -12,7 +12,6 @@ either gets no ring, and a note that remedies were verified on the failing step 
 from __future__ import annotations
 
 import math
-import operator
 import random
 import statistics
 import time
@@ -91,7 +90,7 @@ class SnapshotRing:
     _last_saved: int = 0
     _last_took: float | None = None  # seconds the newest snapshot took
     _step_times: list[float] = field(default_factory=list)
-    _groups: tuple[list[Any], dict[tuple[Any, ...], list[int]]] | None = None  # the last tensors, their groups
+    _groups: tuple[list[Any], dict[tuple[Any, ...], list[int]]] | None = None  # the last tensors (weakly), groups
 
     @classmethod
     def for_model(cls, model: Any, optimizer: Any) -> SnapshotRing:
@@ -184,9 +183,11 @@ class SnapshotRing:
         """A snapshot of the state now: in memory if it fits the budget, else on disk if that has room,
         else in memory all the same (the caller needs it: the state to put back after the remedies)."""
         keys, tensors, acc_names = self._tensors()
-        last = self._groups  # the same tensors as last time (the usual case): the same groups
-        if last is None or len(last[0]) != len(tensors) or not all(map(operator.is_, last[0], tensors)):
-            self._groups = (tensors, by_shape(tensors))
+        # the same tensors as last time (the usual case): the same groups. Weak references: the optimizer's
+        # old moments (a remedy replay from the first step makes fresh ones) must not live on here
+        last = self._groups
+        if last is None or len(last[0]) != len(tensors) or any(r() is not t for r, t in zip(last[0], tensors)):
+            self._groups = ([weakref.ref(t) for t in tensors], by_shape(tensors))
         groups = self._groups[1]
         to_disk = self._place(sum(tensor_nbytes(t) for t in tensors)) == "disk"
         model: dict[str, Any] = {}
