@@ -210,7 +210,7 @@ def clip_advice(clip: float | None, mode: Mode | str | None = None, why: str = "
 
 # Ops that overflow on large inputs: their advice still fits a divergence. The others' (log of 0, a mean
 # over an empty selection, a division by 0) speaks of a singular input, which a divergence is not.
-_OVERFLOW_OPS = {"matmul", "exp", "exp_grad", "softmax", "adam_", "adamw_", "sgd_"}
+_OVERFLOW_OPS = {"matmul", "exp", "exp_grad", "adam_", "adamw_", "sgd_"}
 
 
 def scale_advice(scales: list[dict[str, Any]] | None) -> str:
