@@ -48,6 +48,7 @@ class StepEngine:
     scheduler_by: str = "step"
     scaler: Any = None
     call: Callable[..., Any] = field(default=_direct)
+    fields: Any = field(default=None, repr=False)  # the batch of the last loss: an LBFGS closure recomputes it
 
     @classmethod
     def for_workload(cls, workload: Any, optimizer: Any, *, device: str, model: Any = None) -> StepEngine:
@@ -77,6 +78,7 @@ class StepEngine:
         return replace(self, scaler=paddle.amp.GradScaler(init_loss_scaling=self.scaler._init_loss_scaling))
 
     def loss(self, fields: dict[str, Any]) -> Any:
+        self.fields = fields
         return self.call(Phase.FORWARD, self.compute_loss, self.model, fields)
 
     def backward(self, loss: Any) -> None:
@@ -98,12 +100,32 @@ class StepEngine:
         if self.scaler is not None:
             call(Phase.OPTIMIZER, self.scaler.step, opt)
             call(Phase.OPTIMIZER, self.scaler.update)
+        elif self.fields is not None and needs_closure(opt):  # LBFGS: step(closure) re-evaluates the batch
+            call(Phase.OPTIMIZER, opt.step, self._closure)
         else:
             call(Phase.OPTIMIZER, opt.step)
         call(Phase.OPTIMIZER, opt.clear_grad)
         if self.scheduler is not None and self.scheduler_by == "step":
             call(Phase.OPTIMIZER, self.scheduler.step, what=SCHEDULER_STEP)
 
+    def _closure(self) -> Any:
+        """What a user writes for LBFGS: clear the gradients, the loss of the same batch, its backward."""
+        self.optimizer.clear_grad()
+        loss = self.compute_loss(self.model, self.fields)
+        self._backward(loss)
+        return loss
+
     def end_epoch(self) -> None:
         if self.scheduler is not None and self.scheduler_by == "epoch":
             self.call(Phase.OPTIMIZER, self.scheduler.step, what=SCHEDULER_STEP)
+
+
+def needs_closure(optimizer: Any) -> bool:
+    """Whether `optimizer.step` requires an argument (paddle.incubate.optimizer.LBFGS's closure)."""
+    import inspect
+
+    try:
+        params = inspect.signature(optimizer.step).parameters.values()
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)

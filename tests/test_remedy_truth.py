@@ -293,3 +293,38 @@ def test_a_dropped_record_verified_by_the_probe_verifies_in_the_bundle(tmp_path)
     assert row["outcome"] == "fixed" and row["skip_list"]["records"] == [37]
     done = _reproduce(tmp_path / "b", tmp_path, "--with-remedy", "drop_samples")
     assert done.returncode == 0 and FIXED_LINE in done.stdout.splitlines(), done.stdout + done.stderr
+
+
+def _lbfgs_first_nonfinite_gradient_step() -> int | None:
+    """Ground truth, a plain Paddle loop with LBFGS and its closure: the first step whose gradients (after the
+    closure's backward) hold NaN/Inf, in float64 on the host."""
+    data, model = (_load(SAMPLES / "lbfgs_closure" / f"{name}.py") for name in ("data", "model"))
+    net = model.build_model(in_features=10, dim=8)
+    opt = paddle.optimizer.LBFGS(parameters=net.parameters(), learning_rate=0.003)
+    for step, (a, b, target) in enumerate(data.build_loader(batches=20, batch_size=8, bad_batch=6,
+                                                            duplicate_sample=3)):
+        def closure(a: Any = a, b: Any = b, target: Any = target) -> Any:
+            opt.clear_grad()
+            loss = F.mse_loss(net(paddle.to_tensor(a), paddle.to_tensor(b)), paddle.to_tensor(target))
+            loss.backward()
+            return loss
+
+        closure()
+        if not all(np.isfinite(np.asarray(p.grad.numpy(), "float64")).all() for p in net.parameters()
+                   if p.grad is not None):
+            return step
+        opt.step(closure)
+        opt.clear_grad()
+    return None
+
+
+def test_an_optimizer_whose_step_takes_a_closure_is_trained_and_replayed_with_one():
+    """LBFGS.step(closure): the probe's loop and the replays hand it one; today's probe said "crashed, fix
+    your code" (the step called without it)."""
+    assert _lbfgs_first_nonfinite_gradient_step() == 6
+    report = _probe("lbfgs_closure")
+    assert not report.crashed
+    ff = report.first_fault
+    assert (ff.step, ff.phase, ff.op, ff.sample_indices) == (6, Phase.BACKWARD, "sqrt_grad", [3])
+    assert report.details["remedies"]["control"]["reproduced"] is True
+    assert report.remedies and not any("raised" in (r["note"] or "") for r in report.remedies), report.remedies

@@ -263,9 +263,6 @@ def _optimizer_changed(opt: Any, change: Change) -> Iterator[Any]:
     from nandoctor.schedulers import lr_scheduler
 
     name = type(opt).__name__
-    if _needs_closure(opt):
-        raise NotApplicable(f"the optimizer's step takes a closure ({name}.step(closure)), which the replays do not "
-                            "have: they cannot train this optimizer, so no remedy was replayed")
     sched = lr_scheduler(opt)
     changes_lr = change.lr_scale != 1.0 or bool(change.warmup_steps)
     if changes_lr and sched is None and not (callable(getattr(opt, "get_lr", None))
@@ -302,17 +299,6 @@ def _optimizer_changed(opt: Any, change: Change) -> Iterator[Any]:
             opt._grad_clip = clip
         if base is not None:
             opt.set_lr(base)
-
-
-def _needs_closure(opt: Any) -> bool:
-    """Whether `opt.step` needs an argument (LBFGS's closure): the replays call `step()`."""
-    import inspect
-
-    try:
-        params = inspect.signature(opt.step).parameters.values()
-    except (TypeError, ValueError, AttributeError):
-        return False
-    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
 @contextlib.contextmanager
