@@ -225,8 +225,12 @@ def scale_advice(scales: list[dict[str, Any]] | None) -> str:
         cited.append(f"{what} field '{s['field']}' of batch {s['batch']} has mean {s['mean']:.3g} and standard "
                      f"deviation {s['std']:.3g} (root mean square {s['rms']:.3g}, {orders} order(s) of magnitude "
                      "above unit scale)")
-    head = ("Standardise the inputs and the regression targets (subtract the mean, divide by the standard "
-            "deviation, computed on the training set; un-scale the predictions afterwards)")
+    roles = {str(s.get("role")) for s in scales or [] if s.get("rms") and s["rms"] >= 10}
+    what = ("the inputs (subtract the mean, divide by the standard deviation, computed on the training set)"
+            if cited and roles == {"input"} else
+            "the inputs and the regression targets (subtract the mean, divide by the standard deviation, computed "
+            "on the training set; un-scale the predictions afterwards)")
+    head = f"Standardise {what}"
     if not cited:
         return head + ": features or targets far from unit scale make large errors and large gradients."
     return (f"{head}: {'; '.join(cited)}. Errors and gradients start that large, so a learning rate that suits "
