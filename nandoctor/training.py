@@ -11,6 +11,7 @@ of the user's calls in its own boundary (`call`), so a user's exception becomes 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -121,11 +122,17 @@ class StepEngine:
 
 
 def needs_closure(optimizer: Any) -> bool:
-    """Whether `optimizer.step` requires an argument (paddle.incubate.optimizer.LBFGS's closure)."""
+    """Whether `optimizer.step` requires an argument (paddle.incubate.optimizer.LBFGS's closure); read once per
+    optimizer class (the engine asks at every update)."""
+    return _step_needs_argument(type(optimizer))
+
+
+@functools.lru_cache(maxsize=64)
+def _step_needs_argument(cls: type) -> bool:
     import inspect
 
     try:
-        params = inspect.signature(optimizer.step).parameters.values()
+        params = list(inspect.signature(cls.step).parameters.values())[1:]  # (self, ...)
     except (TypeError, ValueError, AttributeError):
         return False
     return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
