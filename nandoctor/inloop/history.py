@@ -48,7 +48,7 @@ class StepHistory:
         self.optimizer = optimizer
         self.watcher = watcher
         self.ring: SnapshotRing | None = SnapshotRing.for_model(model, optimizer)
-        if self.ring.disabled is not None:
+        if not self.ring.memory_only():  # a model whose snapshots do not fit in memory: read every step
             self.ring = None
         self.kept: dict[int, _Kept] = {}
         self.kept_bytes = 0

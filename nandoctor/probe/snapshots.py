@@ -103,6 +103,13 @@ class SnapshotRing:
                              "ring was kept, so remedies were verified on the failing step alone")
         return ring
 
+    def memory_only(self) -> bool:
+        """Never spill (the watch: a snapshot every few dozen steps written to disk would cost the user's
+        loop far more than its share); True if snapshots with Adam's state (~3x the weights) fit in memory."""
+        self.budget.disk = 0
+        size = sum(tensor_nbytes(p) for p in self.model.state_dict().values())
+        return self.disabled is None and 3 * size <= self.budget.memory
+
     def close(self) -> None:
         """Drop the snapshots and remove the spill folder (also done at exit)."""
         self.first = None
