@@ -194,6 +194,18 @@ def test_an_overflow_at_the_end_of_a_divergence_gets_step_size_remedies_not_an_o
     assert by["drop_samples"]["outcome"] == "not_applicable"  # the whole batch, not its samples
 
 
+def test_a_whole_batch_overflow_at_the_end_of_a_divergence_gets_no_guard_and_no_skip_list():
+    """The attention's exp overflows because the weights diverged (no strict subset of the batch is special):
+    no op_guard on the exp, no drop_samples, no skip list; the learning rate is the verified fix."""
+    report = _probe("transformer_lr_divergence")
+    assert report.first_fault.op == "exp" and not report.first_fault.sample_indices
+    by = _rows(report)
+    assert "op_guard" not in by
+    assert by["drop_samples"]["outcome"] == "not_applicable" and "not sample-specific" in by["drop_samples"]["note"]
+    assert not any(r.get("skip_list") for r in report.remedies)
+    assert by["lr_x0.1"]["outcome"] == "fixed"
+
+
 # -- 6. records, not positions --------------------------------------------------------------------------------
 
 
