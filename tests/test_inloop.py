@@ -328,14 +328,3 @@ def test_nothing_of_nandoctors_raises_inside_the_users_loop(tmp_path: Path) -> N
     assert fault_of(doctor.report)["op"] == "sqrt_grad" and doctor.step == 7
 
 
-def test_check_before_backward_says_so(tmp_path: Path) -> None:
-    """check() called before loss.backward() sees no gradient: the finding names that mistake, not only a
-    loss cut off from the model."""
-    paddle.seed(0)
-    model = paddle.nn.Linear(4, 1)
-    opt = paddle.optimizer.SGD(learning_rate=0.01, parameters=model.parameters())
-    with nandoctor.watch(model, opt, report_dir=None) as doctor:
-        loss = model(paddle.randn([8, 4])).mean()
-        assert not doctor.check(loss)
-    assert doctor.report.findings[0].code.value == "loss.no_grad"
-    assert "before loss.backward()" in doctor.report.findings[0].message

@@ -98,6 +98,9 @@ class Doctor:
         self._open = False  # a step has begun (its forward ran) and is not yet closed
         self._checked = False  # ... and check() passed it: waiting for the update or the next forward
         self._skip_next = False
+        # check() called before backward(): () once seen, then (loss, fields, rebuild, step) of a check whose
+        # gradient half waits for optimizer.step(); None for a loop in the usual order
+        self._late: tuple | None = None
         self._busy = False  # a replay is running: the pre-hook must not open steps
         self._closed = False
         self._inputs: Any = ()
@@ -139,6 +142,13 @@ class Doctor:
         self._open = self._checked = False
 
     def _wrapped_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._late and not self._closed and (self.fault is None or self.on_fault == "skip_step"):
+            loss, fields, rebuild, step = self._late  # check() ran before backward: its gradient half now
+            self._late = ()
+            if not self._decide(self.watcher.after_backward(loss), fields, rebuild, step):
+                if self.on_fault != "skip_step":
+                    self.optimizer.clear_grad()
+                    return None  # the faulty update is not applied
         if self._skip_next:  # on_fault="skip_step": this update would train on NaN/Inf gradients
             self._skip_next = False
             self.optimizer.clear_grad()
@@ -167,13 +177,41 @@ class Doctor:
         watcher = self.watcher
         watcher.attach_batch(fields, batch_index=self.step)
         fault = watcher.observe_loss(loss)
+        if fault is None and self._before_backward(loss):  # the gradients are checked at optimizer.step()
+            self._late = (loss, fields, rebuild, self.step)
+            self.step += 1
+            return True
         if fault is None:
             fault = watcher.after_backward(loss)
+        return self._decide(fault, fields, rebuild, self.step)
+
+    def _before_backward(self, loss: Any) -> bool:
+        """check() called between the forward and `loss.backward()` (no gradient exists yet, and the loss has
+        a graph): not a loss that cannot train (`loss.no_grad`) but a loop in that order. Seen at the first
+        check; from then on the gradient half of each check runs in the optimizer's step wrapper, before the
+        update, where the gradients exist."""
+        if self._late is not None:
+            return True
+        if self.step or self._orig_step is None or self._wrapped_step != vars(self.optimizer).get("step"):
+            return False
+        import paddle
+
+        params = self.watcher.monitor.params
+        if not (isinstance(loss, paddle.Tensor) and not loss.stop_gradient and params
+                and all(p.grad is None for p in params)):
+            return False
+        log.warning("nandoctor: check() was called before loss.backward(); the gradients are checked when "
+                    "optimizer.step() is called instead (call check() after backward() to check them there)")
+        self._late = ()
+        return True
+
+    def _decide(self, fault: Fault | None, fields: Any, rebuild: Any, step: int) -> bool:
+        """The rest of a check once the fault (or None) is known: agreement across ranks, warnings, the
+        report on the first fault and what `on_fault` asks for."""
         if self.sync is not None:
             fault = self.sync.agree(self, fault)
         self._warn()
-        step = self.step
-        self.step += 1
+        self.step = step + 1
         if fault is None:
             self._checked = True
             if self.history is not None:
