@@ -323,10 +323,12 @@ def stacked_losses(losses: list[Any]) -> Any:
     from paddle import _C_ops
 
     f32 = paddle.float32
-    first = losses[0]
-    if all(t.dtype == first.dtype and t.shape == first.shape for t in losses):
+    try:
         out = _C_ops.reshape(_C_ops.stack(losses, 0), [-1])
-        return out if out.dtype == f32 else _C_ops.cast(out, f32)
+        if out.shape[0] == len(losses):  # (shapes [] and [1] mixed would stack only by broadcasting)
+            return out if out.dtype == f32 else _C_ops.cast(out, f32)
+    except Exception:  # noqa: BLE001 - shapes or dtypes that differ (Paddle raises ValueError): one by one
+        pass
     return _C_ops.concat([_C_ops.reshape(t if t.dtype == f32 else _C_ops.cast(t, f32), [1]) for t in losses], 0)
 
 

@@ -38,6 +38,10 @@ _TOTAL_BUDGET = 0.02
 # A long run's records (the timeline): the most kept, and how many recent steps are always kept in full
 MAX_RECORDS = 4096
 RECENT_STEPS = 1024
+# ... and around the steps where trouble began (an alert, a warning's step), this many steps either side are
+# kept in full too, for at most MAX_MARKS such steps (the first and the latest): a bounded extra
+AROUND_MARKS = 16
+MAX_MARKS = 32
 _MIN_STATS_BUDGET = 0.0025
 # With reads deferred: a read may cost this share of the step time on average (k = its cost / this share of a
 # step), and at most this many steps go unread in a row (their losses are kept as device tensors).
@@ -170,6 +174,7 @@ class StepWatcher:
                                       learning_rate=current_lr(optimizer))
         self.records: list[StepRecord] = []
         self.thinned = False  # old records were thinned out (`_record`): the timeline has gaps there
+        self.marks: list[int] = []  # steps where an alert began (`_mark`): their neighbourhood is never thinned
         self.stats_every: list[int] = []
         # updates since the parameters were last seen finite: (step, batch_index, epoch, grad_norm, fields)
         self.history: list[tuple[int, int | None, int, float | None, Any]] = []
@@ -231,8 +236,6 @@ class StepWatcher:
         only if the step goes non-finite (`data_fault`), by what it did, not by what it holds: a mask's
         intended -inf, or a NaN the model replaces, trains fine; and checking a 16 MB batch every step
         cost ~1.5% of a step, which detection on the loss and gradients already pays for."""
-        import paddle
-
         self._step, self._batch_index, self._epoch, self._fields = step, batch_index, epoch, fields
         if self._first_step is None:
             self._first_step = step  # (a resumed run numbers its steps from the checkpoint's)
@@ -241,11 +244,18 @@ class StepWatcher:
         self._read = read = self._reads(step, stats)
         # `rng`: the state from before a forward that already ran (`nandoctor run` attaches after step 0's).
         # An unread step needs none: a fault found later is replayed from the ring with its own RNG state.
-        self._rng = rng if rng is not None else paddle.get_rng_state() if read else None
-        every = self.defer_every
-        self._read_grads = read and (every == 1 or stats or self.schedule.alert or step < 3 or step % every == 0)
+        if read:
+            import paddle
+
+            self._rng = rng if rng is not None else paddle.get_rng_state()
+            every = self.defer_every
+            self._read_grads = every == 1 or stats or self.schedule.alert or step < 3 or step % every == 0
+        else:
+            self._rng, self._read_grads = rng, False
+        mon = self.monitor
+        if stats or mon.active or mon._hooks:  # (an unread step after a plain one has nothing to change)
+            mon.begin_step(stats)
         self._t0 = time.perf_counter()
-        self.monitor.begin_step(self._stats_step)
 
     def attach_batch(self, fields: dict[str, Any], *, batch_index: int | None = None, epoch: int = 0) -> None:
         """The batch of a step begun without one (`begin_step(step, {})` before the forward of a user's
@@ -334,7 +344,10 @@ class StepWatcher:
                 self._record(record)
                 return self._fault(FaultKind.NONFINITE, rng=self._rng, stats=st)
         self._record(record)
-        self.schedule.alert = bool(self.tracker.update(record)) or alert
+        now = bool(self.tracker.update(record))
+        if now and not (alert or self.schedule.alert):
+            self._mark(step)
+        self.schedule.alert = now or alert
         self._last_norm = st.grad_norm
         return None
 
@@ -344,12 +357,17 @@ class StepWatcher:
         pending, self._pending = self._pending, []
         alert = False
         tracker = self.tracker
-        for (step, _, _, _, lr), value in zip(pending, values.tolist()):
-            if not math.isfinite(value):
-                return self._window_fault(step, pending), alert
+        bad = ~np.isfinite(values)
+        end = int(bad.argmax()) if bad.any() else len(pending)
+        for (step, _, _, _, lr), value in zip(pending[:end], values[:end].tolist()):
             record = StepRecord(step, value, None, None, None, lr=lr)
             self._record(record)
-            alert = bool(tracker.update(record)) or alert
+            if tracker.update(record):
+                if not (alert or self.schedule.alert):
+                    self._mark(step)
+                alert = True
+        if end < len(pending):
+            return self._window_fault(pending[end][0], pending), alert
         return None, alert
 
     def _window_fault(self, bad: int, pending: list[tuple[int, int | None, int, Any, float | None]]) -> Fault:
@@ -401,12 +419,38 @@ class StepWatcher:
         if len(records) <= MAX_RECORDS:
             return
         older, recent = records[:-RECENT_STEPS], records[-RECENT_STEPS:]
-        kept = older[::2]
-        for i, r in enumerate(kept):
-            if i % 8 and (r.grad_sq is not None or r.act_max is not None):
-                kept[i] = StepRecord(r.step, r.loss, r.grad_norm, None, None, r.loss_scale, r.skipped, r.lr)
+        near = {s + d for s in self._marked() for d in range(-AROUND_MARKS, AROUND_MARKS + 1)}
+        kept: list[StepRecord] = []
+        n = 0
+        for r in older:
+            if r.step in near:  # where trouble began: every step, in full
+                kept.append(r)
+                continue
+            if n % 2 == 0:
+                if n % 16 and (r.grad_sq is not None or r.act_max is not None):
+                    r = StepRecord(r.step, r.loss, r.grad_norm, None, None, r.loss_scale, r.skipped, r.lr)
+                kept.append(r)
+            n += 1
         self.records = kept + recent
         self.thinned = True
+
+    def _mark(self, step: int) -> None:
+        """An alert began at `step` (the gradient norm ten times its early level, activations near float16's
+        limit): its neighbourhood stays in full in the timeline. The first and the latest MAX_MARKS // 2."""
+        marks = self.marks
+        marks.append(step)
+        if len(marks) > MAX_MARKS:
+            del marks[MAX_MARKS // 2]
+
+    def _marked(self) -> list[int]:
+        """The steps whose neighbourhood is kept in full: alerts, and the steps the warnings will name."""
+        t = self.tracker
+        steps = set(self.marks)
+        if t.explosion is not None and t.explosion.location.step is not None:
+            steps.add(t.explosion.location.step)
+        steps |= {first for first, _ in t.fp16_hits.values()} | {first for first, _ in t.vanishing.values()}
+        ordered = sorted(steps)
+        return ordered if len(ordered) <= MAX_MARKS else ordered[:MAX_MARKS // 2] + ordered[-MAX_MARKS // 2:]
 
     def after_update(self, stepped: bool = True) -> None:
         """The step is over (`stepped`: the optimizer did update): timing, next schedule, parameter check."""
