@@ -60,6 +60,9 @@ def test_a_stream_loaders_faulty_batch_is_replayed_from_the_kept_batches():
     by = _rows(report)
     assert by["op_guard"]["outcome"] == "fixed"
     assert by["lr_x0.1"]["outcome"] == "not_fixed" and by["lr_x0.1"]["failed_at"] == 12
+    # the report says what the replays read, and that the loader does not give the same batches again
+    said = report.details["remedies"]["data"]
+    assert "ran on the batches the probe read" in said and "a stream" in said
 
 
 def test_no_remedy_is_verified_when_the_no_change_replay_never_met_the_fault(monkeypatch):

@@ -125,7 +125,7 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
     seconds = time.perf_counter() - t0
     report.details["remedies"] = {
         "seconds": round(seconds, 3), "budget_seconds": round(budget, 1), "probe_seconds": round(probe_seconds, 3),
-        "fix_steps": fix_steps, "end_step": end_step,
+        "fix_steps": fix_steps, "end_step": end_step, "data": _data_note(ring),
         "control": None if control is None else {"start_step": control.start_step, "reproduced": reproduced,
                                                  "failed_at": control.failed_at}}
     report.details["snapshots"] = ring.summary()  # now with the fault-time snapshot's epoch kept
@@ -187,6 +187,24 @@ def _search_guard(run: Any, c: Candidate, report: Report, fault_step: int, end_s
     failed = "; ".join(f"clamped at {lim:g}: {why}" for lim, why in tried[:-1])
     last = "verified at" if tried[-1][1] == FIXED or tried[-1][1] is None else "last tried"
     return r, change, f"threshold searched from {top:g} down{seen}: {failed}; {last} {tried[-1][0]:g}"
+
+
+def _data_note(ring: SnapshotRing) -> str:
+    """What the replays read: the batches the probe kept, or the user's loader again (and why)."""
+    from nandoctor.probe.batch_tape import KEPT_BYTES
+
+    tape = ring.batches
+    if tape is None:
+        return ("the batches were not kept (a resumed run): each replay re-read the user's loader from its "
+                "snapshot's position")
+    said = ("the replays ran on the batches the probe read (kept in memory, not read again); past them the "
+            "loader was read once more, checked against the kept batches, and kept for the next replay")
+    if tape.evicted:
+        said += (f"; {tape.evicted} batch(es) beyond the {KEPT_BYTES / 2**20:.0f} MB kept were let go: a replay "
+                 "before them re-read the loader there")
+    if tape.stream:
+        said += f"; {tape.stream}, so the replays ended with the kept batches"
+    return said
 
 
 def _unverified(control: Replay | None, reproduced: bool | None, ring: SnapshotRing) -> str:
