@@ -67,16 +67,18 @@ def first_line(text: str) -> str:
     return lines[-1][:100] if lines else ""
 
 
-def whole_process(s: Setting, scratch: Path) -> tuple[list[Row], list[Row]]:
-    """Rows 1 and 6 (probe): `nandoctor probe CONFIG --steps N` vs the plain script, paired processes."""
-    time_rows, rss_rows = [], []
+def whole_process(s: Setting, scratch: Path) -> tuple[list[Row], list[Row], list[Row]]:
+    """Rows 1 and 6 (probe): `nandoctor probe CONFIG --steps N` vs the plain script, paired processes; and
+    rows 8 from the long-run workload's runs (its reports' sizes, its memory over the plain loop's)."""
+    time_rows, rss_rows, long_rows = [], [], []
     for name in s.workloads:
         w = workloads.load(name, s.quick, scratch)
         steps = s.steps or w.steps
         say(f"row 1/6: {name}: {s.runs} pair(s) of probe vs plain processes sharing a core, {steps} steps")
         report = str(scratch / f"{name}_report_{{run}}.json")  # pairs run side by side: one file each
+        markdown = str(scratch / f"{name}_report_{{run}}.md")
         paired = procs.run_paired([PY, "-m", "nandoctor", "probe", str(w.config), "--steps", str(steps),
-                                   "--json", report],
+                                   "--json", report, "--markdown", markdown],
                                   [PY, str(w.plain), str(w.config), "--steps", str(steps)], s.runs)
         ok, note = check_runs(paired, [Path(report.replace("{run}", str(i))) for i in range(s.runs)])
         ta, tb = median([r.cpu_seconds for r in paired.a]), median([r.cpu_seconds for r in paired.b])
@@ -91,7 +93,24 @@ def whole_process(s: Setting, scratch: Path) -> tuple[list[Row], list[Row]]:
         rss_rows.append(Row("6 peak RSS probe", name, f"{w.describe}, {steps} steps",
                             median(rss) if ok else None, "x", "<= 1.15",
                             f"{note}probe {ra:.0f} MB / plain {rb:.0f} MB" if ok else note))
-    return time_rows, rss_rows
+        if name == workloads.LONG_RUN:
+            long_rows += long_run(w, steps, paired, report, markdown, ok, note)
+    return time_rows, rss_rows, long_rows
+
+
+def long_run(w: workloads.Workload, steps: int, paired: procs.Paired, report: str, markdown: str, ok: bool,
+             note: str) -> list[Row]:
+    """Rows 8: a long run's report sizes and its memory over the plain loop, from row 1's runs of it."""
+    setting = f"{w.describe}, {steps} steps"
+    sizes = {}
+    for kind, path in (("json", report), ("md", markdown)):
+        files = [Path(path.replace("{run}", str(i))) for i in range(len(paired.a))]
+        sizes[kind] = median([f.stat().st_size / 1024 for f in files if f.exists()]) if ok else None
+    extra = [a.max_rss_mb - b.max_rss_mb for a, b in zip(paired.a, paired.b)]
+    return [Row("8 long run report.json", w.name, setting, sizes["json"], "KB", "<= 2048", note),
+            Row("8 long run report.md", w.name, setting, sizes["md"], "KB", "<= 200", note),
+            Row("8 long run peak memory", w.name, setting, median(extra) if ok else None, "MB", "",
+                f"{note}probe's peak RSS minus the plain loop's, pairs {fmt(extra)}")]
 
 
 def check_runs(paired: procs.Paired, reports: list[Path]) -> tuple[bool, str]:
@@ -231,7 +250,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=None,
                         help="pairs per row (default 4, and 6 in rows 2 and 7; 1 with --quick)")
     parser.add_argument("--rows", default="1,2,3,4,5,6,7",
-                        help="comma-separated rows to run (6 comes with 1 and 5)")
+                        help="comma-separated rows to run (6 comes with 1 and 5, 8 with 1)")
     parser.add_argument("--workloads", default=None, help="comma-separated training workloads for rows 1, 2, 6, 7 "
                         f"(default: all of {','.join(workloads.TRAINING)})")
     args = parser.parse_args()
@@ -248,10 +267,11 @@ def main() -> int:
     procs.run_timed([PY, "-c", "import paddle, nandoctor.cli"])
     rows: list[Row] = []
     rss: list[Row] = []
+    long_rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="nandoctor-bench-") as tmp:
         scratch = Path(tmp)
-        if wanted & {"1", "6"}:
-            t, rss = whole_process(s, scratch)
+        if wanted & {"1", "6", "8"}:
+            t, rss, long_rows = whole_process(s, scratch)
             rows += t
         if "2" in wanted:
             rows += per_step(s, scratch)
@@ -268,6 +288,7 @@ def main() -> int:
     rows += rss
     if "7" in wanted:
         rows += inloop_rows
+    rows += long_rows
     mode = "QUICK (tiny settings; numbers are not meaningful)" if s.quick else "full"
     header = (f"nandoctor benchmarks, {mode}: {s.runs} pair(s) per row ({s.step_runs} in rows 2 and 7), "
               f"median of paired ratios (probe/plain etc.), {time.perf_counter() - started:.0f} s in all\n"

@@ -24,6 +24,7 @@ EXPECTED_ROWS = (
     + [("3", "transformer"), ("4", "transformer"), ("5", "scan_data")]
     + [("6", w) for w in workloads.TRAINING] + [("6", "scan_data")]
     + [("7", w) for w in workloads.TRAINING]
+    + [("8", workloads.LONG_RUN)] * 3
 )
 
 
@@ -53,7 +54,7 @@ def test_quick_prints_one_table_with_every_row_measured(quick_output: subprocess
     for r in rows:
         # every row measured something and judged it (pass, MISS, or info for the anchor): none failed to run
         assert r[6] in ("pass", "MISS", "info"), f"row not measured: {r}"
-        assert r[4].endswith("x") or r[4].endswith(" s"), r
+        assert r[4].endswith(("x", " s", " KB", " MB")), r
     assert "1 pair(s) per row" in out and "machine:" in out
 
 

@@ -45,7 +45,7 @@ def render(rows: list[Row], header: str) -> str:
     """Plain fixed-width text: readable in a terminal, in CI logs and pasted into a ticket."""
     cells = [HEADERS] + [
         (r.row.split()[0], " ".join(r.row.split()[1:]), r.workload, r.setting, r.shown(),
-         f"{r.target}{r.unit if r.unit == 'x' else ' s'}" if r.target else "-", r.status, r.note)
+         f"{r.target}{r.unit if r.unit == 'x' else ' ' + r.unit}" if r.target else "-", r.status, r.note)
         for r in rows
     ]
     widths = [max(len(c[i]) for c in cells) for i in range(len(HEADERS) - 1)]

@@ -26,6 +26,7 @@ QUICK: dict[str, dict[str, dict[str, Any]]] = {
     "deep_mlp": {"model": {"depth": 8}, "data": {"batches": 40, "batch_size": 8}},
     "narrow_mlp": {"model": {"depth": 8}, "data": {"batches": 40, "batch_size": 8}},
     "wide_batch": {"model": {"features": 64, "depth": 4}, "data": {"batches": 40, "batch_size": 8, "features": 64}},
+    "fast_mlp": {"data": {"batches": 40}},
     "scan_data": {"data": {"samples": 4000}},
 }
 # The fault of config_fault.yaml (step 50) moved early enough for the quick run.
@@ -38,7 +39,8 @@ class Workload:
     config: Path  # the config nandoctor runs (the committed one, or a quick copy)
     plain: Path  # plain_<name>.py
     describe: str  # a short description of the setting for the table
-    steps: int  # row 1's whole-process steps: the config's `probe.steps` (60; 600 for narrow_mlp, 200 wide_batch)
+    steps: int  # row 1's whole-process steps: the config's `probe.steps` (60; 600 narrow_mlp, 200 wide_batch,
+    # 20,000 fast_mlp)
     step_steps: int | None = None  # row 2's steps per run, where the default is too short to be steady
 
     @property
@@ -62,6 +64,8 @@ def _describe(name: str, raw: dict[str, Any]) -> str:
         mb = d["batch_size"] * m["features"] * 4 / 2**20
         return (f"Linear {m['features']}->{m['width']} + {m['depth']} Linear, {2 * m['depth'] + 4} tensors, "
                 f"b{d['batch_size']} ({mb:.0f} MB)")
+    if name == "fast_mlp":
+        return f"Linear {m['features']}->{m['width']}->{m['classes']}, b{d['batch_size']} (~0.3 ms a step)"
     if name == "scan_data":
         return f"{d['samples'] // 1000}k x {d['features']} f32 b{d['batch_size']}"
     return name
@@ -91,7 +95,9 @@ def load(name: str, quick: bool, scratch: Path, *, fault: bool = False) -> Workl
                     int((raw.get("probe") or {}).get("steps", 60)), STEP_STEPS.get(name))
 
 
-TRAINING = ("transformer", "cnn", "lstm", "deep_mlp", "narrow_mlp", "wide_batch")
+TRAINING = ("transformer", "cnn", "lstm", "deep_mlp", "narrow_mlp", "wide_batch", "fast_mlp")
+# The long-run rows (8): report sizes and memory of this workload's row-1 runs (20,000 steps in full)
+LONG_RUN = "fast_mlp"
 # Row 2 runs 30 steps a run; the cheap narrow_mlp step gets more, so that a probe sampling per-layer
 # stats every k-th step pays for several of them in the mean (100 steps are still only ~3 s a run).
-STEP_STEPS = {"narrow_mlp": 100}
+STEP_STEPS = {"narrow_mlp": 100, "fast_mlp": 2000}
