@@ -155,6 +155,8 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
     finally:  # hooks, checker and mode restored whatever stopped the run, our own failure included
         if loop is not None:
             loop.close()
+            if loop.snapshots is not None and loop.snapshots.batches is not None:
+                loop.snapshots.batches.close()  # the loaders the replays left open for each other
             if loop.snapshots is not None:
                 loop.snapshots.close()  # the spilled snapshots' folder, whatever stopped the run
         _disable_checker()

@@ -40,6 +40,7 @@ class BatchTape:
         self.evicted = 0  # batches let go to stay within max_bytes
         self.loaders = 0  # loaders made for replays (the probe's own not counted)
         self.stream: str | None = None  # why the loader cannot be re-read the same way
+        self._open: dict[int, tuple[Any, int]] = {}  # epoch -> a replay's loader left open, its next position
         self._epochs = 0
 
     def recording(self) -> Any:
@@ -88,16 +89,23 @@ class BatchTape:
                 b = self.ends[e]
 
     def _reread(self, epoch: int, start: int, rng: Any) -> Iterator[tuple[int, Any]]:
-        """Batches `start`.. of a fresh loader for `epoch`, made with the RNG the probe made that epoch's
-        with (its shuffle order), the training's own RNG put back after (an epoch the probe never made draws
-        from the training's RNG, as the training would). The kept batches before `start` must come again, or
-        the loader is a stream and nothing it yields is used."""
+        """Batches `start`.. of the loader for `epoch`: the one an earlier replay left open where it stopped
+        (each position is read once for all replays), else a fresh one, made with the RNG the probe made that
+        epoch's with (its shuffle order), the training's own RNG put back after (an epoch the probe never made
+        draws from the training's RNG, as the training would). The kept batches before `start` must come
+        again, or the loader is a stream and nothing it yields is used."""
+        opened = self._open.pop(epoch, None)
+        fresh = opened is None or opened[1] > start  # (a kept batch let go in between: start over)
+        if opened is not None and fresh:
+            stop_loader(opened[0])
         saved = _rng_now()
-        if rng is not None:
-            rng.restore()
-        self.loaders += 1
-        it = iter(_Recording(self._make(), self, epoch, keep=False))
-        n = 0
+        if fresh:
+            if rng is not None:
+                rng.restore()
+            self.loaders += 1
+            it, n = iter(_Recording(self._make(), self, epoch, keep=False)), 0
+        else:
+            it, n = opened
         try:
             while True:
                 try:
@@ -106,7 +114,7 @@ class BatchTape:
                     self.ends[epoch] = n
                     return
                 finally:
-                    if n == 0 and rng is not None:  # a sampler draws its order as the first batch is fetched
+                    if fresh and n == 0 and rng is not None:  # a sampler draws its order with the first batch
                         _rng_restore(saved)
                 pos = (epoch, n)
                 if pos in self.batches:
@@ -117,10 +125,22 @@ class BatchTape:
                 else:
                     self.keep(pos, batch, it.last_records)
                 if n >= start:
-                    yield n, self.batches.get(pos, batch)
+                    try:
+                        yield n, self.batches.get(pos, batch)
+                    except GeneratorExit:  # the replay is done: the next one goes on from here
+                        self._open[epoch] = (it, n + 1)
+                        it = None
+                        raise
                 n += 1
         finally:
+            if it is not None:
+                stop_loader(it)
+
+    def close(self) -> None:
+        """End the loaders left open for the next replay (a DataLoader's workers)."""
+        for it, _ in self._open.values():
             stop_loader(it)
+        self._open.clear()
 
 
 class _Recording:
@@ -148,7 +168,12 @@ class _Recording:
         return self
 
     def __next__(self) -> Any:
-        batch = next(self.it)
+        try:
+            batch = next(self.it)
+        except StopIteration:
+            if self.keep:  # the epoch's end, where the training saw it
+                self.tape.ends[self.epoch] = self.n
+            raise
         idx = self._indices
         self.last_records = [int(i) for i in idx[self.n]] if idx is not None and self.n < len(idx) else None
         if self.keep:
