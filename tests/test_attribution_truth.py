@@ -197,7 +197,7 @@ def test_whole_batch_overflow_is_not_sample_specific(tmp_path: Path) -> None:
     assert (ff["step"], ff["phase"], ff["op"], ff["sample_indices"]) == (step, "loss", op, None)
     f = error_finding(report)
     assert f["location"]["sample_indices"] is None
-    assert f["evidence"]["samples_scope"] == "not_sample_specific" and "not sample-specific" in f["message"]
+    assert f["evidence"]["samples_scope"] == "not_sample_specific" and "not sample-specific" in f["message"].lower()
 
 
 def _growth_start(norms: list[float]) -> int:

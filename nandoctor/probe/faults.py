@@ -114,29 +114,29 @@ def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: l
     op = f" (op {loc_.op})" if loc_.op else ""
     if loc_.op and loc_.nan_op:  # the harmful Inf came first; the op that made NaN of it follows
         op = f" (op {loc_.op}, whose Inf op {loc_.nan_op} then turned into NaN)"
+    b = fault.batch_index
     if samples:
-        who = f"sample(s) {', '.join(str(s) for s in samples[:10])} of batch {fault.batch_index}"
+        who = f"Caused by sample(s) {', '.join(str(s) for s in samples[:10])} of batch {b}."
     elif reason == EVERY_SAMPLE:
-        who = (f"no particular sample (not sample-specific): every sample of batch {fault.batch_index} faults on "
-               "its own")
+        who = f"Not sample-specific: every sample of batch {b} faults on its own."
     elif reason == WHOLE_BATCH:
-        who = f"batch {fault.batch_index} as a whole, not sample-specific (no subset of its samples faults alone)"
+        who = f"Not sample-specific: only batch {b} together faults (no subset of its samples faults alone)."
     elif reason == REST_FAULTS:
-        who = (f"no particular sample (not sample-specific): parts of batch {fault.batch_index} fault on their own, "
-               "and so does the rest of the batch without them")
+        who = (f"Not sample-specific: parts of batch {b} fault on their own, and so does the rest of the batch "
+               "without them.")
     else:
-        who = f"batch {fault.batch_index} (its samples could not be tried apart)"
+        who = f"Caused by batch {b} (its samples could not be tried apart)."
     if phase == Phase.BACKWARD:
         par = f"; first non-finite parameter gradient: {loc_.parameter}" if loc_.parameter else ""
         what = (f"A gradient became NaN/Inf in the backward pass at step {fault.step}, {where}{op}{par}, while the "
-                f"loss was finite ({st.loss:.4g}). Caused by {who}.")
+                f"loss was finite ({st.loss:.4g}). {who}")
     elif phase == Phase.FORWARD:
         owner = f"Layer {loc_.layer}'s forward output" if loc_.layer else \
             "A value computed in the model's own forward (outside every sublayer)"
-        what = f"{owner} became NaN/Inf at step {fault.step}{op}. Caused by {who}."
+        what = f"{owner} became NaN/Inf at step {fault.step}{op}. {who}"
     else:
         what = (f"The loss became NaN/Inf at step {fault.step} {where}{op} while the model's outputs were finite. "
-                f"Caused by {who}.")
+                f"{who}")
     if loc_.source:
         what += f" The op was created at {loc_.source}."
     evidence: dict[str, Any] = {"epoch": fault.epoch, "loss": st.loss, "grad_norm": st.grad_norm}
