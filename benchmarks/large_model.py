@@ -125,8 +125,8 @@ def main() -> None:
     print(f"plain loop: peak RSS {plain_mb:.0f} MB, {plain_s:.1f} s, {plain_out.strip()}")
     print(f"nandoctor probe: peak RSS {probe_mb:.0f} MB, {probe_s:.1f} s, first fault at step {fault.get('step')}")
     print(f"peak ratio probe / plain: {probe_mb / plain_mb:.2f}x")
-    print(f"snapshots: kept steps {snaps.get('kept_steps')}, in memory {snaps.get('memory_steps')}, "
-          f"on disk {snaps.get('disk_steps')}, note: {snaps.get('note')}")
+    print(f"snapshots: kept before steps {snaps.get('kept_steps')}, of them on disk {snaps.get('disk_steps')}, "
+          f"every {snaps.get('every')} steps, {snaps.get('seconds')} s; note: {snaps.get('note')}")
     for row in report.get("remedies", []):
         print(f"  {row['remedy']:<13} {row['outcome']:<15} from step {row.get('start_step')}  {row.get('note') or ''}")
 
