@@ -49,6 +49,7 @@ FAULTS = [
     "seq_too_long", "sqrt_at_zero", "transformer_lr_divergence", "warmup_needed/no_warmup",
     "log_inf_before_nan", "root_forward_sqrt", "root_forward_sqrt/backward", "whole_batch_overflow",
     "target_scale_divergence", "nan_in_images",
+    "stream_loader", "bad_record_epochs", "vae_exp", "lbfgs_closure",
 ]
 # the probe reports no first fault (bad_init and fp16_overflow_risk: warnings only, at_risk, exit 0)
 NO_FAULT = [

@@ -302,7 +302,17 @@ def train(model: Any, optimizer: Any, scheduler: Any, by: str, accumulate: int, 
         finite = finite and math.isfinite(value)
         print(f"step {step} loss {value:.6g}", flush=True)
         if (step + 1) % accumulate == 0:
-            optimizer.step()
+            if type(optimizer).__name__ == "LBFGS":  # its step re-evaluates the batch through a closure
+
+                def closure(batch: Any = batch) -> Any:
+                    optimizer.clear_grad()
+                    again = step_fn(model, batch)
+                    again.backward()
+                    return again
+
+                optimizer.step(closure)
+            else:
+                optimizer.step()
             optimizer.clear_grad()
             if scheduler is not None and by == "step":
                 scheduler.step()
