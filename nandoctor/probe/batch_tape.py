@@ -181,6 +181,9 @@ class _Recording:
         self.n += 1
         return batch
 
+    def __len__(self) -> int:  # as the user's loader (a TypeError for one without a length)
+        return len(self.loader)
+
     def _try_shutdown_all(self) -> None:  # interrupt.stop_loader: the DataLoader's workers end now
         stop_loader(self.it)
 
