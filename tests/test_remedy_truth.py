@@ -222,6 +222,7 @@ def test_a_bad_record_is_left_out_in_every_epoch_by_its_dataset_index():
     assert drop["outcome"] == "fixed", drop
     assert drop["skip_list"]["records"] == bad and "record(s) [37]" in drop["change"]
     epochs = [b["epoch"] for b in drop["skip_list"]["batches"]]
+    assert all(b["records"] == bad for b in drop["skip_list"]["batches"])  # each drop names the record
     assert len(set(epochs)) >= 3 and epochs == sorted(epochs)  # the record came again, each epoch, and was left out
 
 

@@ -435,6 +435,8 @@ def _row(c: Candidate, outcome: str, r: Replay | None, note: str | None,
         if r is not None and r.dropped:
             row["skip_list"] = _skip_list_of(r.dropped, c.accumulate)
             if "records" in c.extra:  # the records themselves: what to filter out, whatever epoch reads them
+                for entry, ids in zip(row["skip_list"]["batches"], r.dropped_records):
+                    entry["records"] = ids
                 row["skip_list"] = {"records": c.extra["records"], **row["skip_list"]}
     elif "threshold" in c.extra:
         row["threshold"] = c.extra["threshold"]

@@ -74,6 +74,7 @@ class Replay:
     still_nonfinite: dict[str, int] = field(default_factory=dict)  # parameter -> NaN/Inf values at the end
     ended: bool = False  # the data ran out (a loader that cannot be re-made)
     dropped: list[tuple[int, int | None, int, list[int]]] = field(default_factory=list)  # (epoch, batch, step, rows)
+    dropped_records: list[list[int]] = field(default_factory=list)  # with drop_records: the records of each drop
     failed: FailedStep | None = None  # with record=True: the step it stopped at
     data_note: str | None = None  # why the replay's data ended early (a loader that cannot be re-read the same way)
     not_applicable: str | None = None  # the change cannot be made on this optimizer (in `.error` too), and why
@@ -204,6 +205,7 @@ def _changed_fields(fields: dict[str, Any], change: Change, epoch: int, batch_in
         if drop:
             fields = subset(fields, [i for i in range(_rows(fields)) if i not in drop])
             out.dropped.append((epoch, batch_index, step, sorted(drop)))
+            out.dropped_records.append(sorted(records[i] for i in drop))
     elif change.drop is not None and (epoch, batch_index) == change.drop[:2]:
         drop = set(change.drop[2])
         fields = subset(fields, [i for i in range(_rows(fields)) if i not in drop])
