@@ -58,10 +58,11 @@ class BatchTape:
         if records is not None:
             self.records[pos] = records
         self.nbytes += size
-        while self.nbytes > self.max_bytes:  # the oldest first: replays start near the fault
-            old = min(self._sizes)
+        while self.nbytes > self.max_bytes:  # the oldest kept first (dicts keep insertion order): replays start
+            old = next(iter(self._sizes))  # near the fault
             self.nbytes -= self._sizes.pop(old)
             self.batches.pop(old, None)
+            self.records.pop(old, None)
             self.evicted += 1
 
     def kept_from(self) -> tuple[int, int] | None:
@@ -226,17 +227,20 @@ def _leaves(batch: Any) -> list[Any]:
 
 
 def batch_nbytes(batch: Any) -> int:
-    from nandoctor.probe.snapshots import tensor_nbytes
-
-    total = 0
-    for leaf in _leaves(batch):
-        if isinstance(leaf, np.ndarray):
-            total += leaf.nbytes
-        elif hasattr(leaf, "shape") and hasattr(leaf, "element_size"):
-            total += tensor_nbytes(leaf)
-        else:
-            total += 64
-    return total
+    """The bytes a batch holds (its arrays and tensors; 64 for anything else): ~1 us a tensor, every step."""
+    if isinstance(batch, (list, tuple)):
+        return sum(batch_nbytes(v) for v in batch)
+    if isinstance(batch, dict):
+        return sum(batch_nbytes(v) for v in batch.values())
+    if isinstance(batch, np.ndarray):
+        return batch.nbytes
+    size = getattr(batch, "element_size", None)
+    if size is not None:
+        n = 1
+        for d in batch.shape:
+            n *= d
+        return n * size()
+    return 64
 
 
 def same(a: Any, b: Any) -> bool:
