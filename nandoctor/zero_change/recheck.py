@@ -79,6 +79,7 @@ def run_checked_pass(config: dict[str, Any], step: int, model: Any, started: flo
         before = file_states(Path.cwd())
         env = dict(os.environ)
         env["NANDOCTOR_RUN"] = json.dumps(sub)
+        env.pop("NANDOCTOR_RUN_ROOT_PID", None)  # the re-run command is a first process, not a child of ours
         limit = _TIME_FACTOR * (time.monotonic() - started) + _TIME_SLACK
         t0 = time.monotonic()
         try:

@@ -4,7 +4,9 @@ The command runs as a child with its own stdin/stdout/stderr, so its output pass
 with nothing found its exit status is ours. After a fault the child writes the report (JSON) to a file
 in a private temporary folder and stops with status 1 (unless --keep-going); the parent renders it,
 writes --json / --markdown, and exits 1. Under `python -m paddle.distributed.launch` every rank is
-watched (the variable and PYTHONPATH are inherited) and rank 0's merged report is the one shown.
+watched (the variable and PYTHONPATH are inherited) and rank 0's merged report is the one shown. Child
+processes the script starts itself (multiprocessing, fork or spawn) are each watched on their own, and the
+first fault of any process is the one shown (processes.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from rich.console import Console
 
 from nandoctor.errors import OutputError, SpecError
 from nandoctor.findings import Report, Verdict
+from nandoctor.zero_change.processes import merge_children
 
 SITE = Path(__file__).resolve().parent / "site"
 
@@ -58,6 +61,7 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
         returncode, stopped_by = script.wait()
         if not result.is_file():
             _merge_ranks(result)  # a rank's own exception under a launcher: rank 0 wrote nothing
+        merge_children(result)  # a child process of the script's that trained and faulted first
         if not result.is_file():
             if stopped_by is not None:
                 _stderr().print(f"nandoctor run: {_signal_name(stopped_by)} stopped the script before it wrote a "

@@ -9,7 +9,10 @@ does nothing). The seams:
   keyword inputs, the RNG state before it, and the gradient that comes back to its outputs; the one
   whose parameters the optimizer trains is the model, and a layer called on the model's output is the
   loss (its other inputs are the label). Once both are known, the class patch is removed and forward
-  hooks on those two layers take over, so the other layers keep Paddle's fast call path.
+  hooks on those two layers take over, so the other layers keep Paddle's fast call path. Every
+  optimizer the script steps is watched (a GAN's two): each gets its own model the same way, at its
+  first update, from the outermost calls kept (after the patch is gone, hooks keep recording the
+  outermost layers with parameters that no watch has yet); model_watch.py holds one such pair.
 - `Tensor.backward`: the tensor backpropagated last is the loss.
 - `Optimizer.step` (and `minimize`, which `paddle.Model.fit` uses): the check, between backward and the
   update; a faulty update is never applied.
@@ -32,10 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nandoctor.zero_change.capture import ROW, batch_rows, input_names, keep_grads, leaves
+from nandoctor.zero_change.capture import keep_grads
+from nandoctor.zero_change.model_watch import ModelWatch
 
 ENV = "NANDOCTOR_RUN"
 _MAX_ROOTS = 8
+_MAX_CANDIDATES = 16  # outermost layers with parameters kept as possible models of later optimizers
 
 
 class _Call:
@@ -48,26 +53,24 @@ class _Call:
 
 
 class Session:
-    """The state of one watched process."""
+    """The state of one watched process: every (model, optimizer) pair it trains has a `ModelWatch`."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
         self.depth = 0
-        self.roots: list[_Call] = []  # outermost training-mode calls since the last step (before attaching)
-        self.model: Any = None
-        self.loss_layer: Any = None
-        self.optimizer: Any = None
-        self.doctor: Any = None
+        self.roots: list[_Call] = []  # outermost training-mode calls not yet claimed by a watched model
+        self.watches: list[ModelWatch] = []
+        self.current: ModelWatch | None = None  # the watch whose model was called last
+        self.candidates: dict[int, Any] = {}  # id -> an outermost layer with parameters no watch has yet
+        self.candidate_hooks: list[Any] = []
+        self.patched = False  # Layer.__call__ is ours (until the first model is known)
         self.last_loss: Any = None
-        self.inputs: tuple = ()
-        self.kwargs: dict = {}
-        self.output: Any = None
-        self.labels: tuple = ()
-        self.grads: dict[int, Any] = {}  # output leaf index -> the gradient that came back to it
-        self.names: list[str] = []
+        self.backwards = 0  # backward calls so far: an optimizer is checked once per backward
         self.done = False
+        self.failed: ModelWatch | None = None  # the watch of the first fault
         self.orig: dict[str, Any] = {}
         self.started = time.monotonic()
+        self.process: dict[str, Any] | None = None  # a child process of the script's (processes.py), else None
         # The checked pass (recheck.py): this process re-runs the command to name a loss-code op
         self.recheck: Any = None
         if config.get("recheck_step") is not None:  # (imported only there: every watched process starts here)
@@ -77,7 +80,12 @@ class Session:
 
     @property
     def busy(self) -> bool:
-        return self.doctor is not None and self.doctor._busy
+        return any(w.doctor is not None and w.doctor._busy for w in self.watches)
+
+    @property
+    def doctor(self) -> Any:
+        """The first watch's doctor (None before any): the single-model view the checked pass reads."""
+        return self.watches[0].doctor if self.watches else None
 
     # ---- seams ----------------------------------------------------------------------------------------
     def layer_call(self, layer: Any, args: tuple, kwargs: dict) -> Any:
@@ -96,11 +104,18 @@ class Session:
             return out
         if self.recheck is not None and self.recheck.is_model(layer):
             self.recheck.after_model(0)  # step 0: the model is not known yet, but its class is
+        self._keep_root(root, out)
+        return out
+
+    def _keep_root(self, root: _Call, out: Any) -> None:
         root.output = out
         keep_grads(out, root.grads)
         self.roots.append(root)
         del self.roots[:-_MAX_ROOTS]
-        return out
+        layer = root.layer
+        if (id(layer) not in self.candidates and len(self.candidates) < _MAX_CANDIDATES
+                and next(iter(layer.parameters()), None) is not None):
+            self.candidates[id(layer)] = layer
 
     def run_backward(self, run: Any) -> Any:
         """`loss.backward()` itself: under the checked pass's watch at its step."""
@@ -109,259 +124,217 @@ class Session:
     def backward(self, tensor: Any) -> None:
         if not self.busy:
             self.last_loss = tensor
+            self.backwards += 1
 
     def before_step(self, optimizer: Any) -> bool:
         """True when the update may go ahead."""
         if self.busy or self.last_loss is None or self.done and not self.config.get("keep_going"):
             return True
-        if self.doctor is None and not self._attach(optimizer):
+        watch = self._watch_of(optimizer)
+        if watch is None:
+            watch = self._attach(optimizer)
+            if watch is None:
+                return True
+        if watch.checked == self.backwards:  # no backward since this optimizer's last check
             return True
-        if optimizer is not self.optimizer:
-            return True
-        if self.recheck is not None and self.recheck.armed:
-            self.recheck.not_reproduced(f"the checked pass saw no NaN/Inf op after the model's forward at step "
-                                        f"{self.recheck.step} (the script may not run the same twice)")
-        fields = self._fields()
-        ok = self.doctor.check(self.last_loss, fields)
-        self.last_loss = None
+        watch.checked = self.backwards
+        recheck = self.recheck
+        if recheck is not None and recheck.armed and recheck.is_model(watch.model):
+            recheck.not_reproduced(f"the checked pass saw no NaN/Inf op after the model's forward at step "
+                                   f"{recheck.step} (the script may not run the same twice)")
+        ok = watch.doctor.check(self.last_loss, watch.fields())
         if ok:
             return True
         if not self.done:  # the first fault; later ones (--keep-going) are counted and their updates dropped
-            self._finish()
+            self._finish(watch)
         return False
 
     def after_step(self, optimizer: Any) -> None:
-        if self.doctor is not None and optimizer is self.optimizer:
-            self.doctor.updated()
+        watch = self._watch_of(optimizer)
+        if watch is not None:
+            watch.doctor.updated()
+
+    def _watch_of(self, optimizer: Any) -> ModelWatch | None:
+        return next((w for w in self.watches if w.optimizer is optimizer), None)
 
     # ---- finding the model and the loss ------------------------------------------------------------------
-    def _attach(self, optimizer: Any) -> bool:
-        """The first update: the model is the outermost layer whose parameters the optimizer trains."""
+    def _attach(self, optimizer: Any) -> ModelWatch | None:
+        """An optimizer's first update: its model is the outermost layer whose parameters it trains."""
         from nandoctor.probe.nan_params import optimizer_params
 
         trained = {id(p) for p in optimizer_params(optimizer)}
-        best = self._model_call(lambda layer: sum(1 for p in layer.parameters() if id(p) in trained))
-        if best is None:
-            return False
+        found = self._model_call(lambda layer: sum(1 for p in layer.parameters() if id(p) in trained), trained)
+        if found is None:
+            return None
+        best, loss_layer, labels = found
         report_dir = self.config.get("report_dir")
         sync = _sync()
         if sync is not None and report_dir is None:  # ranks merge through files: a folder beside the result
             report_dir = str(Path(self.config["result"]).with_name("ranks"))
-        self._watch(best, optimizer, report_dir, sync)
+        watch = self._watch(best, optimizer, loss_layer, labels, report_dir, sync)
         self._switch_to_hooks()
         mark(self.config, "watched")
-        return True
+        return watch
 
     def _attach_without_update(self) -> bool:
         """The script dies before its first update: the model is the outermost layer with most parameters
         (no collective: the other ranks are not checking with this one)."""
-        best = self._model_call(lambda layer: len(list(layer.parameters())))
-        if best is None:
+        found = self._model_call(lambda layer: len(list(layer.parameters())), None)
+        if found is None:
             return False
-        self._watch(best, None, self.config.get("report_dir"), None)
+        best, loss_layer, labels = found
+        self._watch(best, None, loss_layer, labels, self.config.get("report_dir"), None)
         return True
 
-    def _model_call(self, score: Any) -> _Call | None:
-        """The outermost call since the last step whose layer scores highest (above 0), and the loss layer
-        called on its output."""
+    def _model_call(self, score: Any, trained: set[int] | None) -> tuple[_Call, Any, tuple] | None:
+        """The outermost call kept whose layer scores highest (above 0), the loss layer called on its output
+        (one that trains nothing else: not the discriminator a generator's output goes through) and its labels."""
         best, best_n = None, 0
         for root in self.roots:
             n = score(root.layer)
             if n > best_n:
                 best, best_n = root, n
-        if best is not None:
-            for root in self.roots:
-                if root.layer is not best.layer and root.args and root.args[0] is best.output:
-                    self.loss_layer, self.labels = root.layer, tuple(root.args[1:])
-        return best
+        if best is None:
+            return None
+        loss_layer, labels = None, ()
+        for root in self.roots:
+            if root.layer is not best.layer and root.args and root.args[0] is best.output and (
+                    trained is None or all(id(p) in trained for p in root.layer.parameters())):
+                loss_layer, labels = root.layer, tuple(root.args[1:])
+        return best, loss_layer, labels
 
-    def _watch(self, best: _Call, optimizer: Any, report_dir: str | None, sync: Any) -> None:
-        """The Doctor on the model found, with step 0 (which ran before it was known) open from its RNG."""
-        from nandoctor.findings import Mode
-        from nandoctor.inloop.doctor import Doctor
-
-        self.model, self.optimizer = best.layer, optimizer
-        self._record(best.args, best.kwargs)
-        self.output, self.grads = best.output, best.grads
-        self.roots = []
-        self.doctor = Doctor(self.model, optimizer, step_fn=self._replay, report_dir=report_dir,
-                             on_fault=self._on_fault(), wrap_step=False, sync=sync, mode=Mode.RUN)
-        self.doctor.loss_code_fault = self._loss_code_fault
-        self.doctor.open_step(best.rng)
-
-    def _record(self, args: tuple, kwargs: dict) -> None:
-        """A model call's inputs: positional ones named after forward's parameters, keyword ones by keyword."""
-        self.inputs = tuple(args)
-        self.kwargs = dict(kwargs or {})
-        if len(self.names) != len(self.inputs):
-            self.names = input_names(self.model, len(self.inputs), self.kwargs)
+    def _watch(self, best: _Call, optimizer: Any, loss_layer: Any, labels: tuple, report_dir: str | None,
+               sync: Any) -> ModelWatch:
+        watch = ModelWatch(self, best.layer, optimizer, loss_layer, labels)
+        self.watches.append(watch)
+        self.current = watch
+        # the model's calls are its watch's from now on: the others' stay for the optimizers still to come
+        self.roots = [r for r in self.roots if r.layer is not best.layer]
+        self.candidates.pop(id(best.layer), None)
+        watch.start(best, report_dir, sync, self._on_fault())
+        watch.hook()
+        return watch
 
     def _switch_to_hooks(self) -> None:
-        """The model and the loss are known: record their calls with hooks, give Layer its own __call__ back."""
-        paddle_layer = sys.modules["paddle"].nn.Layer
-        paddle_layer.__call__ = self.orig["call"]
+        """A model is known: Layer gets its own __call__ back (the other layers keep Paddle's fast path), and
+        the outermost layers with parameters that no watch has yet are recorded by hooks, so an optimizer
+        that steps later (a GAN's second one) finds its model among them."""
+        if self.patched:
+            sys.modules["paddle"].nn.Layer.__call__ = self.orig["call"]
+            self.patched = False
+        for handle in self.candidate_hooks:
+            handle.remove()
+        self.candidate_hooks = []
+        for layer in self.candidates.values():
+            self.candidate_hooks += self._record_calls(layer)
 
-        def on_model(_layer: Any, args: Any, kwargs: Any) -> None:
-            if not self.busy and self.model.training:
-                self._record(args, kwargs)
+    def _record_calls(self, layer: Any) -> list[Any]:
+        """Hooks that keep `layer`'s training-mode calls as roots (inputs, RNG, output, returned gradient)."""
+        pending: list[_Call] = []
 
-        def on_model_out(_layer: Any, _args: Any, out: Any) -> None:
-            if self.busy or not self.model.training:
-                return
-            if self.recheck is not None:
-                self.recheck.after_model(self.doctor.step if self.doctor is not None else 0)
-            self.output = out
-            self.grads = {}
-            if self.loss_layer is None:
-                keep_grads(out, self.grads)
+        def pre(_layer: Any, args: Any, kwargs: Any) -> None:
+            if not self.busy and layer.training:
+                pending.append(_Call(layer, tuple(args), dict(kwargs or {}), sys.modules["paddle"].get_rng_state()))
 
-        def on_loss(_layer: Any, args: Any) -> None:
-            if not self.busy:
-                self.labels = tuple(args[1:])
+        def post(_layer: Any, _args: Any, out: Any) -> None:
+            if pending:
+                self._keep_root(pending.pop(), out)
 
-        self.model.register_forward_pre_hook(on_model, with_kwargs=True)
-        self.model.register_forward_post_hook(on_model_out)
-        if self.loss_layer is not None:
-            self.loss_layer.register_forward_pre_hook(on_loss)
-
-    def _fields(self) -> dict[str, Any]:
-        import paddle
-
-        fields = dict(zip(self.names, self.inputs))
-        fields.update({k: v for k, v in self.kwargs.items() if isinstance(v, paddle.Tensor)})
-        for i, label in enumerate(self.labels):
-            fields["label" if len(self.labels) == 1 else f"label{i}"] = label
-        n = batch_rows(fields.values())
-        if n is not None:
-            fields[ROW] = paddle.arange(n, dtype="int64")
-        return fields
-
-    def _own_loss(self, outs: list[Any]) -> int | None:
-        """The position of the backpropagated loss among the model's outputs (a model that returns its loss)."""
-        loss = self.last_loss
-        return next((i for i, t in enumerate(outs) if t is loss), None)
-
-    def _replay(self, model: Any, fields: dict[str, Any]) -> Any:
-        """The step's loss from (part of) its batch: the loss layer's, the model's own, or the recorded
-        output gradients backpropagated through the model again."""
-        import paddle
-
-        from nandoctor.inloop.doctor import ReplayError
-
-        inputs = [fields[n] for n in self.names]
-        kwargs = {k: fields.get(k, v) for k, v in self.kwargs.items()}
-        out = model(*inputs, **kwargs)
-        if self.loss_layer is not None:
-            labels = [fields[k] for k in fields if k.startswith("label") and k not in kwargs]
-            return self.loss_layer(out, *labels)
-        outs = leaves(out)
-        own = self._own_loss(leaves(self.output))
-        if own is not None and own < len(outs):
-            return outs[own]
-        rows = fields.get(ROW)
-        total = None
-        for i, grad in self.grads.items():
-            if i >= len(outs):
-                continue
-            if rows is not None and int(rows.shape[0]) != int(grad.shape[0]):
-                grad = paddle.gather(grad, rows)
-            # NaN/Inf rows came from loss code that is not replayed (`_loss_code_fault` named them): the
-            # model's own faults show with finite gradients
-            grad = paddle.where(paddle.isfinite(grad), grad, paddle.zeros_like(grad))
-            term = (outs[i] * grad).sum()
-            total = term if total is None else total + term
-        if total is None:
-            raise ReplayError("no loss to replay: the loss is not a paddle.nn.Layer and no gradient came back to a "
-                              "tensor output of the model")
-        return total
-
-    def _loss_code_fault(self, fault: Any) -> Any:
-        """A fault that began in loss code written as functions: the model's outputs finite, and the loss
-        or the gradient that came back to them not. None when the replay can reach the fault."""
-        import math
-
-        import numpy as np
-
-        from nandoctor.batches import to_numpy
-        from nandoctor.findings import Phase
-        from nandoctor.probe.diagnose import LossCodeFault
-
-        outs = leaves(self.output)
-        if self.loss_layer is not None or not outs or self._own_loss(outs) is not None:
-            return None
-        if not all(np.isfinite(to_numpy(t)).all() for t in outs):
-            return None  # the model's forward went non-finite: the replay names where
-        loss_ok = fault.stats is not None and math.isfinite(fault.stats.loss)
-        n = batch_rows(outs)
-        rows: set[int] = set()
-        bad_grad = False
-        for grad in self.grads.values():
-            arr = to_numpy(grad)
-            bad = ~np.isfinite(arr)
-            if not bad.any():
-                continue
-            bad_grad = True
-            if n is not None and arr.ndim > 0 and arr.shape[0] == n:
-                rows.update(np.nonzero(bad.reshape(n, -1).any(axis=1))[0].tolist())
-        if loss_ok and not bad_grad:
-            return None  # finite loss, finite gradient at the outputs: the fault is in the model's backward
-        found = LossCodeFault(phase=Phase.BACKWARD if loss_ok else Phase.LOSS, rows=sorted(rows) or None,
-                              batch_size=n)
-        if self.recheck is None and self.doctor.sync is None:  # ranks: a re-run of every rank is not ours to start
-            from nandoctor.zero_change.recheck import run_checked_pass
-
-            answer = run_checked_pass(self.config, fault.step, self.model, self.started)
-            if answer.get("op"):
-                found.op, found.source = answer["op"], answer.get("source")
-                if answer.get("phase") == "loss":  # a harmful Inf in the loss code's forward came first
-                    found.phase = Phase.LOSS
-                found.notes.append(f"op and line from a checked second pass of the command up to step {fault.step}, "
-                                   f"with Paddle's tensor checker on after the model's forward ({answer['seconds']} s)")
-            else:
-                found.notes.append(f"no op named: {answer.get('error')}")
-            if answer.get("changed_files"):
-                shown = ", ".join(answer["changed_files"][:10])
-                found.notes.append(f"the checked pass changed {len(answer['changed_files'])} file(s) in the working "
-                                   f"folder by a route nandoctor does not redirect (C code): {shown}")
-        return found
+        return [layer.register_forward_pre_hook(pre, with_kwargs=True), layer.register_forward_post_hook(post)]
 
     def crashed(self, exc: BaseException) -> None:
         """The script dies of an exception of its own: a `user_code.error` report (step, phase, layer), also
         when it dies before its first update (the model is then the outermost layer with most parameters)."""
         if self.done or self.recheck is not None or not isinstance(exc, Exception):
             return
-        if self.doctor is None and not self._attach_without_update():
+        if not self.watches and not self._attach_without_update():
             return
-        report = self.doctor.crashed(exc, self._fields() if self.doctor._open else None)
+        watch = self.current or self.watches[0]
+        report = watch.doctor.crashed(exc, watch.fields() if watch.doctor._open else None)
         if report is not None:
             self.done = True
-            write_result(self.config, report)
+            self.write(self._named(watch, report))
+
+    def reset_child(self, process: dict[str, Any]) -> None:
+        """In a forked child: the parent's watches are not this process's (it trains on its own, and writes
+        its own result): drop them, find the child's models afresh through the class patch."""
+        for watch in self.watches:
+            watch.drop()
+        for handle in self.candidate_hooks:
+            handle.remove()
+        self.watches, self.candidate_hooks, self.candidates, self.roots = [], [], {}, []
+        self.current = self.failed = self.last_loss = None
+        self.backwards = self.depth = 0
+        self.done = False
+        self.started = time.monotonic()
+        self.process = process
+        if "patched_call" in self.orig and not self.patched:
+            sys.modules["paddle"].nn.Layer.__call__ = self.orig["patched_call"]
+            self.patched = True
 
     # ---- the end -------------------------------------------------------------------------------------
     def _on_fault(self) -> str:
         """--keep-going: every later faulty update is dropped too (the doctor's skip_step), else stop."""
         return "skip_step" if self.config.get("keep_going") else "stop"
 
-    def _finish(self) -> None:
+    def _named(self, watch: ModelWatch, report: Any) -> Any:
+        """With more than one model watched, the report says which one (its class and its optimizer's)."""
+        if len(self.watches) > 1 and report is not None:
+            from nandoctor.zero_change.processes import name_model
+
+            name_model(report, watch, self.watches)
+        return report
+
+    def _finish(self, watch: ModelWatch) -> None:
         """A fault: outputs written; the script stopped unless --keep-going."""
+        doctor = watch.doctor
         if self.recheck is not None:
-            self.recheck.not_reproduced(f"the checked pass found a fault at step {self.doctor.fault.step}, before "
+            self.recheck.not_reproduced(f"the checked pass found a fault at step {doctor.fault.step}, before "
                                         f"step {self.recheck.step}: the script does not run the same twice")
         self.done = True
-        write_result(self.config, self.doctor.report)
-        if self.doctor.sync is not None:
-            self.doctor.sync.barrier()  # rank 0's result is on disk before any rank exits
+        self.failed = watch
+        self.write(self._named(watch, doctor.report))
+        if doctor.sync is not None:
+            doctor.sync.barrier()  # rank 0's result is on disk before any rank exits
         if not self.config.get("keep_going"):
-            self.doctor.close()
+            for other in self.watches:
+                other.doctor.close()
             sys.stdout.flush()
             raise SystemExit(1)
 
+    def write(self, report: Any) -> None:
+        """The result where the parent `nandoctor run` reads it: a child process's names the child."""
+        if self.process is not None and report is not None:
+            from nandoctor.zero_change.processes import mark_report
 
-def write_result(config: dict[str, Any], report: Any) -> None:
-    """The report as JSON where the parent `nandoctor run` reads it (one file per rank)."""
+            mark_report(report, self.process)
+        write_result(self.config, report, self.process)
+
+    def at_exit(self) -> None:
+        """The script ended on its own (--keep-going, or nothing found): close the watches, keep the report
+        (a healthy one too: `--json` is written for every run)."""
+        if not self.watches:
+            return
+        for watch in self.watches:
+            watch.doctor.close()
+        if not self.done:
+            # every model's summary was read; the report is the first with a finding (a warning), else the first
+            chosen = next((w for w in self.watches if w.doctor.report is not None), self.watches[0])
+            self.write(self._named(chosen, chosen.doctor.summary()))
+            return
+        failed = self.failed
+        if failed is not None and failed.doctor.report is not None and failed.doctor.skipped:  # --keep-going
+            failed.doctor.report.details["skipped_steps"] = list(failed.doctor.skipped)
+            self.write(self._named(failed, failed.doctor.report))
+
+
+def write_result(config: dict[str, Any], report: Any, process: dict[str, Any] | None = None) -> None:
+    """The report as JSON where the parent `nandoctor run` reads it (one file per rank, one per child
+    process of the script's: report.pid<N>.json)."""
     from nandoctor.report import json as json_report
+    from nandoctor.zero_change.processes import result_path
 
-    path = Path(config["result"])
+    path = result_path(Path(config["result"]), process)
     rank = os.environ.get("PADDLE_TRAINER_ID")
     if rank not in (None, "", "0"):
         path = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
@@ -400,7 +373,12 @@ def install() -> None:
         from nandoctor.sandbox import redirect_writes
 
         redirect_writes(Path(config["mirror"]), exempt=Path(config["result"]).parent)
+    from nandoctor.zero_change import processes
+
     SESSION = Session(config)
+    if config.get("recheck_step") is None:
+        SESSION.process = processes.child_info()  # a spawned child of the script's: watched on its own
+        processes.on_fork(SESSION.reset_child)
     _quiet_logger()
     import atexit
 
@@ -434,7 +412,8 @@ def _on_paddle(session: Session) -> None:
     if session.recheck is not None:
         recheck.restore_rng(session.config["rng"])
     else:
-        recheck.save_rng(session.config)
+        if session.process is None:  # (the command's own process: a checked pass re-runs the command)
+            recheck.save_rng(session.config)
         _report_on_sigterm()
 
 
@@ -459,20 +438,14 @@ def _report_on_sigterm() -> None:
 
 
 def _at_exit() -> None:
-    """The script ended on its own (--keep-going, or nothing found): close the watch, keep its report (a
-    healthy one too: `--json` is written for every run)."""
+    """The script ended on its own (--keep-going, or nothing found): close the watches, keep the report."""
     session = SESSION
     if session is not None and session.recheck is not None:
         session.recheck.not_reproduced(f"the script ended before step {session.recheck.step}")
-    if session is None or session.doctor is None:
+    if session is None:
         return
     try:
-        session.doctor.close()
-        if not session.done:
-            write_result(session.config, session.doctor.summary())
-        elif session.doctor.report is not None and session.doctor.skipped:  # --keep-going: what was dropped
-            session.doctor.report.details["skipped_steps"] = list(session.doctor.skipped)
-            write_result(session.config, session.doctor.report)
+        session.at_exit()
     except Exception:  # noqa: BLE001 - never turn the user's exit into a traceback of ours
         pass
 

@@ -45,7 +45,9 @@ def patch_paddle(session: Any) -> None:
         session.after_step(self)
         return out
 
+    session.orig["patched_call"] = __call__  # (put back in a forked child, which looks for its own model)
     paddle.nn.Layer.__call__ = __call__
+    session.patched = True
     paddle.Tensor.backward = tensor_backward
     paddle.optimizer.Optimizer.step = optimizer_step
     paddle.optimizer.Optimizer.minimize = optimizer_minimize

@@ -1,0 +1,194 @@
+"""One model and the optimizer that trains it, watched inside the user's script (`nandoctor run`).
+
+A script may train several models, each with its own optimizer (a GAN's generator and discriminator):
+every optimizer it steps gets a `ModelWatch` of its own, with its own `Doctor`, found as the first one is
+(runtime.py `Session._attach`). A watch records its model's calls with hooks (inputs, output, the gradient
+that comes back to it) and its loss layer's labels, and replays the step's loss from them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nandoctor.zero_change.capture import ROW, batch_rows, input_names, keep_grads, leaves
+
+
+class ModelWatch:
+    """The state of one watched (model, optimizer) pair; `session` is runtime.py's `Session`."""
+
+    def __init__(self, session: Any, model: Any, optimizer: Any, loss_layer: Any, labels: tuple) -> None:
+        self.session = session
+        self.model, self.optimizer, self.loss_layer, self.labels = model, optimizer, loss_layer, labels
+        self.doctor: Any = None
+        self.inputs: tuple = ()
+        self.kwargs: dict = {}
+        self.output: Any = None
+        self.grads: dict[int, Any] = {}  # output leaf index -> the gradient that came back to it
+        self.names: list[str] = []
+        self.checked = -1  # the session's backward count at this optimizer's last check
+        self.handles: list[Any] = []
+
+    def start(self, call: Any, report_dir: str | None, sync: Any, on_fault: str) -> None:
+        """The Doctor on the model found, with the step whose forward already ran open from its RNG."""
+        from nandoctor.findings import Mode
+        from nandoctor.inloop.doctor import Doctor
+
+        self.record(call.args, call.kwargs)
+        self.output, self.grads = call.output, call.grads
+        self.doctor = Doctor(self.model, self.optimizer, step_fn=self.replay, report_dir=report_dir,
+                             on_fault=on_fault, wrap_step=False, sync=sync, mode=Mode.RUN)
+        self.doctor.loss_code_fault = self.loss_code_fault
+        self.doctor.open_step(call.rng)
+
+    def record(self, args: tuple, kwargs: dict) -> None:
+        """A model call's inputs: positional ones named after forward's parameters, keyword ones by keyword."""
+        self.inputs = tuple(args)
+        self.kwargs = dict(kwargs or {})
+        if len(self.names) != len(self.inputs):
+            self.names = input_names(self.model, len(self.inputs), self.kwargs)
+
+    def hook(self) -> None:
+        """Record the model's and the loss layer's calls from now on (the class patch is gone or going)."""
+        session = self.session
+
+        def on_model(_layer: Any, args: Any, kwargs: Any) -> None:
+            if not session.busy and self.model.training:
+                self.record(args, kwargs)
+                session.current = self
+
+        def on_model_out(_layer: Any, _args: Any, out: Any) -> None:
+            if session.busy or not self.model.training:
+                return
+            recheck = session.recheck
+            if recheck is not None and recheck.is_model(self.model):
+                recheck.after_model(self.doctor.step if self.doctor is not None else 0)
+            self.output = out
+            self.grads = {}
+            if self.loss_layer is None:
+                keep_grads(out, self.grads)
+
+        def on_loss(_layer: Any, args: Any) -> None:
+            if not session.busy:
+                self.labels = tuple(args[1:])
+
+        self.handles.append(self.model.register_forward_pre_hook(on_model, with_kwargs=True))
+        self.handles.append(self.model.register_forward_post_hook(on_model_out))
+        if self.loss_layer is not None:
+            self.handles.append(self.loss_layer.register_forward_pre_hook(on_loss))
+
+    def drop(self) -> None:
+        """A fork child: this watch was the parent's; its hooks go, nothing is written or synced."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if self.doctor is not None:
+            self.doctor._closed = True
+            self.doctor._hook.remove()
+            self.doctor.watcher.close()
+
+    def fields(self) -> dict[str, Any]:
+        import paddle
+
+        fields = dict(zip(self.names, self.inputs))
+        fields.update({k: v for k, v in self.kwargs.items() if isinstance(v, paddle.Tensor)})
+        for i, label in enumerate(self.labels):
+            fields["label" if len(self.labels) == 1 else f"label{i}"] = label
+        n = batch_rows(fields.values())
+        if n is not None:
+            fields[ROW] = paddle.arange(n, dtype="int64")
+        return fields
+
+    def _own_loss(self, outs: list[Any]) -> int | None:
+        """The position of the backpropagated loss among the model's outputs (a model that returns its loss)."""
+        loss = self.session.last_loss
+        return next((i for i, t in enumerate(outs) if t is loss), None)
+
+    def replay(self, model: Any, fields: dict[str, Any]) -> Any:
+        """The step's loss from (part of) its batch: the loss layer's, the model's own, or the recorded
+        output gradients backpropagated through the model again."""
+        import paddle
+
+        from nandoctor.inloop.doctor import ReplayError
+
+        inputs = [fields[n] for n in self.names]
+        kwargs = {k: fields.get(k, v) for k, v in self.kwargs.items()}
+        out = model(*inputs, **kwargs)
+        if self.loss_layer is not None:
+            labels = [fields[k] for k in fields if k.startswith("label") and k not in kwargs]
+            return self.loss_layer(out, *labels)
+        outs = leaves(out)
+        own = self._own_loss(leaves(self.output))
+        if own is not None and own < len(outs):
+            return outs[own]
+        rows = fields.get(ROW)
+        total = None
+        for i, grad in self.grads.items():
+            if i >= len(outs):
+                continue
+            if rows is not None and int(rows.shape[0]) != int(grad.shape[0]):
+                grad = paddle.gather(grad, rows)
+            # NaN/Inf rows came from loss code that is not replayed (`loss_code_fault` named them): the
+            # model's own faults show with finite gradients
+            grad = paddle.where(paddle.isfinite(grad), grad, paddle.zeros_like(grad))
+            term = (outs[i] * grad).sum()
+            total = term if total is None else total + term
+        if total is None:
+            raise ReplayError("no loss to replay: the loss is not a paddle.nn.Layer and no gradient came back to a "
+                              "tensor output of the model")
+        return total
+
+    def loss_code_fault(self, fault: Any) -> Any:
+        """A fault that began in loss code written as functions: the model's outputs finite, and the loss
+        or the gradient that came back to them not. None when the replay can reach the fault."""
+        import math
+
+        import numpy as np
+
+        from nandoctor.batches import to_numpy
+        from nandoctor.findings import Phase
+        from nandoctor.probe.diagnose import LossCodeFault
+
+        outs = leaves(self.output)
+        if self.loss_layer is not None or not outs or self._own_loss(outs) is not None:
+            return None
+        if not all(np.isfinite(to_numpy(t)).all() for t in outs):
+            return None  # the model's forward went non-finite: the replay names where
+        loss_ok = fault.stats is not None and math.isfinite(fault.stats.loss)
+        n = batch_rows(outs)
+        rows: set[int] = set()
+        bad_grad = False
+        for grad in self.grads.values():
+            arr = to_numpy(grad)
+            bad = ~np.isfinite(arr)
+            if not bad.any():
+                continue
+            bad_grad = True
+            if n is not None and arr.ndim > 0 and arr.shape[0] == n:
+                rows.update(np.nonzero(bad.reshape(n, -1).any(axis=1))[0].tolist())
+        if loss_ok and not bad_grad:
+            return None  # finite loss, finite gradient at the outputs: the fault is in the model's backward
+        found = LossCodeFault(phase=Phase.BACKWARD if loss_ok else Phase.LOSS, rows=sorted(rows) or None,
+                              batch_size=n)
+        session = self.session
+        # The checked pass re-runs the whole command: not ours to start on a rank, nor in a child process
+        if session.recheck is None and self.doctor.sync is None and session.process is None:
+            self._checked_pass(found, fault.step)
+        return found
+
+    def _checked_pass(self, found: Any, step: int) -> None:
+        from nandoctor.findings import Phase
+        from nandoctor.zero_change.recheck import run_checked_pass
+
+        answer = run_checked_pass(self.session.config, step, self.model, self.session.started)
+        if answer.get("op"):
+            found.op, found.source = answer["op"], answer.get("source")
+            if answer.get("phase") == "loss":  # a harmful Inf in the loss code's forward came first
+                found.phase = Phase.LOSS
+            found.notes.append(f"op and line from a checked second pass of the command up to step {step}, "
+                               f"with Paddle's tensor checker on after the model's forward ({answer['seconds']} s)")
+        else:
+            found.notes.append(f"no op named: {answer.get('error')}")
+        if answer.get("changed_files"):
+            shown = ", ".join(answer["changed_files"][:10])
+            found.notes.append(f"the checked pass changed {len(answer['changed_files'])} file(s) in the working "
+                               f"folder by a route nandoctor does not redirect (C code): {shown}")

@@ -1,0 +1,140 @@
+"""Which model and which process a `nandoctor run` report is about.
+
+A script may train more than one model (each with its own optimizer: a GAN) and may train in child
+processes it starts itself (multiprocessing with `fork` or `spawn`, `os.fork`). Each child that trains is
+watched on its own: a forked child drops the parent's watches (`os.register_at_fork`) and a spawned one
+starts its own session from sitecustomize (PYTHONPATH and NANDOCTOR_RUN are inherited). A child writes its
+result beside the parent's as `report.pid<N>.json`, at the fault (multiprocessing ends children with
+`os._exit`: no atexit), and the parent `nandoctor run` reports the first fault of any process
+(`merge_children`), naming the process in the finding's message and in `details.process`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT_PID = "NANDOCTOR_RUN_ROOT_PID"  # the pid of the command's first watched process, for its children
+
+
+def name_model(report: Any, watch: Any, watches: list[Any]) -> None:
+    """More than one model watched: the report says which one, by class, and its position among them."""
+    from nandoctor.findings import Severity
+
+    names = [type(w.model).__name__ for w in watches]
+    index = watches.index(watch)
+    report.details["model"] = names[index]
+    report.details["models"] = names
+    where = (f"In {names[index]} (model {index + 1} of {len(names)} this script trains, each with its own "
+             f"{'optimizer' if len(names) == 2 else 'optimizers'}): ")
+    for finding in report.findings:
+        if finding.severity == Severity.ERROR and not finding.message.startswith("In "):
+            finding.message = where + finding.message
+
+
+# ---- the child's side ----------------------------------------------------------------------------------
+_forks = 0  # children this process forked so far: a forked child's position among its siblings
+
+
+def child_info() -> dict[str, Any] | None:
+    """None in the command's own process; else what names this child (pid, parent, position)."""
+    root = os.environ.get(ROOT_PID)
+    if root is None:
+        os.environ[ROOT_PID] = str(os.getpid())  # inherited by spawned children (and their env copies)
+        return None
+    if root == str(os.getpid()) or os.environ.get("PADDLE_TRAINER_ID") is not None:
+        return None  # (a launcher's ranks are watched as ranks: report.rankN.json)
+    return {"pid": os.getpid(), "parent_pid": os.getppid(), "start": "spawn"}
+
+
+def on_fork(reset: Any) -> None:
+    """Count forks in the parent; in the child, `reset()` the session (the parent's watches are not its)."""
+    def before() -> None:
+        global _forks
+        _forks += 1
+
+    def child() -> None:
+        reset({"pid": os.getpid(), "parent_pid": os.getppid(), "start": "fork", "child": _forks})
+
+    os.register_at_fork(before=before, after_in_child=child)
+
+
+def describe(process: dict[str, Any]) -> dict[str, Any]:
+    """The child's details at the fault: its multiprocessing name and position where it has them."""
+    info = dict(process)
+    info["fault_time"] = time.time()
+    try:
+        import multiprocessing
+
+        current = multiprocessing.current_process()
+        if multiprocessing.parent_process() is not None:
+            info["name"] = current.name
+            if current._identity:  # (2,): the second child its parent started
+                info["child"] = int(current._identity[-1])
+    except Exception:  # noqa: BLE001 - the pid alone still names it
+        pass
+    return info
+
+
+def result_path(path: Path, process: dict[str, Any] | None) -> Path:
+    return path if process is None else path.with_name(f"{path.stem}.pid{process['pid']}{path.suffix}")
+
+
+def mark_report(report: Any, process: dict[str, Any]) -> None:
+    """A child's report names the child: in `details.process` and in front of its error findings."""
+    from nandoctor.findings import Severity
+
+    if "process" in report.details:  # (--keep-going writes the first fault's report again at exit)
+        return
+    info = describe(process)
+    report.details["process"] = info
+    for finding in report.findings:
+        if finding.severity == Severity.ERROR and not finding.message.startswith("In child process"):
+            finding.message = f"In child process {_who(info)}: " + finding.message
+
+
+def _who(info: dict[str, Any]) -> str:
+    position = f"child {info['child']}, " if info.get("child") else ""
+    name = f" {info['name']}" if info.get("name") else ""
+    return f"pid {info['pid']}{name} ({position}started by {info.get('start')} from pid {info.get('parent_pid')})"
+
+
+# ---- the parent's side ---------------------------------------------------------------------------------
+def merge_children(result: Path) -> None:
+    """The first fault of any process is the run's: a child's report replaces the command's own (or stands
+    in for it) when the command's own process found no fault, or found it later."""
+    from nandoctor.findings import Report
+    from nandoctor.report import json as json_report
+
+    own = _load(result)
+    best, best_time = None, None
+    for path in result.parent.glob(f"{result.stem}.pid*{result.suffix}"):
+        data = _load(path)
+        if data is None or not data.get("first_fault"):
+            continue
+        when = float((data.get("details") or {}).get("process", {}).get("fault_time") or 0.0)
+        if best is None or when < best_time:
+            best, best_time = data, when
+    if best is None:
+        return
+    if own is not None and own.get("first_fault"):
+        if _mtime(result) <= best_time:  # the command's own process writes its report at its fault
+            return
+    result.write_text(json_report.render(Report.from_dict(best)), encoding="utf-8")
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return float("inf")
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,91 @@
+"""A script that trains, then starts worker processes that each train a model of their own, knowing nothing
+of nandoctor. For `nandoctor run`'s tests (tests/test_run_forked.py).
+
+    python forked.py fork      # the parent trains 3 steps, then workers 1-3 (multiprocessing, fork) train
+    python forked.py spawn     # the same with the spawn start method
+    python forked.py fork --healthy
+
+Worker 2's batch at step 4 has an all-zero sample: its radial layer's sqrt has an infinite gradient, the
+update makes its weights NaN and its loss is NaN from step 5 on. Each worker prints its pid first.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+
+import numpy as np
+import paddle
+from paddle import nn
+
+STEPS = 8
+BAD_WORKER, BAD_STEP = 2, 4
+
+
+class Radial(nn.Layer):
+    """p / (1 + |p|) of a projection p: the norm's sqrt has an infinite gradient where p is exactly 0."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(n, n, bias_attr=False)
+
+    def forward(self, h: paddle.Tensor) -> paddle.Tensor:
+        p = self.proj(h)
+        r = paddle.sqrt((p * p).sum(axis=1, keepdim=True))
+        return p / (1.0 + r)
+
+
+class Net(nn.Layer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.radial = Radial(4)
+        self.head = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.head(self.radial(x))
+
+
+def batch(worker: int, step: int, healthy: bool) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(100 * worker + step)
+    x = rng.normal(size=(6, 4)).astype("float32")
+    y = rng.normal(size=(6, 1)).astype("float32")
+    if not healthy and worker == BAD_WORKER and step == BAD_STEP:
+        x[3] = 0.0
+    return x, y
+
+
+def build(worker: int) -> tuple[nn.Layer, paddle.optimizer.Optimizer]:
+    paddle.seed(worker)
+    model = Net()
+    return model, paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters())
+
+
+def train(worker: int, healthy: bool, steps: int = STEPS) -> None:
+    """Worker 0 is the parent's own training; workers 1-3 are child processes."""
+    print(f"worker {worker} pid {os.getpid()}", flush=True)
+    model, opt = build(worker)
+    loss_fn = nn.MSELoss()
+    for step in range(steps):
+        x, y = (paddle.to_tensor(a) for a in batch(worker, step, healthy))
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        print(f"worker {worker} step {step} loss {float(loss):.4f}", flush=True)
+
+
+def main(method: str, healthy: bool) -> None:
+    train(0, healthy, steps=3)
+    context = multiprocessing.get_context(method)
+    workers = [context.Process(target=train, args=(w, healthy)) for w in (1, 2, 3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    print("exit codes", [w.exitcode for w in workers], flush=True)
+    print("training finished", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], "--healthy" in sys.argv)

@@ -1,0 +1,83 @@
+"""Ground truth for `nandoctor run`'s multi-model and child-process tests: a plain Paddle loop over a test
+script's own functions, with Paddle's tensor checker in abort mode around each backward.
+
+`first_backward_fault` trains phase after phase (a phase: a model, its optimizer and its loss) until a
+backward aborts, and answers what the report must say: the step and op (the checker's), the layer (the
+sublayer whose class's forward holds the script line Paddle printed as the op's creator, with
+FLAGS_call_stack_level=3; None for the model's own forward), the parameter (the first in
+`named_parameters()` order whose gradient is NaN/Inf when that backward runs again without the checker)
+and the samples (each row of the batch alone, on the same parameters).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paddle
+import pytest
+
+# (step, model, optimizer, loss of the whole batch, loss of one row of it, rows)
+Phase = tuple[int, Any, Any, Callable[[], Any], Callable[[int], Any], int]
+
+
+def bad_params(model: Any) -> list[str]:
+    return [n for n, p in model.named_parameters()
+            if p.grad is not None and not np.isfinite(p.grad.numpy().astype("float64")).all()]
+
+
+def first_backward_fault(phases: Iterable[Phase], script: Path, capfd: pytest.CaptureFixture,
+                         clear: Callable[[], None]) -> tuple[Any, dict[str, Any]]:
+    """(the faulting model, the first fault's step/phase/layer/op/parameter/sample_indices). `clear()`
+    clears every optimizer's gradients (a GAN's generator loss backpropagates into both models)."""
+    from paddle.amp import debugging
+
+    checker = debugging.TensorCheckerConfig(enable=True, debug_mode=debugging.DebugMode.CHECK_NAN_INF_AND_ABORT)
+    old = paddle.get_flags(["FLAGS_call_stack_level"])
+    paddle.set_flags({"FLAGS_call_stack_level": 3})
+    found = None
+    try:
+        for step, model, opt, loss_of, row_loss, rows in phases:
+            opt.clear_grad()
+            loss = loss_of()
+            capfd.readouterr()
+            debugging.enable_tensor_checker(checker)
+            try:
+                loss.backward()
+            except RuntimeError as exc:
+                found = (step, model, loss_of, row_loss, rows, re.search(r"op=(\w+)", str(exc)).group(1),
+                         capfd.readouterr())
+                break
+            finally:
+                debugging.disable_tensor_checker()
+            opt.step()
+    finally:
+        paddle.set_flags(old)
+    assert found is not None, "the plain loop never went non-finite"
+    step, model, loss_of, row_loss, rows, op, printed = found
+    frames = [int(n) for f, n, fn in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', printed.out + printed.err)
+              if Path(f).resolve() == script.resolve() and fn == "forward"]
+    assert frames, printed.err[-2000:]
+
+    def owns(layer: Any) -> bool:
+        lines, first = inspect.getsourcelines(type(layer).forward)
+        return first <= frames[-1] < first + len(lines)
+
+    owners = [n for n, layer in [("", model), *model.named_sublayers()] if owns(layer)]
+    assert len(owners) == 1, owners
+    clear()  # the failing backward again, without the checker: the parameters are those it faulted with
+    loss_of().backward()
+    bad = bad_params(model)
+    clear()
+    samples = []
+    for row in range(rows):
+        row_loss(row).backward()
+        if bad_params(model):
+            samples.append(row)
+        clear()
+    return model, {"step": step, "phase": "backward", "layer": owners[0] or None, "op": op,
+                   "parameter": bad[0] if bad else None, "sample_indices": samples}

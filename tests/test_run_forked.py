@@ -1,0 +1,92 @@
+"""Child processes that train after the parent (issue 22 §2): `nandoctor run` watches each child that trains
+on its own (multiprocessing with fork and with spawn) and reports the first fault of any process, naming
+the child (pid, position among the children) in the finding's message and in `details.process`.
+
+The expected fault comes from a plain Paddle loop of the faulting worker's own training, in this process,
+with Paddle's tensor checker (tests/run_truth.py). Before this change the children's NaN went unreported
+and `nandoctor run` exited 0 (the forked children inherited the parent's finished watch, and
+multiprocessing ends a child with os._exit: no atexit, no report).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import paddle
+import pytest
+from inloop_helpers import ROOT
+from run_truth import first_backward_fault
+
+from nandoctor.report.json import schema_path
+
+SCRIPT = ROOT / "tests" / "run_scripts" / "forked.py"
+KEYS = ("step", "phase", "layer", "op", "parameter", "sample_indices")
+
+
+def _script() -> Any:
+    spec = importlib.util.spec_from_file_location("_run_forked", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ground_truth(capfd: pytest.CaptureFixture) -> dict[str, Any]:
+    """The bad worker's training, alone, as its process runs it."""
+    script = _script()
+    worker = script.BAD_WORKER
+    model, opt = script.build(worker)
+    loss_fn = paddle.nn.MSELoss()
+
+    def phases() -> Any:
+        for step in range(script.STEPS):
+            x, y = (paddle.to_tensor(a) for a in script.batch(worker, step, False))
+            yield (step, model, opt, lambda x=x, y=y: loss_fn(model(x), y),
+                   lambda i, x=x, y=y: loss_fn(model(x[i:i + 1]), y[i:i + 1]), len(x))
+
+    return first_backward_fault(phases(), SCRIPT, capfd, opt.clear_grad)[1]
+
+
+def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
+    cmd = [sys.executable, "-m", "nandoctor", "run", "--json", "r.json", "--", sys.executable, str(SCRIPT), *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert (tmp_path / "r.json").is_file(), proc.stderr[-3000:]
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    jsonschema.validate(data, json.loads(schema_path().read_text(encoding="utf-8")))
+    return proc, data
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_the_first_fault_of_a_child_process_is_reported(tmp_path: Path, method: str,
+                                                        capfd: pytest.CaptureFixture) -> None:
+    expected = ground_truth(capfd)
+    assert expected["sample_indices"]
+    proc, data = _run(tmp_path, method)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert {k: data["first_fault"][k] for k in KEYS} == expected
+    pids = dict(re.findall(r"worker (\d) pid (\d+)", proc.stdout))
+    process = data["details"]["process"]
+    assert process["pid"] == int(pids["2"]) and process["parent_pid"] == int(pids["0"])
+    assert process["child"] == 2 and process["start"] == method  # the second child the parent started
+    error = next(f for f in data["findings"] if f["severity"] == "error")
+    assert error["message"].startswith(f"In child process pid {pids['2']} ")
+    assert "(child 2, started by " in error["message"]
+    # the faulty worker stopped at its fault (before the update); the others trained to the end
+    assert f"worker 2 step {expected['step']} " not in proc.stdout
+    assert "worker 3 step 7 " in proc.stdout and "training finished" in proc.stdout
+    assert not list(tmp_path.glob("*.pid*"))  # the children's results stay in nandoctor's own folder
+
+
+def test_healthy_children_exit_0(tmp_path: Path) -> None:
+    proc, data = _run(tmp_path, "fork", "--healthy")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert data["verdict"] == "healthy" and data["first_fault"] is None
+    assert "training finished" in proc.stdout
