@@ -191,8 +191,6 @@ def _search_guard(run: Any, c: Candidate, report: Report, fault_step: int, end_s
 
 def _data_note(ring: SnapshotRing) -> str:
     """What the replays read: the batches the probe kept, or the user's loader again (and why)."""
-    from nandoctor.probe.batch_tape import KEPT_BYTES
-
     tape = ring.batches
     if tape is None:
         return ("the batches were not kept (a resumed run): each replay re-read the user's loader from its "
@@ -200,8 +198,8 @@ def _data_note(ring: SnapshotRing) -> str:
     said = ("the replays ran on the batches the probe read (kept in memory, not read again); past them the "
             "loader was read once more, checked against the kept batches, and kept for the next replay")
     if tape.evicted:
-        said += (f"; {tape.evicted} batch(es) beyond the {KEPT_BYTES / 2**20:.0f} MB kept were let go: a replay "
-                 "before them re-read the loader there")
+        said += (f"; {tape.evicted} batch(es) beyond the {(tape.cap or 0) / 2**20:.3g} MB kept were let go: a "
+                 "replay before them re-read the loader there")
     if tape.stream:
         said += f"; {tape.stream}, so the replays ended with the kept batches"
     return said
