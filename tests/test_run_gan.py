@@ -73,11 +73,12 @@ def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict[
     return proc, data
 
 
-@pytest.mark.parametrize("kind", ["g", "d"])
+@pytest.mark.parametrize("kind", ["g", "g0", "d"])
 def test_run_names_the_first_fault_of_either_model(tmp_path: Path, kind: str, capfd: pytest.CaptureFixture) -> None:
-    """G's fault is the second optimizer's: before every optimizer was watched it went unseen."""
+    """G's fault is the second optimizer's: before every optimizer was watched it went unseen. At step 0 (g0)
+    G is found at that very update, from the calls kept of it: the latest, whose output got the gradient."""
     model, expected = ground_truth(kind, capfd)
-    assert model == {"g": "Generator", "d": "Discriminator"}[kind] and expected["sample_indices"]
+    assert model == {"g": "Generator", "g0": "Generator", "d": "Discriminator"}[kind] and expected["sample_indices"]
     proc, data = _run(tmp_path, kind)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert {k: data["first_fault"][k] for k in KEYS} == expected

@@ -39,7 +39,7 @@ from nandoctor.zero_change.capture import keep_grads
 from nandoctor.zero_change.model_watch import ModelWatch
 
 ENV = "NANDOCTOR_RUN"
-_MAX_ROOTS = 8
+_MAX_ROOTS = 16
 _MAX_CANDIDATES = 16  # outermost layers with parameters kept as possible models of later optimizers
 
 
@@ -190,9 +190,9 @@ class Session:
         """The outermost call kept whose layer scores highest (above 0), the loss layer called on its output
         (one that trains nothing else: not the discriminator a generator's output goes through) and its labels."""
         best, best_n = None, 0
-        for root in self.roots:
-            n = score(root.layer)
-            if n > best_n:
+        for root in self.roots:  # the latest call of the best: a GAN's generator is also called for D's batch,
+            n = score(root.layer)  # whose output is detached (no gradient comes back to it)
+            if n >= max(best_n, 1):
                 best, best_n = root, n
         if best is None:
             return None
@@ -258,10 +258,13 @@ class Session:
     def reset_child(self, process: dict[str, Any]) -> None:
         """In a forked child: the parent's watches are not this process's (it trains on its own, and writes
         its own result): drop them, find the child's models afresh through the class patch."""
-        for watch in self.watches:
-            watch.drop()
-        for handle in self.candidate_hooks:
-            handle.remove()
+        try:
+            for watch in self.watches:
+                watch.drop()
+            for handle in self.candidate_hooks:
+                handle.remove()
+        except Exception:  # noqa: BLE001 - the parent's hooks left in this child only cost time
+            pass
         self.watches, self.candidate_hooks, self.candidates, self.roots = [], [], {}, []
         self.current = self.failed = self.last_loss = None
         self.backwards = self.depth = 0

@@ -3,6 +3,7 @@ of nandoctor. For `nandoctor run`'s tests (tests/test_run_gan.py).
 
     python gan.py healthy   # trains clean
     python gan.py g         # z of sample 2 is all zeros at step 4: G's radial sqrt has an infinite gradient
+    python gan.py g0        # the same at step 0, the generator's first update (before its hooks exist)
     python gan.py d         # real sample 1 is all zeros at step 3: D's radial sqrt has an infinite gradient
     python gan.py g --watch # the same loop with nandoctor.watch on each model (two doctors in one script)
 
@@ -19,7 +20,7 @@ import paddle
 from paddle import nn
 
 STEPS = 8
-FAULT = {"g": 4, "d": 3}
+FAULT = {"g": 4, "g0": 0, "d": 3}
 
 
 class Radial(nn.Layer):
@@ -39,7 +40,9 @@ class Generator(nn.Layer):
     def __init__(self) -> None:
         super().__init__()
         self.radial = Radial(8)
-        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        # (a bias away from 0: G's output for an all-zero z is not itself zero, which would fault D first)
+        out = nn.Linear(16, 4, bias_attr=paddle.ParamAttr(initializer=nn.initializer.Constant(0.5)))
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), out)
 
     def forward(self, z: paddle.Tensor) -> paddle.Tensor:
         return self.body(self.radial(z))
@@ -60,7 +63,7 @@ def batch(kind: str, step: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(step)
     real = (rng.normal(size=(6, 4)) + 2.0).astype("float32")
     z = rng.normal(size=(6, 8)).astype("float32")
-    if kind == "g" and step == FAULT["g"]:
+    if kind in ("g", "g0") and step == FAULT[kind]:
         z[2] = 0.0
     if kind == "d" and step == FAULT["d"]:
         real[1] = 0.0
