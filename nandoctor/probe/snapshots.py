@@ -96,7 +96,7 @@ class SnapshotRing:
     def for_model(cls, model: Any, optimizer: Any) -> SnapshotRing:
         ring = cls(model, optimizer)
         size = sum(tensor_nbytes(p) for p in model.state_dict().values())
-        ring.budget = spill.Budget.for_weights(size)
+        ring.budget = spill.Budget.now()
         if ring._place(size) is None:  # not even the weights before the first step fit anywhere
             ring.disabled = (f"no room for a snapshot of the model's weights (~{size / 2**20:.0f} MB, with "
                              f"Adam's state ~{3 * size / 2**20:.0f} MB; room: {ring.budget.text()}): no state "

@@ -2,8 +2,8 @@
 
 A snapshot of a large model (weights and Adam's two moments: ~12 bytes a parameter) costs as much host
 memory as the training itself. Snapshots therefore stay in memory only while together they hold at most
-`MEMORY_BYTES` or one copy of the weights (whichever is larger), and never more than `MEMORY_SHARE` of the
-memory available when the run starts (`MemAvailable` in /proc/meminfo). The others are written, tensor by
+`MEMORY_BYTES`, and never more than `MEMORY_SHARE` of the memory available when the run starts
+(`MemAvailable` in /proc/meminfo). The others are written, tensor by
 tensor, as `.npy` files into one temporary folder (`tempfile`, so `TMPDIR` chooses the disk), within
 `DISK_SHARE` of that disk's free space; read back tensor by tensor too, so restoring one never holds a
 second copy of the model. The folder goes when the ring is closed, when the process exits, and with it
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-MEMORY_BYTES = 256 * 2**20  # in-memory snapshots together: this, or one copy of the weights if larger
+MEMORY_BYTES = 256 * 2**20  # in-memory snapshots together
 MEMORY_SHARE = 0.25  # ...and never more than this share of the memory available at the start
 DISK_SHARE = 0.5  # spilled snapshots together: at most this share of the spill disk's free space
 MEMORY_ENV = "NANDOCTOR_SNAPSHOT_MEMORY_MB"
@@ -62,11 +62,11 @@ class Budget:
     disk: int
 
     @classmethod
-    def for_weights(cls, weight_bytes: int) -> Budget:
+    def now(cls) -> Budget:
         memory = _env_mb(MEMORY_ENV)
         if memory is None:
             avail = memory_available()
-            memory = max(MEMORY_BYTES, weight_bytes)
+            memory = MEMORY_BYTES
             if avail is not None:
                 memory = min(memory, int(MEMORY_SHARE * avail))
         disk = _env_mb(DISK_ENV)
