@@ -269,7 +269,12 @@ class StepWatcher:
         return self._fault(FaultKind.DATA, bad_fields=rows, exc=exc) if rows else None
 
     def observe_loss(self, loss: Any) -> Fault | None:
-        """Before backward: a loss that cannot train (metadata only, no device work, no sync)."""
+        """Before backward: a loss that cannot train (metadata only, no device work, no sync); a non-finite
+        loss on an earlier, unread step (read now) came first."""
+        fault = self._loss_fault(loss)
+        return (self.flush() or fault) if fault is not None else None
+
+    def _loss_fault(self, loss: Any) -> Fault | None:
         import paddle
 
         if not isinstance(loss, paddle.Tensor):
