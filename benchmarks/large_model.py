@@ -120,7 +120,8 @@ def main() -> None:
                                         str(report_path), "-q"])
         report = json.loads(report_path.read_text(encoding="utf-8"))
     fault = report.get("first_fault") or {}
-    snaps = report.get("details", {}).get("snapshots", {})
+    details = report.get("details", {})  # the ring's figures depend on the clock: under details.timings
+    snaps = {**details.get("snapshots", {}), **details.get("timings", {}).get("snapshots", {})}
     print(f"model: {params / 1e6:.1f}M parameters ({args.layers} x Linear({args.hidden}, {args.hidden}) + head), Adam")
     print(f"plain loop: peak RSS {plain_mb:.0f} MB, {plain_s:.1f} s, {plain_out.strip()}")
     print(f"nandoctor probe: peak RSS {probe_mb:.0f} MB, {probe_s:.1f} s, first fault at step {fault.get('step')}")
