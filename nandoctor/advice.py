@@ -135,6 +135,8 @@ def lr_edit(optimizer: Any, scale: float | None, rate: float | None) -> tuple[di
         cls = scheduler_classes().get(sched.name)
         if cls is not None and "learning_rate" not in inspect.signature(cls).parameters:
             rates = {k: v for k, v in sched.args.items() if "learning_rate" in k or k == "values"}
+            if not all(_numbers(v) for v in rates.values()):  # YAML's `1.0e36` (no exponent sign) is text
+                rates = {}
             if not rates or not scale:
                 return None, f"scale the rates of optimizer.lr_scheduler ({sched.name}){by}"
             scaled = {k: [num3(x * scale) for x in v] if isinstance(v, list) else num3(v * scale)
@@ -145,6 +147,12 @@ def lr_edit(optimizer: Any, scale: float | None, rate: float | None) -> tuple[di
         return None, f"the learning rate{' x' + format(scale, '.2g') if scale else ''}"
     what = "the scheduler's base rate" if sched is not None else "was"
     return {LR_KEY: num3(start * scale)}, f"{what} {start:g}"
+
+
+def _numbers(v: Any) -> bool:
+    """A rate argument nandoctor can scale: a number, or a list of numbers."""
+    items = v if isinstance(v, list) else [v]
+    return all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items)
 
 
 def setting_text(what: str, value: Any, mode: Mode | str | None = None, *, lr: float | None = None,
