@@ -42,6 +42,7 @@ RECENT_STEPS = 1024
 # kept in full too, for at most MAX_MARKS such steps (the first and the latest): a bounded extra
 AROUND_MARKS = 16
 MAX_MARKS = 32
+MAX_ARRAYS = 512  # older records keeping their per-tensor arrays (per-parameter norms, layer maxima)
 _MIN_STATS_BUDGET = 0.0025
 # With reads deferred: a read may cost this share of the step time on average (k = its cost / this share of a
 # step), and at most this many steps go unread in a row (their losses are kept as device tensors).
@@ -175,6 +176,7 @@ class StepWatcher:
         self.records: list[StepRecord] = []
         self.thinned = False  # old records were thinned out (`_record`): the timeline has gaps there
         self.marks: list[int] = []  # steps where an alert began (`_mark`): their neighbourhood is never thinned
+        self._strides = [1, 1]  # the older records kept: steps that are multiples of these (read, unread)
         self.stats_every: list[int] = []
         # updates since the parameters were last seen finite: (step, batch_index, epoch, grad_norm, fields)
         self.history: list[tuple[int, int | None, int, float | None, Any]] = []
@@ -416,26 +418,32 @@ class StepWatcher:
 
     def _record(self, record: StepRecord) -> None:
         """Keep the step's record, in memory that stays bounded over any run length: the last RECENT_STEPS in
-        full; older ones thinned by half whenever more than MAX_RECORDS are kept (so an old stretch keeps
-        every 2nd, 4th, ... step), and their per-tensor arrays kept on every 8th only. Warnings and causes
-        read the recent steps; the report's matrices show ~200 columns anyway."""
+        full, every step around where trouble began (`_marked`), and of the older steps an evenly spaced
+        sample (those whose step is a multiple of a stride that doubles as the run grows; the steps whose
+        gradients were read have a stride of their own, so their norms stay spread over the whole run),
+        with per-tensor arrays on at most MAX_ARRAYS of them. Warnings and causes read the recent steps;
+        the report's matrices show ~200 columns anyway."""
         records = self.records
         records.append(record)
         if len(records) <= MAX_RECORDS:
             return
         older, recent = records[:-RECENT_STEPS], records[-RECENT_STEPS:]
         near = {s + d for s in self._marked() for d in range(-AROUND_MARKS, AROUND_MARKS + 1)}
-        kept: list[StepRecord] = []
-        n = 0
-        for r in older:
-            if r.step in near:  # where trouble began: every step, in full
-                kept.append(r)
-                continue
-            if n % 2 == 0:
-                if n % 16 and (r.grad_sq is not None or r.act_max is not None):
-                    r = StepRecord(r.step, r.loss, r.grad_norm, None, None, r.loss_scale, r.skipped, r.lr)
-                kept.append(r)
-            n += 1
+        pinned = [r for r in older if r.step in near]
+        # half the room left, so that the next thinning is RECENT_STEPS or more steps away
+        room = max(2, MAX_RECORDS - RECENT_STEPS - len(pinned)) // 2
+        read = [r for r in older if r.grad_norm is not None and r.step not in near]
+        other = [r for r in older if r.grad_norm is None and r.step not in near]
+        self._strides[0] = _stride(read, self._strides[0], room // 3)
+        self._strides[1] = _stride(other, self._strides[1], room - room // 3)
+        kept = sorted(pinned + [r for r in read if r.step % self._strides[0] == 0]
+                      + [r for r in other if r.step % self._strides[1] == 0], key=lambda r: r.step)
+        with_arrays = [i for i, r in enumerate(kept) if r.step not in near
+                       and (r.grad_sq is not None or r.act_max is not None)]
+        if len(with_arrays) > MAX_ARRAYS:  # every other one's arrays go (the oldest stretch thins most)
+            for i in with_arrays[1::2]:
+                r = kept[i]
+                kept[i] = StepRecord(r.step, r.loss, r.grad_norm, None, None, r.loss_scale, r.skipped, r.lr)
         self.records = kept + recent
         self.thinned = True
 
@@ -527,6 +535,13 @@ class StepWatcher:
         unread = sorted(s for s in self.unread if first <= s <= last)
         return Fault(FaultKind.UPDATE, first, batch_index, epoch, fields, bad_params=names, grad_norm=grad_norm,
                      update_range=(first, last), unread=unread)
+
+
+def _stride(records: list[StepRecord], stride: int, room: int) -> int:
+    """The smallest power-of-two multiple of `stride` that leaves at most `room` of `records` (by step)."""
+    while sum(1 for r in records if r.step % stride == 0) > max(room, 1) and stride < 2**40:
+        stride *= 2
+    return stride
 
 
 def current_lr(optimizer: Any) -> float | None:
