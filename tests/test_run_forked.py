@@ -90,3 +90,25 @@ def test_healthy_children_exit_0(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert data["verdict"] == "healthy" and data["first_fault"] is None
     assert "training finished" in proc.stdout
+
+
+def test_a_pool_worker_reports_and_the_pool_finishes(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """A Pool's worker is not stopped at its fault (its task would be lost, and the pool would wait for it
+    forever): the report is written at the fault, the faulty update dropped, and the script ends."""
+    expected = ground_truth(capfd)
+    proc, data = _run(tmp_path, "fork", "--pool")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert {k: data["first_fault"][k] for k in KEYS} == expected
+    assert "PoolWorker" in data["details"]["process"]["name"] and "training finished" in proc.stdout
+    assert "worker 2 step 7 loss nan" not in proc.stdout  # the faulty update was not applied
+
+
+def test_models_trained_one_after_another_in_one_process(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """The workers' training in turn, in the command's own process: each new optimizer's model is found (the
+    class patch comes back for it) and its steps count from its first update."""
+    expected = ground_truth(capfd)
+    proc, data = _run(tmp_path, "inline")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert {k: data["first_fault"][k] for k in KEYS} == expected
+    assert data["details"]["models"] == ["Net"] * 3 and "process" not in data["details"]
+    assert f"worker 2 step {expected['step']} " not in proc.stdout and "worker 3 " not in proc.stdout

@@ -29,8 +29,9 @@ class ModelWatch:
         self.handles: list[Any] = []
         self._rows: Any = None  # the sample positions of the last batch size seen (never written to)
 
-    def start(self, call: Any, report_dir: str | None, sync: Any, on_fault: str) -> None:
-        """The Doctor on the model found, with the step whose forward already ran open from its RNG."""
+    def start(self, call: Any, report_dir: str | None, sync: Any, on_fault: str, first_step: int = 0) -> None:
+        """The Doctor on the model found, with the step whose forward already ran open from its RNG (step
+        `first_step`: the optimizer's updates before its model was found)."""
         from nandoctor.findings import Mode
         from nandoctor.inloop.doctor import Doctor
 
@@ -39,6 +40,7 @@ class ModelWatch:
         self.doctor = Doctor(self.model, self.optimizer, step_fn=self.replay, report_dir=report_dir,
                              on_fault=on_fault, wrap_step=False, sync=sync, mode=Mode.RUN)
         self.doctor.loss_code_fault = self.loss_code_fault
+        self.doctor.step = first_step
         self.doctor.open_step(call.rng)
 
     def record(self, args: tuple, kwargs: dict) -> None:

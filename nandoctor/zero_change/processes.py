@@ -5,7 +5,9 @@ processes it starts itself (multiprocessing with `fork` or `spawn`, `os.fork`). 
 watched on its own: a forked child drops the parent's watches (`os.register_at_fork`) and a spawned one
 starts its own session from sitecustomize (PYTHONPATH and NANDOCTOR_RUN are inherited). A child writes its
 result beside the parent's as `report.pid<N>.json`, at the fault (multiprocessing ends children with
-`os._exit`: no atexit), and the parent `nandoctor run` reports the first fault of any process
+`os._exit`: no atexit) and stops, as the command's own process would (a Pool's worker does not: its
+task would be lost and the pool would wait for it forever; its faulty update is dropped, the later ones
+are not watched), and the parent `nandoctor run` reports the first fault of any process
 (`merge_children`), naming the process in the finding's message and in `details.process`.
 """
 
@@ -28,8 +30,7 @@ def name_model(report: Any, watch: Any, watches: list[Any]) -> None:
     index = watches.index(watch)
     report.details["model"] = names[index]
     report.details["models"] = names
-    where = (f"In {names[index]} (model {index + 1} of {len(names)} this script trains, each with its own "
-             f"{'optimizer' if len(names) == 2 else 'optimizers'}): ")
+    where = f"In {names[index]} (model {index + 1} of {len(names)} this script trains, each with its own optimizer): "
     for finding in report.findings:
         if finding.severity == Severity.ERROR and not finding.message.startswith("In "):
             finding.message = where + finding.message
@@ -77,6 +78,13 @@ def describe(process: dict[str, Any]) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - the pid alone still names it
         pass
     return info
+
+
+def in_pool_worker() -> bool:
+    """A multiprocessing.Pool's worker process (ForkPoolWorker-1, SpawnPoolWorker-2)."""
+    import multiprocessing
+
+    return "PoolWorker" in multiprocessing.current_process().name
 
 
 def result_path(path: Path, process: dict[str, Any] | None) -> Path:

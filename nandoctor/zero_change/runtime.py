@@ -37,9 +37,11 @@ from typing import Any
 
 from nandoctor.zero_change.capture import keep_grads
 from nandoctor.zero_change.model_watch import ModelWatch
+from nandoctor.zero_change.processes import in_pool_worker
 
 ENV = "NANDOCTOR_RUN"
 _MAX_ROOTS = 16
+_MAX_MISSES = 3  # updates of an optimizer whose model is not found before it is given up
 _MAX_CANDIDATES = 16  # outermost layers with parameters kept as possible models of later optimizers
 
 
@@ -64,6 +66,7 @@ class Session:
         self.candidates: dict[int, Any] = {}  # id -> an outermost layer with parameters no watch has yet
         self.candidate_hooks: list[Any] = []
         self.patched = False  # Layer.__call__ is ours (until the first model is known)
+        self.missed: dict[int, int] = {}  # id(optimizer) -> its updates before its model was found
         self.last_loss: Any = None
         self.backwards = 0  # backward calls so far: an optimizer is checked once per backward
         self.done = False
@@ -134,6 +137,7 @@ class Session:
         if watch is None:
             watch = self._attach(optimizer)
             if watch is None:
+                self._missed(optimizer)
                 return True
         if watch.checked == self.backwards:  # no backward since this optimizer's last check
             return True
@@ -153,6 +157,17 @@ class Session:
         watch = self._watch_of(optimizer)
         if watch is not None:
             watch.doctor.updated()
+
+    def _missed(self, optimizer: Any) -> None:
+        """An optimizer stepped whose model was not among the calls kept (a model trained after another
+        one, whose first call came after the class patch was gone): the patch again, so its next update
+        finds it; after a few updates without, it is given up (it may train no Layer at all)."""
+        n = self.missed[id(optimizer)] = self.missed.get(id(optimizer), 0) + 1
+        if n <= _MAX_MISSES and not self.patched and "patched_call" in self.orig:
+            sys.modules["paddle"].nn.Layer.__call__ = self.orig["patched_call"]
+            self.patched = True
+        elif n == _MAX_MISSES + 1 and self.watches:
+            self._switch_to_hooks()
 
     def _watch_of(self, optimizer: Any) -> ModelWatch | None:
         return next((w for w in self.watches if w.optimizer is optimizer), None)
@@ -211,7 +226,8 @@ class Session:
         # the model's calls are its watch's from now on: the others' stay for the optimizers still to come
         self.roots = [r for r in self.roots if r.layer is not best.layer]
         self.candidates.pop(id(best.layer), None)
-        watch.start(best, report_dir, sync, self._on_fault())
+        # steps count from the optimizer's first update, also when it was found at a later one
+        watch.start(best, report_dir, sync, self._on_fault(), first_step=self.missed.pop(id(optimizer), 0))
         watch.hook()
         return watch
 
@@ -265,7 +281,7 @@ class Session:
                 handle.remove()
         except Exception:  # noqa: BLE001 - the parent's hooks left in this child only cost time
             pass
-        self.watches, self.candidate_hooks, self.candidates, self.roots = [], [], {}, []
+        self.watches, self.candidate_hooks, self.candidates, self.roots, self.missed = [], [], {}, [], {}
         self.current = self.failed = self.last_loss = None
         self.backwards = self.depth = 0
         self.done = False
@@ -299,6 +315,8 @@ class Session:
         self.write(self._named(watch, doctor.report))
         if doctor.sync is not None:
             doctor.sync.barrier()  # rank 0's result is on disk before any rank exits
+        if self.process is not None and in_pool_worker():
+            return  # a Pool's worker that exits loses its task and the pool waits for it forever: it trains on
         if not self.config.get("keep_going"):
             for other in self.watches:
                 other.doctor.close()

@@ -4,6 +4,8 @@ of nandoctor. For `nandoctor run`'s tests (tests/test_run_forked.py).
     python forked.py fork      # the parent trains 3 steps, then workers 1-3 (multiprocessing, fork) train
     python forked.py spawn     # the same with the spawn start method
     python forked.py fork --healthy
+    python forked.py inline        # the workers one after the other in this one process
+    python forked.py fork --pool   # the workers as tasks of a multiprocessing.Pool of 2 processes
 
 Worker 2's batch at step 4 has an all-zero sample: its radial layer's sqrt has an infinite gradient, the
 update makes its weights NaN and its loss is NaN from step 5 on. Each worker prints its pid first.
@@ -77,7 +79,17 @@ def train(worker: int, healthy: bool, steps: int = STEPS) -> None:
 
 def main(method: str, healthy: bool) -> None:
     train(0, healthy, steps=3)
+    if method == "inline":  # the workers one after the other in this process: a model after another
+        for w in (1, 2, 3):
+            train(w, healthy)
+        print("training finished", flush=True)
+        return
     context = multiprocessing.get_context(method)
+    if "--pool" in sys.argv:  # the workers as a Pool's tasks: a worker process that exits loses its task
+        with context.Pool(2) as pool:
+            pool.starmap(train, [(w, healthy) for w in (1, 2, 3)])
+        print("training finished", flush=True)
+        return
     workers = [context.Process(target=train, args=(w, healthy)) for w in (1, 2, 3)]
     for w in workers:
         w.start()
