@@ -110,3 +110,19 @@ def test_the_spill_folder_goes_when_the_probe_is_stopped_mid_run(tmp_path, sig, 
     assert proc.returncode == code, out + err
     assert (tmp_path / "r.json").is_file()
     assert not list(tmp.iterdir()), list(tmp.iterdir())  # the spill folder is gone, nothing else left
+
+
+def test_with_no_room_anywhere_remedies_are_verified_on_the_failing_step_alone(monkeypatch):
+    from nandoctor.report.markdown import render
+
+    monkeypatch.setenv(spill.MEMORY_ENV, "0")
+    monkeypatch.setenv(spill.DISK_ENV, "0")
+    report = run_probe(load_spec(SAMPLES / "lr_divergence" / "config.yaml"), ProbeOptions(steps=40, device="cpu"))
+    ring = report.details["snapshots"]
+    assert ring["enabled"] is False and ring["kept_steps"] == []
+    assert "remedies were verified on the failing step alone" in ring["note"]
+    by = {r["remedy"]: r for r in report.remedies}
+    fault = report.first_fault.step
+    assert by["lr_x0.1"]["start_step"] == fault and by["grad_clip"]["start_step"] == fault
+    assert by["warmup"]["outcome"] == "not_applicable"
+    assert "Each remedy was replayed on the failing step alone" in render(report)

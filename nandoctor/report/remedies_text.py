@@ -120,7 +120,10 @@ def summary_line(report: Any) -> str | None:
         repro = "the fault did NOT reproduce in a replay without any change, so outcomes are not evidence"
     end = info.get("end_step")
     to = f" to step {end}" if end is not None else ""
-    return f"Each remedy was replayed from a saved state{to}; {repro}."
+    ring = report.details.get("snapshots") or {}
+    where = ("on the failing step alone (no room in memory or on disk for a snapshot of an earlier state)"
+             if ring.get("enabled") is False else "from a saved state")
+    return f"Each remedy was replayed {where}{to}; {repro}."
 
 
 def skip_list_text(row: dict[str, Any]) -> str | None:
