@@ -85,11 +85,6 @@ class Session:
     def busy(self) -> bool:
         return any(w.doctor is not None and w.doctor._busy for w in self.watches)
 
-    @property
-    def doctor(self) -> Any:
-        """The first watch's doctor (None before any): the single-model view the checked pass reads."""
-        return self.watches[0].doctor if self.watches else None
-
     # ---- seams ----------------------------------------------------------------------------------------
     def layer_call(self, layer: Any, args: tuple, kwargs: dict) -> Any:
         call = self.orig["call"]
@@ -117,7 +112,8 @@ class Session:
         del self.roots[:-_MAX_ROOTS]
         layer = root.layer
         if (id(layer) not in self.candidates and len(self.candidates) < _MAX_CANDIDATES
-                and next(iter(layer.parameters()), None) is not None):
+                and next(iter(layer.parameters()), None) is not None
+                and not any(w.model is layer for w in self.watches)):
             self.candidates[id(layer)] = layer
 
     def run_backward(self, run: Any) -> Any:
@@ -135,6 +131,8 @@ class Session:
             return True
         watch = self._watch_of(optimizer)
         if watch is None:
+            if self.missed.get(id(optimizer), 0) > _MAX_MISSES:
+                return True  # given up: no Layer's call kept trains its parameters
             watch = self._attach(optimizer)
             if watch is None:
                 self._missed(optimizer)
