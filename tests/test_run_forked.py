@@ -78,7 +78,8 @@ def test_the_first_fault_of_a_child_process_is_reported(tmp_path: Path, method: 
     assert process["child"] == 2 and process["start"] == method  # the second child the parent started
     error = next(f for f in data["findings"] if f["severity"] == "error")
     assert error["message"].startswith(f"In child process pid {pids['2']} ")
-    assert "(child 2, started by " in error["message"]
+    assert f"(child 2, {'forked' if method == 'fork' else 'spawned by multiprocessing'} from pid {pids['0']})" in (
+        error["message"])
     # the faulty worker stopped at its fault (before the update); the others trained to the end
     assert f"worker 2 step {expected['step']} " not in proc.stdout
     assert "worker 3 step 7 " in proc.stdout and "training finished" in proc.stdout
@@ -112,3 +113,18 @@ def test_models_trained_one_after_another_in_one_process(tmp_path: Path, capfd: 
     assert {k: data["first_fault"][k] for k in KEYS} == expected
     assert data["details"]["models"] == ["Net"] * 3 and "process" not in data["details"]
     assert f"worker 2 step {expected['step']} " not in proc.stdout and "worker 3 " not in proc.stdout
+
+
+def test_a_script_that_runs_the_training_as_a_new_program(tmp_path: Path) -> None:
+    """A wrapper script whose only work is to start the training with subprocess: the training process's
+    report is the run's, healthy or not (the wrapper itself trains nothing)."""
+    wrapper = tmp_path / "wrapper.py"
+    run = f"subprocess.run([sys.executable, {str(SCRIPT)!r}, 'inline', *sys.argv[1:]])"
+    wrapper.write_text(f"import subprocess, sys\nsys.exit({run}.returncode)\n", encoding="utf-8")
+    cmd = [sys.executable, "-m", "nandoctor", "run", "--json", "r.json", "--", sys.executable, str(wrapper)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
+    for extra, code, verdict in ((["--healthy"], 0, "healthy"), ([], 1, "nan_found")):
+        proc = subprocess.run(cmd + extra, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == code, proc.stderr[-3000:]
+        data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+        assert data["verdict"] == verdict and data["details"]["process"]["start"] == "exec"

@@ -48,7 +48,10 @@ def child_info() -> dict[str, Any] | None:
         return None
     if root == str(os.getpid()) or os.environ.get("PADDLE_TRAINER_ID") is not None:
         return None  # (a launcher's ranks are watched as ranks: report.rankN.json)
-    return {"pid": os.getpid(), "parent_pid": os.getppid(), "start": "spawn"}
+    import sys
+
+    spawned = "--multiprocessing-fork" in (getattr(sys, "orig_argv", None) or [])  # multiprocessing's spawn
+    return {"pid": os.getpid(), "parent_pid": os.getppid(), "start": "spawn" if spawned else "exec"}
 
 
 def on_fork(reset: Any) -> None:
@@ -104,33 +107,37 @@ def mark_report(report: Any, process: dict[str, Any]) -> None:
             finding.message = f"In child process {_who(info)}: " + finding.message
 
 
+_HOW = {"fork": "forked", "spawn": "spawned by multiprocessing", "exec": "a new program"}
+
+
 def _who(info: dict[str, Any]) -> str:
     position = f"child {info['child']}, " if info.get("child") else ""
     name = f" {info['name']}" if info.get("name") else ""
-    return f"pid {info['pid']}{name} ({position}started by {info.get('start')} from pid {info.get('parent_pid')})"
+    how = _HOW.get(str(info.get("start")), str(info.get("start")))
+    return f"pid {info['pid']}{name} ({position}{how} from pid {info.get('parent_pid')})"
 
 
 # ---- the parent's side ---------------------------------------------------------------------------------
 def merge_children(result: Path) -> None:
     """The first fault of any process is the run's: a child's report replaces the command's own (or stands
-    in for it) when the command's own process found no fault, or found it later."""
+    in for it) when the command's own process found no fault, or found it later. When only children
+    trained (a wrapper script that starts the training), a child's report is the run's, faulty or not."""
     from nandoctor.findings import Report
     from nandoctor.report import json as json_report
 
+    children = [(path, data) for path in result.parent.glob(f"{result.stem}.pid*{result.suffix}")
+                if (data := _load(path)) is not None]
+    faulted = [(float((d.get("details") or {}).get("process", {}).get("fault_time") or 0.0), d)
+               for _, d in children if d.get("first_fault")]
     own = _load(result)
-    best, best_time = None, None
-    for path in result.parent.glob(f"{result.stem}.pid*{result.suffix}"):
-        data = _load(path)
-        if data is None or not data.get("first_fault"):
-            continue
-        when = float((data.get("details") or {}).get("process", {}).get("fault_time") or 0.0)
-        if best is None or when < best_time:
-            best, best_time = data, when
-    if best is None:
+    if faulted:
+        when, best = min(faulted, key=lambda pair: pair[0])
+        if own is not None and own.get("first_fault") and _mtime(result) <= when:
+            return  # the command's own process wrote its report at its fault, before the child's
+    elif own is None and children:  # a warning before a clean run; the last to finish among equals
+        best = min(children, key=lambda c: (c[1].get("verdict") == "healthy", -_mtime(c[0])))[1]
+    else:
         return
-    if own is not None and own.get("first_fault"):
-        if _mtime(result) <= best_time:  # the command's own process writes its report at its fault
-            return
     result.write_text(json_report.render(Report.from_dict(best)), encoding="utf-8")
 
 
