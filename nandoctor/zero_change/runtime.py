@@ -17,6 +17,9 @@ does nothing). The seams:
 - `Optimizer.step` (and `minimize`, which `paddle.Model.fit` uses): the check, between backward and the
   update; a faulty update is never applied.
 
+Child processes the script starts (multiprocessing with fork or spawn, a new Python program) are each
+watched on their own, and write their own result (processes.py).
+
 Replays need the step's loss as a function of the batch. With a loss layer that is `loss(model(...),
 label)`; with a model that returns its own loss (an output object's `.loss`), that loss; with a loss
 written as functions, the gradient that came back to each of the model's output tensors is recorded
