@@ -1,4 +1,4 @@
-"""A bounded ring of training-state snapshots in host memory, so a remedy can restart before a fault.
+"""A bounded ring of training-state snapshots off the device, so a remedy can restart before a fault.
 
 A divergence overflows many steps after it began; replaying only the failing step cannot test a lower
 learning rate or clipping there. The ring keeps the parameters and buffers, the optimizer's accumulators,
