@@ -282,8 +282,9 @@ class StepWatcher:
         if not isinstance(loss, paddle.Tensor):
             return self._fault(FaultKind.LOSS, code=Code.LOSS_NOT_TENSOR, phase=Phase.LOSS,
                                evidence={"type": type(loss).__name__})
-        shape = [int(d) for d in loss.shape]
-        if math.prod(shape) != 1:
+        shape = loss.shape
+        if shape and shape != [1] and math.prod(shape) != 1:  # ([] and [1]: the usual scalars, at no cost)
+            shape = [int(d) for d in shape]
             return self._fault(FaultKind.LOSS, code=Code.LOSS_NOT_SCALAR, phase=Phase.LOSS,
                                evidence={"shape": shape, "dtype": str(loss.dtype).replace("paddle.", "")})
         if loss.stop_gradient:
