@@ -112,3 +112,36 @@ def test_healthy_small_model_reads_one_step_in_k_and_keeps_every_loss(tmp_path, 
         opt.clear_grad()
         losses.append(float(loss))
     np.testing.assert_allclose([p.loss for p in report.timeline], losses, rtol=1e-6)
+
+
+CRASHING = '''
+import probe_models as pm
+
+
+def build_model():
+    return pm.classifier("dist", crash_at_batch_size=5)
+
+
+def build_loader(batches, zero_batch, zero_row):
+    out = pm.loader(batches=batches, zero_batch=zero_batch, zero_rows=[zero_row])
+    x, y = out[zero_batch + 1]
+    out[zero_batch + 1] = (x[:5], y[:5])  # the model's code raises on this batch (a wrong reshape)
+    return out
+'''
+
+
+def test_a_crash_right_after_an_unread_fault_reads_it_first(tmp_path, reads_spaced):
+    """The user's code raises on the step after the NaN gradient, before any read: the unread step is read
+    when the loop stops, and its fault, not the crash, is the first fault."""
+    import yaml
+
+    (tmp_path / "crashing.py").write_text(CRASHING, encoding="utf-8")
+    spec = {"version": 1, "model": {"entry": "crashing.py:build_model"},
+            "data": {"entry": "crashing.py:build_loader", "fields": ["x", "label"], "label": "label",
+                     "args": {"batches": BATCHES, "zero_batch": FAULT_STEP, "zero_row": FAULT_ROW}},
+            "loss": {"builtin": "cross_entropy"}, "optimizer": {"name": "Adam", "args": {"learning_rate": 0.01}}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
+    report = run_probe(load_spec(tmp_path / "config.yaml"), ProbeOptions(steps=BATCHES, seed=0, device="cpu"))
+    assert FAULT_STEP in report.details["rollback"]["unread_steps"]
+    assert _where(report) == (FAULT_STEP, Phase.BACKWARD, "dist", "sqrt_grad", [FAULT_ROW])
+    assert "user_code.error" not in {f.code.value for f in report.findings}

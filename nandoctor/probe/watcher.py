@@ -408,14 +408,19 @@ class StepWatcher:
         self.read_every = k
 
     def flush(self) -> Fault | None:
-        """Read the steps still unread (the run ended, or the user's code raised): their records, and the
-        fault the first non-finite one of them is."""
-        if not self._pending:
-            return None
-        from nandoctor.probe.monitors import read_losses
+        """Read the steps still unread (the run ended, the user's code raised, a loss cannot train): their
+        records, and the fault the first non-finite one of them is; with none, the weights checked once
+        (exactly, on the host) when unread steps updated them since their last check, since a NaN gradient
+        on the last unread step shows only in the weights (an update fault the rollback replays)."""
+        if self._pending:
+            from nandoctor.probe.monitors import read_losses
 
-        fault, _ = self._take_pending(read_losses([p[3] for p in self._pending]))
-        return fault
+            fault, _ = self._take_pending(read_losses([p[3] for p in self._pending]))
+            if fault is not None:
+                return fault
+        if self.history and any(s >= self.history[0][0] for s in self.unread):
+            return self._update_fault(self._step)
+        return None
 
     def _record(self, record: StepRecord) -> None:
         """Keep the step's record, in memory that stays bounded over any run length: the last RECENT_STEPS in
