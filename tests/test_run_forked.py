@@ -38,10 +38,10 @@ def _script() -> Any:
     return module
 
 
-def ground_truth(capfd: pytest.CaptureFixture) -> dict[str, Any]:
+def ground_truth(capfd: pytest.CaptureFixture, worker: int = 2) -> dict[str, Any]:
     """The bad worker's training, alone, as its process runs it."""
     script = _script()
-    worker = script.BAD_WORKER
+    script.BAD_WORKER = worker
     model, opt = script.build(worker)
     loss_fn = paddle.nn.MSELoss()
 
@@ -128,3 +128,15 @@ def test_a_script_that_runs_the_training_as_a_new_program(tmp_path: Path) -> Non
         assert proc.returncode == code, proc.stderr[-3000:]
         data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
         assert data["verdict"] == verdict and data["details"]["process"]["start"] == "exec"
+
+
+def test_many_models_one_after_another_keep_a_bounded_number_of_watches(tmp_path: Path,
+                                                                         capfd: pytest.CaptureFixture) -> None:
+    """13 models trained in turn (a sweep): at most 8 are watched at once, the least recently stepped let go,
+    and the 13th's fault is still named, at its own step."""
+    expected = ground_truth(capfd, worker=12)
+    proc, data = _run(tmp_path, "inline", "--bad", "12")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert {k: data["first_fault"][k] for k in KEYS} == expected
+    assert data["details"]["models"] == ["Net"] * 13
+    assert next(f for f in data["findings"] if f["severity"] == "error")["message"].startswith("In Net (model 13 of 13")

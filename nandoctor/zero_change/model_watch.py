@@ -27,6 +27,7 @@ class ModelWatch:
         self.names: list[str] = []
         self.checked = -1  # the session's backward count at this optimizer's last check
         self.handles: list[Any] = []
+        self.index = 0  # its position among the models the process watched
         self._rows: Any = None  # the sample positions of the last batch size seen (never written to)
 
     def start(self, call: Any, report_dir: str | None, sync: Any, on_fault: str, first_step: int = 0) -> None:
@@ -88,6 +89,16 @@ class ModelWatch:
             self.doctor._closed = True
             self.doctor._hook.remove()
             self.doctor.watcher.close()
+
+    def retire(self) -> None:
+        """Its optimizer stepped least recently of many: close the watch (the last update is checked)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        try:
+            self.doctor.close()
+        except Exception:  # noqa: BLE001 - inside the user's loop nothing of ours may raise
+            pass
 
     def fields(self) -> dict[str, Any]:
         import paddle

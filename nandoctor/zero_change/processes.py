@@ -22,14 +22,12 @@ from typing import Any
 ROOT_PID = "NANDOCTOR_RUN_ROOT_PID"  # the pid of the command's first watched process, for its children
 
 
-def name_model(report: Any, watch: Any, watches: list[Any]) -> None:
+def name_model(report: Any, index: int, names: list[str]) -> None:
     """More than one model watched: the report says which one, by class, and its position among them."""
     from nandoctor.findings import Severity
 
-    names = [type(w.model).__name__ for w in watches]
-    index = watches.index(watch)
     report.details["model"] = names[index]
-    report.details["models"] = names
+    report.details["models"] = list(names)
     where = f"In {names[index]} (model {index + 1} of {len(names)} this script trains, each with its own optimizer): "
     for finding in report.findings:
         if finding.severity == Severity.ERROR and not finding.message.startswith("In "):

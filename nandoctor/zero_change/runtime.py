@@ -45,6 +45,7 @@ from nandoctor.zero_change.processes import in_pool_worker
 ENV = "NANDOCTOR_RUN"
 _MAX_ROOTS = 16
 _MAX_MISSES = 3  # updates of an optimizer whose model is not found before it is given up
+_MAX_WATCHES = 8  # (model, optimizer) pairs watched at once
 _MAX_CANDIDATES = 16  # outermost layers with parameters kept as possible models of later optimizers
 
 
@@ -64,7 +65,8 @@ class Session:
         self.config = config
         self.depth = 0
         self.roots: list[_Call] = []  # outermost training-mode calls not yet claimed by a watched model
-        self.watches: list[ModelWatch] = []
+        self.watches: list[ModelWatch] = []  # at most _MAX_WATCHES: the least recently stepped goes first
+        self.models: list[str] = []  # the class of every model watched so far, in order
         self.current: ModelWatch | None = None  # the watch whose model was called last
         self.candidates: dict[int, Any] = {}  # id -> an outermost layer with parameters no watch has yet
         self.candidate_hooks: list[Any] = []
@@ -221,7 +223,11 @@ class Session:
 
     def _watch(self, best: _Call, optimizer: Any, loss_layer: Any, labels: tuple, report_dir: str | None,
                sync: Any) -> ModelWatch:
+        if len(self.watches) >= _MAX_WATCHES:  # models trained one after another (a sweep): memory stays bounded
+            self._retire(min((w for w in self.watches if w is not self.failed), key=lambda w: w.checked))
         watch = ModelWatch(self, best.layer, optimizer, loss_layer, labels)
+        watch.index = len(self.models)
+        self.models.append(type(best.layer).__name__)
         self.watches.append(watch)
         self.current = watch
         # the model's calls are its watch's from now on: the others' stay for the optimizers still to come
@@ -231,6 +237,17 @@ class Session:
         watch.start(best, report_dir, sync, self._on_fault(), first_step=self.missed.pop(id(optimizer), 0))
         watch.hook()
         return watch
+
+    def _retire(self, watch: ModelWatch) -> None:
+        """The watch whose optimizer stepped least recently is closed (its last update checked) and let go."""
+        self.watches.remove(watch)
+        if self.current is watch:
+            self.current = None
+        watch.retire()
+        report = watch.doctor.report
+        if report is not None and report.exit_code and not self.done:  # its last update made NaN/Inf
+            self.done, self.failed = True, watch
+            self.write(self._named(watch, report))
 
     def _switch_to_hooks(self) -> None:
         """A model is known: Layer gets its own __call__ back (the other layers keep Paddle's fast path), and
@@ -283,6 +300,7 @@ class Session:
         except Exception:  # noqa: BLE001 - the parent's hooks left in this child only cost time
             pass
         self.watches, self.candidate_hooks, self.candidates, self.roots, self.missed = [], [], {}, [], {}
+        self.models = []
         self.current = self.failed = self.last_loss = None
         self.backwards = self.depth = 0
         self.done = False
@@ -299,10 +317,10 @@ class Session:
 
     def _named(self, watch: ModelWatch, report: Any) -> Any:
         """With more than one model watched, the report says which one (its class and its optimizer's)."""
-        if len(self.watches) > 1 and report is not None:
+        if len(self.models) > 1 and report is not None:
             from nandoctor.zero_change.processes import name_model
 
-            name_model(report, watch, self.watches)
+            name_model(report, watch.index, self.models)
         return report
 
     def _finish(self, watch: ModelWatch) -> None:

@@ -5,6 +5,7 @@ of nandoctor. For `nandoctor run`'s tests (tests/test_run_forked.py).
     python forked.py spawn     # the same with the spawn start method
     python forked.py fork --healthy
     python forked.py inline        # the workers one after the other in this one process
+    python forked.py inline --bad 12   # 12 workers one after the other, the 12th faulty
     python forked.py fork --pool   # the workers as tasks of a multiprocessing.Pool of 2 processes
 
 Worker 2's batch at step 4 has an all-zero sample: its radial layer's sqrt has an infinite gradient, the
@@ -78,10 +79,13 @@ def train(worker: int, healthy: bool, steps: int = STEPS) -> None:
 
 
 def main(method: str, healthy: bool) -> None:
+    global BAD_WORKER
+    if "--bad" in sys.argv:  # inline --bad K: K workers, the last one faulty
+        BAD_WORKER = int(sys.argv[sys.argv.index("--bad") + 1])
     train(0, healthy, steps=3)
     if method == "inline":  # the workers one after the other in this process: a model after another
-        for w in (1, 2, 3):
-            train(w, healthy)
+        for w in range(1, max(3, BAD_WORKER) + 1):
+            train(w, healthy, steps=STEPS if w == BAD_WORKER else 3)
         print("training finished", flush=True)
         return
     context = multiprocessing.get_context(method)
