@@ -38,11 +38,13 @@ def _script() -> Any:
     return module
 
 
-def ground_truth(capfd: pytest.CaptureFixture, worker: int = 2) -> dict[str, Any]:
+def ground_truth(capfd: pytest.CaptureFixture, worker: int = 2, groups: bool = False) -> dict[str, Any]:
     """The bad worker's training, alone, as its process runs it."""
     script = _script()
     script.BAD_WORKER = worker
     model, opt = script.build(worker)
+    if groups:
+        opt = script.Groups(model)
     loss_fn = paddle.nn.MSELoss()
 
     def phases() -> Any:
@@ -140,3 +142,13 @@ def test_many_models_one_after_another_keep_a_bounded_number_of_watches(tmp_path
     assert {k: data["first_fault"][k] for k in KEYS} == expected
     assert data["details"]["models"] == ["Net"] * 13
     assert next(f for f in data["findings"] if f["severity"] == "error")["message"].startswith("In Net (model 13 of 13")
+
+
+def test_one_model_two_optimizers_is_one_model(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """Parameter groups in two optimizers: both watched, and the report speaks of one model (no 'model 1 of 2')."""
+    expected = ground_truth(capfd, groups=True)
+    proc, data = _run(tmp_path, "groups")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert {k: data["first_fault"][k] for k in KEYS} == expected
+    assert "models" not in data["details"]
+    assert not next(f for f in data["findings"] if f["severity"] == "error")["message"].startswith("In ")

@@ -67,6 +67,7 @@ class Session:
         self.roots: list[_Call] = []  # outermost training-mode calls not yet claimed by a watched model
         self.watches: list[ModelWatch] = []  # at most _MAX_WATCHES: the least recently stepped goes first
         self.models: list[str] = []  # the class of every model watched so far, in order
+        self.model_ids: list[int] = []  # ... and its id
         self.current: ModelWatch | None = None  # the watch whose model was called last
         self.candidates: dict[int, Any] = {}  # id -> an outermost layer with parameters no watch has yet
         self.candidate_hooks: list[Any] = []
@@ -226,8 +227,12 @@ class Session:
         if len(self.watches) >= _MAX_WATCHES:  # models trained one after another (a sweep): memory stays bounded
             self._retire(min((w for w in self.watches if w is not self.failed), key=lambda w: w.checked))
         watch = ModelWatch(self, best.layer, optimizer, loss_layer, labels)
-        watch.index = len(self.models)
-        self.models.append(type(best.layer).__name__)
+        if id(best.layer) in self.model_ids:  # one model, several optimizers (parameter groups): one model
+            watch.index = self.model_ids.index(id(best.layer))
+        else:
+            watch.index = len(self.models)
+            self.models.append(type(best.layer).__name__)
+            self.model_ids.append(id(best.layer))
         self.watches.append(watch)
         self.current = watch
         # the model's calls are its watch's from now on: the others' stay for the optimizers still to come
@@ -300,7 +305,7 @@ class Session:
         except Exception:  # noqa: BLE001 - the parent's hooks left in this child only cost time
             pass
         self.watches, self.candidate_hooks, self.candidates, self.roots, self.missed = [], [], {}, [], {}
-        self.models = []
+        self.models, self.model_ids = [], []
         self.current = self.failed = self.last_loss = None
         self.backwards = self.depth = 0
         self.done = False

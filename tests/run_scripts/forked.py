@@ -6,6 +6,7 @@ of nandoctor. For `nandoctor run`'s tests (tests/test_run_forked.py).
     python forked.py fork --healthy
     python forked.py inline        # the workers one after the other in this one process
     python forked.py inline --bad 12   # 12 workers one after the other, the 12th faulty
+    python forked.py groups        # the bad worker alone, with one optimizer per parameter group
     python forked.py fork --pool   # the workers as tasks of a multiprocessing.Pool of 2 processes
 
 Worker 2's batch at step 4 has an all-zero sample: its radial layer's sqrt has an infinite gradient, the
@@ -64,10 +65,29 @@ def build(worker: int) -> tuple[nn.Layer, paddle.optimizer.Optimizer]:
     return model, paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters())
 
 
-def train(worker: int, healthy: bool, steps: int = STEPS) -> None:
+class Groups:
+    """Two optimizers over one model's parameter groups (Adam for the radial layer, SGD for the head),
+    stepped one after the other."""
+
+    def __init__(self, model: nn.Layer) -> None:
+        self.parts = [paddle.optimizer.Adam(learning_rate=0.01, parameters=model.radial.parameters()),
+                      paddle.optimizer.SGD(learning_rate=0.01, parameters=model.head.parameters())]
+
+    def step(self) -> None:
+        for opt in self.parts:
+            opt.step()
+
+    def clear_grad(self) -> None:
+        for opt in self.parts:
+            opt.clear_grad()
+
+
+def train(worker: int, healthy: bool, steps: int = STEPS, groups: bool = False) -> None:
     """Worker 0 is the parent's own training; workers 1-3 are child processes."""
     print(f"worker {worker} pid {os.getpid()}", flush=True)
     model, opt = build(worker)
+    if groups:
+        opt = Groups(model)
     loss_fn = nn.MSELoss()
     for step in range(steps):
         x, y = (paddle.to_tensor(a) for a in batch(worker, step, healthy))
@@ -82,6 +102,9 @@ def main(method: str, healthy: bool) -> None:
     global BAD_WORKER
     if "--bad" in sys.argv:  # inline --bad K: K workers, the last one faulty
         BAD_WORKER = int(sys.argv[sys.argv.index("--bad") + 1])
+    if method == "groups":  # the bad worker alone, in this process, its parameters in two optimizers
+        train(BAD_WORKER, healthy, groups=True)
+        return
     train(0, healthy, steps=3)
     if method == "inline":  # the workers one after the other in this process: a model after another
         for w in range(1, max(3, BAD_WORKER) + 1):
