@@ -152,3 +152,47 @@ def test_one_model_two_optimizers_is_one_model(tmp_path: Path, capfd: pytest.Cap
     assert {k: data["first_fault"][k] for k in KEYS} == expected
     assert "models" not in data["details"]
     assert not next(f for f in data["findings"] if f["severity"] == "error")["message"].startswith("In ")
+
+
+
+def raised_where() -> tuple[int, str]:
+    """The step at which the bad worker's own code raises (its model's calls before it), and the innermost
+    layer whose forward it raised in (forward hooks: entered and never returned), from the worker's training
+    run here with --raise."""
+    script = _script()
+    model, _ = script.build(script.BAD_WORKER)
+    calls: list[int] = []
+    entered: list[str] = []
+    def returned(_layer: Any, _args: Any, _out: Any) -> None:  # (a hook's return value would replace the output)
+        entered.pop()
+
+    model.register_forward_pre_hook(lambda _l, _a: calls.append(1))
+    for name, layer in model.named_sublayers():
+        layer.register_forward_pre_hook(lambda _l, _a, n=name: entered.append(n))
+        layer.register_forward_post_hook(returned)
+    script.build = lambda worker: (model, paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters()))
+    argv = sys.argv
+    sys.argv = [str(SCRIPT), "--raise"]
+    try:
+        script.train(script.BAD_WORKER, False)
+    except ValueError:
+        return len(calls) - 1, entered[-1]
+    finally:
+        sys.argv = argv
+    raise AssertionError("the worker did not raise")
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_child_whose_own_code_raises_is_named(tmp_path: Path, method: str) -> None:
+    """multiprocessing prints a child's exception and exits it 1, never calling sys.excepthook: the child's
+    run() is watched instead, and its user_code.error names the child, the step and the layer."""
+    step, layer = raised_where()
+    proc, data = _run(tmp_path, method, "--raise")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert data["verdict"] == "crashed"
+    ff = data["first_fault"]
+    assert (ff["step"], ff["phase"], ff["layer"]) == (step, "forward", layer)
+    error = next(f for f in data["findings"] if f["severity"] == "error")
+    assert error["code"] == "user_code.error" and error["message"].startswith("In child process pid ")
+    assert data["details"]["process"]["child"] == 2
+    assert "Traceback" in proc.stderr and "ValueError" in proc.stderr  # multiprocessing still prints it

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -46,22 +47,52 @@ def child_info() -> dict[str, Any] | None:
         return None
     if root == str(os.getpid()) or os.environ.get("PADDLE_TRAINER_ID") is not None:
         return None  # (a launcher's ranks are watched as ranks: report.rankN.json)
-    import sys
-
     spawned = "--multiprocessing-fork" in (getattr(sys, "orig_argv", None) or [])  # multiprocessing's spawn
     return {"pid": os.getpid(), "parent_pid": os.getppid(), "start": "spawn" if spawned else "exec"}
 
 
-def on_fork(reset: Any) -> None:
-    """Count forks in the parent; in the child, `reset()` the session (the parent's watches are not its)."""
+def on_fork(session: Any) -> None:
+    """Count forks in the parent; in the child, reset the session (the parent's watches are not its)."""
     def before() -> None:
         global _forks
         _forks += 1
 
     def child() -> None:
-        reset({"pid": os.getpid(), "parent_pid": os.getppid(), "start": "fork", "child": _forks})
+        session.reset_child({"pid": os.getpid(), "parent_pid": os.getppid(), "start": "fork", "child": _forks})
+        if "multiprocessing.process" in sys.modules:  # (a multiprocessing child: its run() comes next)
+            watch_exceptions(session)
 
     os.register_at_fork(before=before, after_in_child=child)
+
+
+def watch_exceptions(session: Any) -> None:
+    """In a multiprocessing child: an exception out of the process's `run()` (its target, or a subclass's own
+    `run`) is reported as the child's `user_code.error` before multiprocessing prints it and exits 1, as
+    the command's own process reports one through sys.excepthook (which multiprocessing never calls)."""
+    from multiprocessing import process
+
+    bootstrap = process.BaseProcess._bootstrap
+    if getattr(bootstrap, "_nandoctor", False):
+        return
+
+    def _bootstrap(self: Any, *args: Any, **kwargs: Any) -> Any:
+        run = self.run
+
+        def watched_run() -> Any:
+            try:
+                return run()
+            except Exception as exc:
+                try:
+                    session.crashed(exc)
+                except Exception:  # noqa: BLE001 - never stand between the user and their traceback
+                    pass
+                raise
+
+        self.run = watched_run
+        return bootstrap(self, *args, **kwargs)
+
+    _bootstrap._nandoctor = True  # type: ignore[attr-defined]
+    process.BaseProcess._bootstrap = _bootstrap  # type: ignore[method-assign]
 
 
 def describe(process: dict[str, Any]) -> dict[str, Any]:

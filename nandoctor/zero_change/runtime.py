@@ -423,7 +423,9 @@ def install() -> None:
     SESSION = Session(config)
     if config.get("recheck_step") is None:
         SESSION.process = processes.child_info()  # a spawned child of the script's: watched on its own
-        processes.on_fork(SESSION.reset_child)
+        processes.on_fork(SESSION)
+        if SESSION.process is not None and SESSION.process["start"] == "spawn":
+            processes.watch_exceptions(SESSION)
     _quiet_logger()
     import atexit
 

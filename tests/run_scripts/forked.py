@@ -7,6 +7,7 @@ of nandoctor. For `nandoctor run`'s tests (tests/test_run_forked.py).
     python forked.py inline        # the workers one after the other in this one process
     python forked.py inline --bad 12   # 12 workers one after the other, the 12th faulty
     python forked.py groups        # the bad worker alone, with one optimizer per parameter group
+    python forked.py fork --raise  # worker 2's own code raises at step 4 (a shape error in its forward)
     python forked.py fork --pool   # the workers as tasks of a multiprocessing.Pool of 2 processes
 
 Worker 2's batch at step 4 has an all-zero sample: its radial layer's sqrt has an infinite gradient, the
@@ -91,6 +92,8 @@ def train(worker: int, healthy: bool, steps: int = STEPS, groups: bool = False) 
     loss_fn = nn.MSELoss()
     for step in range(steps):
         x, y = (paddle.to_tensor(a) for a in batch(worker, step, healthy))
+        if "--raise" in sys.argv and worker == BAD_WORKER and step == BAD_STEP:
+            x = x[:, :3]  # a slicing mistake: the radial projection cannot take 3 features
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
