@@ -82,18 +82,23 @@ def test_healthy_two_process_run(tmp_path: Path) -> None:
     assert not report.exists()
 
 
-def test_nandoctor_run_over_the_launcher_names_rank_1(tmp_path: Path) -> None:
-    """Zero-change mode: the unmodified DataParallel script, every rank watched through the seams."""
+def _run_over_launcher(tmp_path: Path, *script_args: str) -> dict:
+    """`nandoctor run` over `paddle.distributed.launch` of examples/unmodified_distributed.py (exit 1 asserted)."""
     cmd = [sys.executable, "-m", "nandoctor", "run", "--json", str(tmp_path / "r.json"), "-q", "--",
            sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
-           str(tmp_path / "log"), str(EXAMPLES / "unmodified_distributed.py"), "--fault-rank", "1"]
+           str(tmp_path / "log"), str(EXAMPLES / "unmodified_distributed.py"), *script_args]
     try:
         proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=LIMIT,
                               env={**_env(), "PYTHONPATH": str(ROOT)})
     except subprocess.TimeoutExpired:
         pytest.fail(f"nandoctor run over 2 processes did not finish in {LIMIT} s: {_logs(tmp_path)}")
     assert proc.returncode == 1, proc.stderr[-2000:] + _logs(tmp_path)
-    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    return json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+
+
+def test_nandoctor_run_over_the_launcher_names_rank_1(tmp_path: Path) -> None:
+    """Zero-change mode: the unmodified DataParallel script, every rank watched through the seams."""
+    data = _run_over_launcher(tmp_path, "--fault-rank", "1")
     ff = data["first_fault"]
     assert (ff["step"], ff["layer"], ff["op"], ff["sample_indices"]) == (6, "distance", "sqrt_grad", [3])
     assert data["details"]["first_rank"] == 1 and ff["rank"] == 1
@@ -103,16 +108,7 @@ def test_nandoctor_run_over_the_launcher_names_rank_1(tmp_path: Path) -> None:
 def test_nandoctor_run_over_the_launcher_names_the_rank_whose_code_raised(tmp_path: Path) -> None:
     """Rank 1's own forward raises at step 3 while rank 0 waits in DataParallel's all-reduce: the report is
     rank 1's user_code.error (it used to be the launcher's exit status and no report)."""
-    cmd = [sys.executable, "-m", "nandoctor", "run", "--json", str(tmp_path / "r.json"), "-q", "--",
-           sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
-           str(tmp_path / "log"), str(EXAMPLES / "unmodified_distributed.py"), "--raise-rank", "1"]
-    try:
-        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=LIMIT,
-                              env={**_env(), "PYTHONPATH": str(ROOT)})
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"nandoctor run over 2 processes did not finish in {LIMIT} s: {_logs(tmp_path)}")
-    assert proc.returncode == 1, proc.stderr[-2000:] + _logs(tmp_path)
-    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    data = _run_over_launcher(tmp_path, "--raise-rank", "1")
     assert data["verdict"] == "crashed"
     ff = data["first_fault"]
     assert (ff["rank"], ff["step"], ff["phase"], ff["layer"]) == (1, 3, "forward", "encoder.0")
