@@ -1,14 +1,16 @@
 """Which model and which process a `nandoctor run` report is about.
 
 A script may train more than one model (each with its own optimizer: a GAN) and may train in child
-processes it starts itself (multiprocessing with `fork` or `spawn`, `os.fork`). Each child that trains is
+processes it starts itself (multiprocessing with `fork` or `spawn`, `os.fork`, a new Python program started
+with subprocess). Each child that trains is
 watched on its own: a forked child drops the parent's watches (`os.register_at_fork`) and a spawned one
 starts its own session from sitecustomize (PYTHONPATH and NANDOCTOR_RUN are inherited). A child writes its
 result beside the parent's as `report.pid<N>.json`, at the fault (multiprocessing ends children with
 `os._exit`: no atexit) and stops, as the command's own process would (a Pool's worker does not: its
 task would be lost and the pool would wait for it forever; its faulty update is dropped, the later ones
 are not watched), and the parent `nandoctor run` reports the first fault of any process
-(`merge_children`), naming the process in the finding's message and in `details.process`.
+(`merge_children`), naming the process in the finding's message and in `details.process`. A
+multiprocessing child whose own code raises is reported too (`watch_exceptions`).
 """
 
 from __future__ import annotations
