@@ -68,6 +68,11 @@ class StepMonitor:
     _pending_params: Any = None
     _fused_ok: bool = True
     known_nonfinite: list[str] | None = None  # the start's param_nonfinite(), when the caller already has it
+    # Frozen at the start (stop_gradient), and those of them unfrozen since: a layer unfrozen mid-run (a
+    # backbone after warm-up) trains from then on, and its gradients count in the global norm
+    _frozen: list[tuple[str, Any]] = field(default_factory=list)
+    late_names: list[str] = field(default_factory=list)
+    late: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         import paddle
@@ -76,6 +81,8 @@ class StepMonitor:
             if not p.stop_gradient:
                 self.param_names.append(name)
                 self.params.append(p)
+            else:
+                self._frozen.append((name, p))
         self._numel = [math.prod(p.shape) for p in self.params]
         numel = sum(self._numel)
         self._fused_ok = (numel <= _FUSED_MAX_NUMEL and len(self.params) > 0
@@ -163,20 +170,43 @@ class StepMonitor:
         with paddle.no_grad():  # parameters require grad: without this each sum builds an autograd graph (2x)
             self._pending_params = self._params_sum()
 
+    def _catch_unfrozen(self) -> None:
+        """Move parameters unfrozen since the start to `late` (a loop over the frozen ones only: nothing
+        for a model that froze nothing)."""
+        moved = [(n, p) for n, p in self._frozen if not p.stop_gradient]
+        if moved:
+            self._frozen = [(n, p) for n, p in self._frozen if p.stop_gradient]
+            self.late_names += [n for n, _ in moved]
+            self.late += [p for _, p in moved]
+
+    def _late_sq(self) -> Any:
+        """The unfrozen parameters' summed squared gradient norm, one value on the device (None: none)."""
+        from paddle import _C_ops
+
+        grads = [p.grad for p in self.late if p.grad is not None]
+        if not grads:
+            return None
+        return _C_ops.reshape(_C_ops.add_n([_C_ops.reshape(_C_ops.squared_l2_norm(g.astype("float32")), [1])
+                                            for g in grads]), [1])
+
     def recheck_grads(self, stats: StepStats) -> bool:
         """After a non-finite norm: are the gradients really non-finite, or did float32's square overflow
         (norms above ~1.8e19)? Recomputes the norms in float64 on the host (rare path, one sync per
         parameter); True when every gradient is finite, and then `stats` holds the exact norms."""
         sq = np.full(len(self.params), np.nan)
-        for i, p in enumerate(self.params):
+        late = 0.0
+        for i, p in enumerate(self.params + self.late):
             if p.grad is None:
                 continue
             g = np.asarray(p.grad.numpy(), dtype="float64")
             if not np.isfinite(g).all():
                 return False
-            sq[i] = float(np.sum(g * g))
+            if i < len(sq):
+                sq[i] = float(np.sum(g * g))
+            else:
+                late += float(np.sum(g * g))
         stats.grad_sq = sq
-        stats.grad_norm = float(np.sqrt(np.nansum(sq)))
+        stats.grad_norm = float(np.sqrt(np.nansum(sq) + late))
         return True
 
     def read_pending_params(self) -> float | None:
@@ -272,6 +302,11 @@ class StepMonitor:
             grad_sq, present = self._grad_sq(per_param) if grads else (None, [])
             if grad_sq is not None:
                 parts.append(grad_sq)
+            if self._frozen and grads:
+                self._catch_unfrozen()
+            late_sq = self._late_sq() if self.late and grads else None
+            if late_sq is not None:
+                parts.append(late_sq)
             if acts:
                 parts.append(_C_ops.reshape(_C_ops.stack(acts, 0), [-1]))
             if pending:
@@ -301,6 +336,9 @@ class StepMonitor:
                 g_full = np.full(len(self.params), np.nan)
                 g_full[present] = g
             g_norm = float(np.sqrt(g.sum()))
+        if late_sq is not None:  # the unfrozen parameters' share of the global norm
+            g_norm = float(np.sqrt((g_norm or 0.0) ** 2 + vec[pos]))
+            pos += 1
         act_max = None
         if self.active:
             act_max = np.full(len(self.layer_names), np.nan)
