@@ -8,7 +8,7 @@ values as Paddle tensors or numpy arrays. Naming happens once here so that every
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,9 +32,23 @@ class BatchLayout:
 
     data: DataSpec
     where: str  # "config.yaml" for messages
+    # tuple/list batch length -> its names, once a batch of that length passed the checks below (they depend
+    # on the length alone): a 0.3 ms step pays for naming its batch, not for re-deciding it
+    _named: dict[int, tuple[str, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def fields(self, batch: Any, batch_index: int) -> dict[str, Any]:
         """Name the parts of a batch; a mismatch with `data.fields` is a SpecError naming the batch."""
+        kind = type(batch)
+        if kind is tuple or kind is list:
+            names = self._named.get(len(batch))
+            if names is not None:
+                return dict(zip(names, batch))
+        out = self._fields(batch, batch_index)
+        if (kind is tuple or kind is list) and len(out) == len(batch):  # (repeated names: never cached)
+            self._named[len(batch)] = tuple(out)
+        return out
+
+    def _fields(self, batch: Any, batch_index: int) -> dict[str, Any]:
         if isinstance(batch, Mapping):
             out = dict(batch)
             if self.data.fields is not None:
