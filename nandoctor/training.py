@@ -50,6 +50,14 @@ class StepEngine:
     scaler: Any = None
     call: Callable[..., Any] = field(default=_direct)
     fields: Any = field(default=None, repr=False)  # the batch of the last loss: an LBFGS closure recomputes it
+    # decided once (again on `replace`): an update without a scaler or a closure is step and clear_grad in one
+    # call through the boundary; whether the scheduler steps after each update
+    _plain_update: bool = field(default=False, init=False, repr=False, compare=False)
+    _step_scheduler: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._plain_update = self.scaler is None and not needs_closure(self.optimizer)
+        self._step_scheduler = self.scheduler is not None and self.scheduler_by == "step"
 
     @classmethod
     def for_workload(cls, workload: Any, optimizer: Any, *, device: str, model: Any = None) -> StepEngine:
@@ -98,16 +106,25 @@ class StepEngine:
     def update(self) -> None:
         """The optimizer's step (through the scaler under AMP), clear_grad, and a per-step scheduler's step."""
         call, opt = self.call, self.optimizer
-        if self.scaler is not None:
-            call(Phase.OPTIMIZER, self.scaler.step, opt)
-            call(Phase.OPTIMIZER, self.scaler.update)
-        elif self.fields is not None and needs_closure(opt):  # LBFGS: step(closure) re-evaluates the batch
-            call(Phase.OPTIMIZER, opt.step, self._closure)
+        if self._plain_update:
+            call(Phase.OPTIMIZER, self._step_and_clear)
         else:
-            call(Phase.OPTIMIZER, opt.step)
-        call(Phase.OPTIMIZER, opt.clear_grad)
-        if self.scheduler is not None and self.scheduler_by == "step":
+            if self.scaler is not None:
+                call(Phase.OPTIMIZER, self.scaler.step, opt)
+                call(Phase.OPTIMIZER, self.scaler.update)
+            elif self.fields is not None and needs_closure(opt):  # LBFGS: step(closure) re-evaluates the batch
+                call(Phase.OPTIMIZER, opt.step, self._closure)
+            else:
+                call(Phase.OPTIMIZER, opt.step)
+            call(Phase.OPTIMIZER, opt.clear_grad)
+        if self._step_scheduler:
             call(Phase.OPTIMIZER, self.scheduler.step, what=SCHEDULER_STEP)
+
+    def _step_and_clear(self) -> None:
+        """The optimizer's step, then clear_grad (not reached when the step raises, as in a user's loop)."""
+        opt = self.optimizer
+        opt.step()
+        opt.clear_grad()
 
     def _closure(self) -> Any:
         """What a user writes for LBFGS: clear the gradients, the loss of the same batch, its backward."""
