@@ -94,7 +94,7 @@ def test_specialised_loss_is_the_plain_loops_loss(tmp_path: Path, inputs: str):
         x, y, s = _batch(i)
         forms = [(x, y), (paddle.to_tensor(x), paddle.to_tensor(y)),  # numpy, tensors
                  (x.tolist(), y.astype("int32")),  # a list input: the checked path; an int32 label: cast
-                 (x, y.tolist())]  # a list label
+                 (x, y.tolist()), (x, y.astype("uint8"))]  # a list label, a byte label
         for fx, fy in forms:
             fields = w.layout.fields((fx, fy, s), i)
             got = float(w.compute_loss(w.model, fields))
@@ -123,6 +123,10 @@ def test_mistakes_keep_the_checked_paths_messages(tmp_path: Path):
     x, y, s = _batch(0)
     with pytest.raises(SpecError, match=r"field 'x' holds text \(a list of str\)"):
         w.compute_loss(w.model, {"x": ["a", "b"], "y": y, "s": s})
+    with pytest.raises(ValueError, match="incompatible array data type"):  # Paddle's own, as in a plain loop
+        w.compute_loss(w.model, {"x": x, "y": y.astype("uint32"), "s": s})
+    with pytest.raises(KeyError, match="'y'"):  # a batch without its label: the generic path's KeyError
+        w.compute_loss(w.model, {"x": x, "s": s})
     with pytest.raises(SpecError, match="needs the model's output to be one Tensor"):
         tup = _workload(tmp_path, "[x]", kind="tuple")
         tup.compute_loss(tup.model, tup.layout.fields((x, y, s), 0))
