@@ -91,7 +91,7 @@ def _wait(proc: subprocess.Popen, out: Path, world: int) -> _Ending:
     try:
         while True:
             try:
-                proc.wait(timeout=0.25)
+                proc.wait(timeout=0.05)
                 # the launcher ends at its first failed rank; the others may still wait in a collective
                 _stop(proc, out)
                 return ending
@@ -99,9 +99,11 @@ def _wait(proc: subprocess.Popen, out: Path, world: int) -> _Ending:
                 pass
             now = time.monotonic()
             positions = read_positions(ranks, world)
-            for r, where in positions.items():
-                if where.phase is not None and r not in ending.died and not where.alive:
-                    ending.died.append(r)
+            gone = [r for r, where in positions.items()
+                    if where.phase is not None and r not in ending.died and not where.alive]
+            # a rank whose peer died aborts in gloo within milliseconds ("Connection reset by peer"): of the
+            # ranks gone since the last look, those that died of a collective go after the one that did not
+            ending.died += sorted(gone, key=lambda r: _died_in_collective(out.with_name("log") / f"workerlog.{r}"))
             if positions != ending.positions:
                 ending.positions, last_move = positions, now
             # a hang is judged once every rank has started (start-up on a loaded machine can be slow)
@@ -113,6 +115,14 @@ def _wait(proc: subprocess.Popen, out: Path, world: int) -> _Ending:
     except BaseException:  # Ctrl-C, SIGTERM: no rank trains on as an orphan
         _stop(proc, out)
         raise
+
+
+def _died_in_collective(log: Path) -> bool:
+    """The rank's log ends in a gloo error: it died because a peer did, not first."""
+    try:
+        return "gloo::" in log.read_text(errors="replace")[-20000:]
+    except OSError:
+        return False
 
 
 def _stop(proc: subprocess.Popen, out: Path) -> None:
