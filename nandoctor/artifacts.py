@@ -17,12 +17,13 @@ from nandoctor.batches import to_numpy
 
 
 def batch_arrays(fields: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Each field as its own numpy copy; fields that are not arrays (strings, objects) are left out."""
+    """Each field as its own numpy copy; fields that are not arrays (strings, objects) are left out. A
+    Paddle tensor's `numpy()` is already a copy of its own: copied once, not twice (a 100 MB batch)."""
     out: dict[str, np.ndarray] = {}
     for name, value in fields.items():
         array = to_numpy(value)
         if array is not None and array.dtype != object:
-            out[str(name)] = np.array(array, copy=True)
+            out[str(name)] = np.array(array, copy=True) if isinstance(value, np.ndarray) else array
     return out
 
 
