@@ -21,6 +21,7 @@ import pytest
 from inloop_helpers import ROOT
 from report_samples import probe_nan_report, scan_report
 from rich.console import Console
+from typer.testing import CliRunner
 
 from nandoctor.findings import Mode, Report
 from nandoctor.report import console as console_report
@@ -98,6 +99,22 @@ def test_remedies_are_a_list_with_each_change_whole_and_printed_once(lr_divergen
         assert " ".join(text.split()).count(" ".join(row["change"].split())) == 1, row["change"]
     assert "│" not in text.split("remedies", 1)[1].split("1. ERROR")[0]  # no table rules between the lines
     assert "Verified by replay: lr_x0.1, grad_clip, warmup" in " ".join(text.split())
+
+
+def test_a_change_that_did_not_help_is_printed_once_too(tmp_path: Path) -> None:
+    """sqrt_at_zero: clipping, the lower rate and the warmup do not help; the findings named each of them
+    again with its whole change under the remedies that already showed it."""
+    from nandoctor.cli import app
+
+    out = tmp_path / "r.json"
+    CliRunner().invoke(app, ["probe", str(SAMPLES / "sqrt_at_zero" / "config.yaml"), "--json", str(out), "-q"])
+    report = Report.from_dict(json.loads(out.read_text(encoding="utf-8")))
+    text = " ".join(_console(report).split())
+    helped_not = [r for r in report.remedies if r["outcome"] == "not_fixed"]
+    assert helped_not
+    for row in helped_not:
+        assert text.count(" ".join(row["change"].split())) == 1, row["change"]
+    assert "Tried by replay, did not help: " + ", ".join(r["remedy"] for r in helped_not) in text
 
 
 def test_first_fault_shows_the_text_of_the_source_line(lr_run: tuple[Report, str, str]) -> None:

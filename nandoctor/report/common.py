@@ -332,26 +332,30 @@ def _split_top(text: str, sep: str) -> list[str]:
 
 
 _VERIFIED = re.compile(r"^Verified by replay \(([^)]*)\)")
+_NOT_HELPED = re.compile(r"^Tried by replay, did not help \(([^)]*)\)")
 
 
 def finding_advice(advice: Sequence[str], remedies: Sequence[dict[str, Any]]) -> list[str]:
     """A finding's advice without the lines that repeat a replayed remedy's change (the remedies section
-    above shows each change once): they become one line naming the verified remedies."""
+    above shows each change once): they become one line naming the verified remedies, and one naming
+    those that did not help."""
     listed = {str(r.get("remedy")) for r in remedies}
-    out: list[str] = []
-    verified: list[str] = []
+    out: list[Any] = []  # advice lines, and a (key,) placeholder where a summary line goes
+    named: dict[str, list[str]] = {"verified": [], "not": []}
     for line in advice:
-        match = _VERIFIED.match(line)
-        if match and match.group(1) in listed:
-            if not verified:
-                out.append("")  # the summary line's place: where the first repeated line stood
-            verified.append(match.group(1))
-            continue
-        out.append(line)
-    if verified:
-        out[out.index("")] = (f"Verified by replay: {', '.join(verified)} (each change is listed under "
-                              "remedies above).")
-    return out
+        for key, pattern in (("verified", _VERIFIED), ("not", _NOT_HELPED)):
+            match = pattern.match(line)
+            if match and match.group(1) in listed:
+                if not named[key]:
+                    out.append((key,))  # the summary line's place: where the first repeated line stood
+                named[key].append(match.group(1))
+                break
+        else:
+            out.append(line)
+    summaries = {"verified": "Verified by replay: {} (each change is listed under remedies above).",
+                 "not": "Tried by replay, did not help: {}."}
+    return [summaries[line[0]].format(", ".join(named[line[0]])) if isinstance(line, tuple) else line
+            for line in out]
 
 
 # --- the faulting source line ---------------------------------------------------------------------------
