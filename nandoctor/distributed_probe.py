@@ -236,7 +236,7 @@ def rank_main(config: Path, steps: int, seed: int, out: Path, device: str = "aut
     from nandoctor.distributed import RankSync
     from nandoctor.findings import Phase
     from nandoctor.inloop.doctor import Doctor
-    from nandoctor.probe.loop import _Raised, _user
+    from nandoctor.probe.loop import UserRaised, user_call
     from nandoctor.rank_progress import RankProgress
     from nandoctor.spec import load_spec
     from nandoctor.training import StepEngine
@@ -261,19 +261,19 @@ def rank_main(config: Path, steps: int, seed: int, out: Path, device: str = "aut
     fp16 = spec.amp.enabled and spec.amp.dtype == "float16"
     doctor = Doctor(dp, optimizer, step_fn=workload.compute_loss, report_dir=ranks_dir, sync=RankSync(),
                     target=workload.target(), scaler=engine.scaler, fp16=fp16, mode=Mode.PROBE)
-    loop = engine.with_boundary(_user)  # the user's calls: their exception is this rank's finding, ours is not
+    loop = engine.with_boundary(user_call)  # the user's calls: their exception is this rank's finding, ours is not
     progress = RankProgress(ranks_dir, rank)
     fields: dict[str, Any] | None = None
     try:
-        it = iter(_user(Phase.DATA, lambda: iter(_shard(workload.make_loader(), rank, world))))
+        it = iter(user_call(Phase.DATA, lambda: iter(_shard(workload.make_loader(), rank, world))))
         for step in range(steps):
             progress.at(step, Phase.DATA)
             fields = None
-            batch = _user(Phase.DATA, next, it, _END)
+            batch = user_call(Phase.DATA, next, it, _END)
             if batch is _END:  # a new epoch
                 loop.end_epoch()
-                it = _user(Phase.DATA, lambda: iter(_shard(workload.make_loader(), rank, world)))
-                batch = _user(Phase.DATA, next, it, _END)
+                it = user_call(Phase.DATA, lambda: iter(_shard(workload.make_loader(), rank, world)))
+                batch = user_call(Phase.DATA, next, it, _END)
                 if batch is _END:
                     break
             fields = workload.layout.fields(batch, step)
@@ -286,7 +286,7 @@ def rank_main(config: Path, steps: int, seed: int, out: Path, device: str = "aut
                 break
             if loop.updates_after(step):
                 loop.update()
-    except _Raised as raised:  # this rank alone: its report in ranks/rank-N/, the parent merges
+    except UserRaised as raised:  # this rank alone: its report in ranks/rank-N/, the parent merges
         doctor.crashed(raised.exc, fields if raised.phase != Phase.DATA else None)
         doctor.close()
         progress.at(doctor.step, None)

@@ -20,7 +20,7 @@ from nandoctor.probe.watcher import Fault, FaultKind, StatsSchedule, StepRecord,
 from nandoctor.training import StepEngine
 from nandoctor.workload import Workload
 
-__all__ = ["Fault", "FaultKind", "LoopResult", "ProbeLoop", "StatsSchedule", "StepRecord"]
+__all__ = ["Fault", "FaultKind", "LoopResult", "ProbeLoop", "StatsSchedule", "StepRecord", "UserRaised", "user_call"]
 
 # With a snapshot ring, a many-tensor model's gradients are read one step in this many. No more than the
 # ring's shortest interval: a fault on an unread step is then always after a snapshot the ring still holds
@@ -39,8 +39,8 @@ class LoopResult:
     start_step: int = 0  # a resumed run's first step (steps_run counts from it)
 
 
-class _Raised(Exception):
-    """The user's call raised `exc` (SystemExit included) in `phase`; carries it out of `_user`."""
+class UserRaised(Exception):
+    """The user's call raised `exc` (SystemExit included) in `phase`; carries it out of `user_call`."""
 
     def __init__(self, exc: BaseException, phase: Phase) -> None:
         super().__init__(str(exc))
@@ -48,8 +48,8 @@ class _Raised(Exception):
         self.phase = phase
 
 
-def _user(phase: Phase, fn: Callable[..., Any], *args: Any, what: str | None = None) -> Any:
-    """Call the user's code: its exception (or sys.exit) becomes `_Raised`; ours and Ctrl-C pass through.
+def user_call(phase: Phase, fn: Callable[..., Any], *args: Any, what: str | None = None) -> Any:
+    """Call the user's code: its exception (or sys.exit) becomes `UserRaised`; ours and Ctrl-C pass through.
     `what` names the call in the finding when the phase alone would not (the LR scheduler's step)."""
     try:
         return fn(*args)
@@ -58,7 +58,7 @@ def _user(phase: Phase, fn: Callable[..., Any], *args: Any, what: str | None = N
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code raised: that is the finding
         if isinstance(exc, StopIteration):
             exc = RuntimeError("the data iterator raised StopIteration from inside a batch")
-        raise _Raised(UserCodeError(what, exc) if what else exc, phase) from None
+        raise UserRaised(UserCodeError(what, exc) if what else exc, phase) from None
 
 
 class ProbeLoop:
@@ -67,9 +67,9 @@ class ProbeLoop:
     def __init__(self, workload: Workload, engine: StepEngine, steps: int, progress: Any, *, fp16: bool = False,
                  amp: bool = False, start_nonfinite: list[str] | None = None, start_step: int = 0) -> None:
         self.w = workload
-        # Each of the user's calls inside the engine's step goes through `_user`, the loop's boundary. One
+        # Each of the user's calls inside the engine's step goes through `user_call`, the loop's boundary. One
         # optimizer step per `accumulate` batches; a probe step stays one batch, so steps name batches.
-        self.engine = engine.with_boundary(_user)
+        self.engine = engine.with_boundary(user_call)
         self.opt = engine.optimizer
         self.steps = steps
         self.progress = progress
@@ -101,7 +101,7 @@ class ProbeLoop:
             watch.defer_reads(lambda: ring.every)
         try:
             if self.start_step:  # the loader past the batches trained before the checkpoint (workload.py)
-                epoch, batch_index, it = _user(Phase.DATA, self.w.resume_at, self.start_step, self._on_epoch)
+                epoch, batch_index, it = user_call(Phase.DATA, self.w.resume_at, self.start_step, self._on_epoch)
                 first_epoch = epoch
                 reassert()
             while step < end:
@@ -109,7 +109,7 @@ class ProbeLoop:
                 if it is None:
                     if ring is not None:
                         ring.on_epoch(epoch)
-                    it = _user(Phase.DATA, lambda: iter(self.w.make_loader()))
+                    it = user_call(Phase.DATA, lambda: iter(self.w.make_loader()))
                     reassert()  # the data entry's imports may have reset SIGTERM in C (once an epoch)
                 batch = _next(it)
                 if batch is _END:
@@ -141,7 +141,7 @@ class ProbeLoop:
                 progress(res.steps_run, total, "probe step")
             if res.fault is None:
                 res.fault = watch.finish()
-        except _Raised as raised:
+        except UserRaised as raised:
             # a NaN in the batch that made the model's code raise is the data's fault, named as such; a
             # non-finite loss on an earlier, unread step came first
             bad_data = watch.data_fault(raised.exc) if fields is not None and raised.phase in _STEP_PHASES else None
@@ -172,7 +172,7 @@ _STEP_PHASES = (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD)
 
 
 def _next(it: Any) -> Any:
-    """`next(it)` behind the boundary (as `_user(Phase.DATA, ...)`, one call less a step), with the loader's
+    """`next(it)` behind the boundary (as `user_call(Phase.DATA, ...)`, one call less a step), with the loader's
     normal end as a sentinel rather than StopIteration."""
     try:
         return next(it)
@@ -181,4 +181,4 @@ def _next(it: Any) -> Any:
     except NandoctorError:
         raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's loader raised: that is the finding
-        raise _Raised(exc, Phase.DATA) from None
+        raise UserRaised(exc, Phase.DATA) from None
