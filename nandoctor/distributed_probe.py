@@ -167,7 +167,9 @@ def _without_agreement(ranks: Path, world: int, ending: _Ending, logs: Path) -> 
             reports[r] = Report.from_dict(json.loads(path.read_text(encoding="utf-8")))
     positions = ending.positions or read_positions(ranks, world)
     fates: dict[int, str] = {}
-    if ending.died:
+    if reports and ending.died:  # a rank raised; the others aborted at the collective it never reached
+        fates.update({r: f"stopped after rank {min(reports)} raised" for r in ending.died})
+    elif ending.died:
         first = ending.died[0]
         fates[first] = f"died first, at {positions[first].describe()}, without a Python exception"
         fates.update({r: f"stopped after rank {first} died" for r in ending.died[1:]})
@@ -287,9 +289,9 @@ def rank_main(config: Path, steps: int, seed: int, out: Path, device: str = "aut
             if loop.updates_after(step):
                 loop.update()
     except UserRaised as raised:  # this rank alone: its report in ranks/rank-N/, the parent merges
+        progress.at(doctor.step, None)  # out of its loop: not a rank the others wait for, nor one that died
         doctor.crashed(raised.exc, fields if raised.phase != Phase.DATA else None)
         doctor.close()
-        progress.at(doctor.step, None)
         return 1
     finally:
         doctor.close()
