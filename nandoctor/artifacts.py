@@ -42,10 +42,15 @@ def rng_state() -> Any:
         return None
 
 
+# Set in `report.artifacts` (to False) when no bundle or report folder will be written (a probe without
+# --bundle): then nothing is copied, which for a large model or large batches is a copy of each.
+WANTED = "wanted"
+
+
 def capture(report: Any, fields: Mapping[str, Any], *, step: int | None, batch_index: int | None,
             model: Any = None, rng: Any = None) -> None:
     """Store the fault's material in `report.artifacts`, once: the first fault wins."""
-    if report.artifacts.get("batch") is not None:
+    if report.artifacts.get("batch") is not None or report.artifacts.get(WANTED) is False:
         return
     report.artifacts["batch"] = batch_arrays(fields)
     report.artifacts["step"] = step

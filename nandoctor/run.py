@@ -77,6 +77,7 @@ def _run_command(command: str, config: Path, console: Console, *, json_path: Pat
                 device=options.get("device") or spec.probe.device,
                 try_fixes=options.get("try_fixes", True),
                 fix_steps=options.get("fix_steps") or 20,
+                bundle=bundle is not None,
             )
             nproc = int(options.get("nproc") or 1)
             if nproc > 1:  # N processes through Paddle's launcher, each training its share of the data

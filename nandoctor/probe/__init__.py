@@ -16,7 +16,7 @@ import numpy as np
 
 from nandoctor import env
 from nandoctor.advice import advice_for
-from nandoctor.artifacts import capture
+from nandoctor.artifacts import WANTED, capture
 from nandoctor.device import resolve_device, use_device
 from nandoctor.errors import UserCodeError
 from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity
@@ -43,6 +43,7 @@ class ProbeOptions:
     device: str = "auto"
     try_fixes: bool = True  # after a fault, replay candidate remedies (probe/remedies.py)
     fix_steps: int = 20  # remedies replay to the fault step + this many steps
+    bundle: bool = True  # a bundle will be written: keep a copy of the fault's batch and state (artifacts.py)
 
 
 def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progress) -> Report:
@@ -54,6 +55,8 @@ def run_probe(spec: Spec, options: ProbeOptions, progress: ProgressFn = no_progr
                                           "amp": spec.amp.enabled})
     report.environment = env.collect()
     report.environment["device"] = device
+    if not options.bundle:
+        report.artifacts[WANTED] = False  # no bundle: no copy of the fault's batch and model state
     use_device(device)
     paddle.seed(options.seed)
     np.random.seed(options.seed % 2**32)
