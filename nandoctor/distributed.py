@@ -157,25 +157,35 @@ class RankSync:
         if first is not None and first != self.rank:
             data = json.loads((folder / f"rank-{first}" / "report.json").read_text(encoding="utf-8"))
             source = Report.from_dict(data)
-        merged = Report(command="probe", findings=list(source.findings), first_fault=source.first_fault,
-                        timeline=list(source.timeline), environment=dict(report.environment),
-                        run=dict(report.run), details=dict(source.details))
-        for loc in [merged.first_fault] + [f.location for f in merged.findings]:
-            if loc is not None:  # the contract's `rank`: the first faulting process
-                loc.rank = first
-        if first is not None and merged.findings and merged.findings[0].severity.value == "error":
-            merged.findings[0].message = f"Rank {first} of {self.world}: {merged.findings[0].message}"
+        merged = _merged(source, first, self.world, base=report)
         reproduced = getattr(self, "reproduced", [False] * self.world)
         merged.details["ranks"] = [{"rank": r, "saw_nonfinite": bool(v),
                                     "own_fault": v == 2 or (bool(v) and reproduced[r]),
                                     "step": self.step if v else None, "report": f"rank-{r}/report.json"}
                                    for r, v in enumerate(self.levels)]
-        merged.details["first_rank"] = first
-        merged.run["world_size"] = self.world
-        merged.run.pop("rank", None)
-        merged.run["first_rank"] = first
         merged.artifacts = source.artifacts if source is report else {}
         return merged
+
+
+def _merged(source: Any, first: int | None, world: int, *, base: Any) -> Any:
+    """The job's report from the first faulting rank's own (`source`): its findings, first fault, timeline
+    and details, with `base`'s environment and run; every location gets the contract's `rank`, the first
+    error says which rank of how many, and `run`/`details` name the first rank."""
+    from nandoctor.findings import Report
+
+    merged = Report(command=source.command, findings=list(source.findings), first_fault=source.first_fault,
+                    timeline=list(source.timeline), environment=dict(base.environment), run=dict(base.run),
+                    details=dict(source.details))
+    for loc in [merged.first_fault] + [f.location for f in merged.findings]:
+        if loc is not None:
+            loc.rank = first
+    if first is not None and merged.findings and merged.findings[0].severity.value == "error":
+        merged.findings[0].message = f"Rank {first} of {world}: {merged.findings[0].message}"
+    merged.details["first_rank"] = first
+    merged.run.pop("rank", None)
+    merged.run["world_size"] = world
+    merged.run["first_rank"] = first
+    return merged
 
 
 def _mark_rank(report: Any, rank: int) -> None:
@@ -202,22 +212,13 @@ def merge_crashed(reports: dict[int, Any], world: int, silent: dict[int, str] | 
 
     first = min(reports, key=order)
     source: Report = reports[first]
-    merged = Report(command=source.command, findings=list(source.findings), first_fault=source.first_fault,
-                    timeline=list(source.timeline), environment=dict(source.environment), run=dict(source.run),
-                    details=dict(source.details), crashed=source.crashed, artifacts=dict(source.artifacts))
-    for loc in [merged.first_fault] + [f.location for f in merged.findings]:
-        if loc is not None:
-            loc.rank = first
-    if merged.findings and merged.findings[0].severity.value == "error":
-        merged.findings[0].message = f"Rank {first} of {world}: {merged.findings[0].message}"
+    merged = _merged(source, first, world, base=source)
+    merged.crashed = source.crashed
+    merged.artifacts = dict(source.artifacts)
     silent = silent or {}
     merged.details["ranks"] = [{"rank": r, "verdict": reports[r].verdict.value if r in reports else None,
                                 "step": _step(reports.get(r)), "fate": silent.get(r)}
                                for r in range(world)]
-    merged.details["first_rank"] = first
-    merged.run.pop("rank", None)
-    merged.run["world_size"] = world
-    merged.run["first_rank"] = first
     return merged
 
 

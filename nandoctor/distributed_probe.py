@@ -82,7 +82,7 @@ def _wait(proc: subprocess.Popen, out: Path, world: int) -> _Ending:
     gone while its loop was running died without a word (the first to go is the one that died of it; the
     others stopped after it); when none moved for the hang limit, or the whole launch passed TIMEOUT, every
     process of the launch is stopped."""
-    from nandoctor.rank_progress import hang_seconds, read_positions
+    from nandoctor.rank_progress import died_in_collective, hang_seconds, read_positions
 
     limit = hang_seconds()
     ranks = out.with_name("ranks")
@@ -103,7 +103,7 @@ def _wait(proc: subprocess.Popen, out: Path, world: int) -> _Ending:
                     if where.phase is not None and r not in ending.died and not where.alive]
             # a rank whose peer died aborts in gloo within milliseconds ("Connection reset by peer"): of the
             # ranks gone since the last look, those that died of a collective go after the one that did not
-            ending.died += sorted(gone, key=lambda r: _died_in_collective(out.with_name("log") / f"workerlog.{r}"))
+            ending.died += sorted(gone, key=lambda r: died_in_collective(out.with_name("log") / f"workerlog.{r}"))
             if positions != ending.positions:
                 ending.positions, last_move = positions, now
             # a hang is judged once every rank has started (start-up on a loaded machine can be slow)
@@ -115,14 +115,6 @@ def _wait(proc: subprocess.Popen, out: Path, world: int) -> _Ending:
     except BaseException:  # Ctrl-C, SIGTERM: no rank trains on as an orphan
         _stop(proc, out)
         raise
-
-
-def _died_in_collective(log: Path) -> bool:
-    """The rank's log ends in a gloo error: it died because a peer did, not first."""
-    try:
-        return "gloo::" in log.read_text(errors="replace")[-20000:]
-    except OSError:
-        return False
 
 
 def _stop(proc: subprocess.Popen, out: Path) -> None:
@@ -141,7 +133,7 @@ def _stop(proc: subprocess.Popen, out: Path) -> None:
 
 def _processes_with(marker: str) -> list[int]:
     """Live processes whose command line holds `marker` (Linux /proc; elsewhere none are found)."""
-    from nandoctor.rank_progress import Position
+    from nandoctor.rank_progress import process_alive
 
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
@@ -149,7 +141,7 @@ def _processes_with(marker: str) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if marker in cmdline and Position(0, None, int(entry.name)).alive:
+        if marker in cmdline and process_alive(int(entry.name)):
             found.append(int(entry.name))
     return found
 

@@ -23,6 +23,7 @@ HANG_SECONDS = 600.0
 _FORMAT = "<qqq"  # step, phase code, process id
 _PHASES = [Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER]
 _DONE = len(_PHASES)  # the rank left its loop: finished, or wrote a report
+_CODES: dict[Phase | None, int] = {**{phase: i for i, phase in enumerate(_PHASES)}, None: _DONE}
 
 
 def hang_seconds() -> float:
@@ -42,9 +43,10 @@ class RankProgress:
         path.write_bytes(struct.pack(_FORMAT, -1, 0, os.getpid()))
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), struct.calcsize(_FORMAT))
+        self._pid = os.getpid()  # once: a store a phase, no system call
 
     def at(self, step: int, phase: Phase | None) -> None:
-        struct.pack_into(_FORMAT, self._map, 0, step, _DONE if phase is None else _PHASES.index(phase), os.getpid())
+        struct.pack_into(_FORMAT, self._map, 0, step, _CODES[phase], self._pid)
 
 
 @dataclass(frozen=True)
@@ -55,24 +57,11 @@ class Position:
 
     @property
     def alive(self) -> bool:
-        """The rank's process still runs: gone, or a zombie its launcher has not reaped yet, is dead."""
-        try:
-            stat = Path(f"/proc/{self.pid}/stat").read_text()
-        except FileNotFoundError:
-            return False
-        except OSError:  # no /proc here: whether the process exists at all
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                pass
-            return True
-        return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+        return process_alive(self.pid)
 
     @property
     def key(self) -> tuple[int, int]:
-        return (self.step, _DONE if self.phase is None else _PHASES.index(self.phase))
+        return (self.step, _CODES[self.phase])
 
     def describe(self) -> str:
         if self.step < 0:
@@ -80,6 +69,23 @@ class Position:
         if self.phase is None:
             return f"after its loop (step {self.step})"
         return f"step {self.step}, {self.phase.value}"
+
+
+def process_alive(pid: int) -> bool:
+    """The process still runs: gone, or a zombie its parent (the launcher) has not reaped yet, is dead."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc here: whether the process exists at all
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
 def read_positions(folder: Path, world: int) -> dict[int, Position]:
@@ -94,15 +100,24 @@ def read_positions(folder: Path, world: int) -> dict[int, Position]:
     return out
 
 
+def _log_tail(log: Path) -> str:
+    """The end of a rank's log (the launcher's workerlog.N), where a dying process's last words are."""
+    try:
+        return log.read_text(errors="replace")[-20000:]
+    except OSError:
+        return ""
+
+
 def signal_in_log(log: Path) -> str | None:
     """The signal Paddle's own handler printed in a rank's log before it died (SIGSEGV, SIGABRT, ...); None
     for one no process can catch (SIGKILL)."""
-    try:
-        text = log.read_text(errors="replace")[-20000:]
-    except OSError:
-        return None
-    found = re.findall(r"SignalInfo: \*\*\* (SIG[A-Z]+)", text)
+    found = re.findall(r"SignalInfo: \*\*\* (SIG[A-Z]+)", _log_tail(log))
     return found[-1] if found else None
+
+
+def died_in_collective(log: Path) -> bool:
+    """The rank's log ends in a gloo error: it died because a peer did, not first."""
+    return "gloo::" in _log_tail(log)
 
 
 def behind(positions: dict[int, Position]) -> list[int]:
