@@ -213,8 +213,8 @@ def _specialised(spec: Spec, layout: BatchLayout, loss_fn: Callable[..., Any],
         return None
     label_name, selector = layout.data.label, spec.model.output
     tensor, array, to = paddle.Tensor, np.ndarray, paddle.to_tensor
-    keywords = tuple(inputs.items()) if isinstance(inputs, dict) else ()
-    names = () if keywords else tuple(inputs)
+    # (keyword or None for positional, field) for each model input, in the order the model gets them
+    slots = tuple(inputs.items()) if isinstance(inputs, dict) else tuple((None, name) for name in inputs)
     builtin = spec.loss.builtin if spec.loss is not None else None
 
     def compute(model: Any, fields: dict[str, Any]) -> Any:
@@ -223,25 +223,18 @@ def _specialised(spec: Spec, layout: BatchLayout, loss_fn: Callable[..., Any],
         label = fields.get("label") if label_name is None else fields.get(label_name, fields)
         early = to(label) if type(label) is array and label.dtype in _PLAIN_LABELS else None
         args: list[Any] = []
-        for name in names:  # `check_model_inputs` passes these, and `to_tensor` converts them so
+        kwargs: dict[str, Any] = {}
+        for arg, name in slots:  # `check_model_inputs` passes these, and `to_tensor` converts them so
             value = fields[name]
             kind = type(value)
             if kind is array and value.dtype.kind not in "OSU":
-                args.append(to(value))
-            elif kind is tensor:
+                value = to(value)
+            elif kind is not tensor:
+                return generic(model, fields)
+            if arg is None:
                 args.append(value)
             else:
-                return generic(model, fields)
-        kwargs: dict[str, Any] = {}
-        for arg, name in keywords:
-            value = fields[name]
-            kind = type(value)
-            if kind is array and value.dtype.kind not in "OSU":
-                kwargs[arg] = to(value)
-            elif kind is tensor:
                 kwargs[arg] = value
-            else:
-                return generic(model, fields)
         outputs = model(*args, **kwargs)
         if selector is not None:
             outputs = model_outputs.select(outputs, selector, spec.path)
