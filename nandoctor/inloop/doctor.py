@@ -98,9 +98,10 @@ class Doctor:
         self._open = False  # a step has begun (its forward ran) and is not yet closed
         self._checked = False  # ... and check() passed it: waiting for the update or the next forward
         self._skip_next = False
-        # check() called before backward(): () once seen, then (loss, fields, rebuild, step) of a check whose
-        # gradient half waits for optimizer.step(); None for a loop in the usual order
-        self._late: tuple | None = None
+        # check() called before backward() (seen at the first check), and then the (loss, fields, rebuild,
+        # step) of the check whose gradient half waits for optimizer.step()
+        self._check_before_backward = False
+        self._waiting: tuple | None = None
         self._busy = False  # a replay is running: the pre-hook must not open steps
         self._closed = False
         self._inputs: Any = ()
@@ -142,9 +143,9 @@ class Doctor:
         self._open = self._checked = False
 
     def _wrapped_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._late and not self._closed and (self.fault is None or self.on_fault == "skip_step"):
-            loss, fields, rebuild, step = self._late  # check() ran before backward: its gradient half now
-            self._late = ()
+        if self._waiting is not None and not self._closed and (self.fault is None or self.on_fault == "skip_step"):
+            loss, fields, rebuild, step = self._waiting  # check() ran before backward: its gradient half now
+            self._waiting = None
             if not self._decide(self.watcher.after_backward(loss), fields, rebuild, step):
                 if self.on_fault != "skip_step":
                     self.optimizer.clear_grad()
@@ -178,7 +179,7 @@ class Doctor:
         watcher.attach_batch(fields, batch_index=self.step)
         fault = watcher.observe_loss(loss)
         if fault is None and self._before_backward(loss):  # the gradients are checked at optimizer.step()
-            self._late = (loss, fields, rebuild, self.step)
+            self._waiting = (loss, fields, rebuild, self.step)
             self.step += 1
             return True
         if fault is None:
@@ -190,7 +191,7 @@ class Doctor:
         a graph): not a loss that cannot train (`loss.no_grad`) but a loop in that order. Seen at the first
         check; from then on the gradient half of each check runs in the optimizer's step wrapper, before the
         update, where the gradients exist."""
-        if self._late is not None:
+        if self._check_before_backward:
             return True
         if self.step or self._orig_step is None or self._wrapped_step != vars(self.optimizer).get("step"):
             return False
@@ -202,7 +203,7 @@ class Doctor:
             return False
         log.warning("nandoctor: check() was called before loss.backward(); the gradients are checked when "
                     "optimizer.step() is called instead (call check() after backward() to check them there)")
-        self._late = ()
+        self._check_before_backward = True
         return True
 
     def _decide(self, fault: Fault | None, fields: Any, rebuild: Any, step: int) -> bool:
