@@ -351,29 +351,28 @@ class StepWatcher:
                     return fault
                 self._record(record)
                 return self._fault(FaultKind.NONFINITE, rng=self._rng, stats=st)
+        self.schedule.alert = self._keep(record, alert)
+        self._last_norm = st.grad_norm
+        return None
+
+    def _keep(self, record: StepRecord, alert: bool) -> bool:
+        """A healthy step's record kept and given to the warnings' tracker; an alert that begins here marks
+        its step (kept in full however long the run). Returns whether an alert is on: `alert` or a new one."""
         self._record(record)
         now = bool(self.tracker.update(record))
         if now and not (alert or self.schedule.alert):
-            self._mark(step)
-        self.schedule.alert = now or alert
-        self._last_norm = st.grad_norm
-        return None
+            self._mark(record.step)
+        return now or alert
 
     def _take_pending(self, values: Any) -> tuple[Fault | None, bool]:
         """The unread steps' losses, now read: their records (and warnings), up to the first non-finite one,
         which is a fault the rollback names exactly (`_window_fault`). Returns (fault, alert)."""
         pending, self._pending = self._pending, []
         alert = False
-        tracker = self.tracker
         bad = ~np.isfinite(values)
         end = int(bad.argmax()) if bad.any() else len(pending)
         for (step, _, _, _, lr), value in zip(pending[:end], values[:end].tolist()):
-            record = StepRecord(step, value, None, None, None, lr=lr)
-            self._record(record)
-            if tracker.update(record):
-                if not (alert or self.schedule.alert):
-                    self._mark(step)
-                alert = True
+            alert = self._keep(StepRecord(step, value, None, None, None, lr=lr), alert)
         if end < len(pending):
             return self._window_fault(pending[end][0], pending), alert
         return None, alert
