@@ -330,7 +330,7 @@ def _optimizer(raw: dict[str, Any], v: Validator) -> OptimizerSpec:
                    + (" from optimizer.grad_clip" if forbidden == "grad_clip" else " from the model") + "; remove it")
     if "learning_rate" in args and not isinstance(args["learning_rate"], (int, float)):
         v.fail("optimizer.args.learning_rate", f"is {args['learning_rate']!r}; give a number such as 1.0e-4 "
-               "(YAML reads 1e-4 without a dot as text; write 1.0e-4)")
+               "(without quotes: in quotes it is text)")
     if "learning_rate" in args:
         v.positive_number(args["learning_rate"], "optimizer.args.learning_rate")
     clip = None

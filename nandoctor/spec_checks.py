@@ -117,7 +117,7 @@ class Validator:
 
     def positive_number(self, value: Any, key: str) -> float:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            self.fail(key, f"is {short(value)}; give a number above 0 (write 1.0e-4, with a dot, for small numbers)")
+            self.fail(key, f"is {short(value)}; give a number above 0, such as 1.0e-4 or 1e-4")
         return float(value)
 
     def interval(self, value: Any, key: str) -> tuple[float, float]:

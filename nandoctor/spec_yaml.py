@@ -6,6 +6,7 @@ where the parser knows it, the line.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     None, None, f"the key {key!r} is given twice in the same block; the second would "
                     "silently replace the first, so keep one", key_node.start_mark)
         return super().construct_mapping(node, deep)
+
+
+# YAML 1.2's floats: PyYAML follows YAML 1.1, where `1e-4` and `1.0e36` (no dot, or no sign in the exponent)
+# are text, so a learning rate written the way Python and every paper write it would be refused as text.
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                |[-+]?\.(?:inf|Inf|INF)
+                |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
 
 
 def not_yaml_hint(path: Path) -> str:

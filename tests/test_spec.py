@@ -222,7 +222,7 @@ def test_user_module_syntax_error(project: Path):
     ("optimizer: {name: Adam, grad_clip: {global_norm: 1.0, value: 0.5}}\n", "`optimizer.grad_clip`",
      "exactly one of"),
     ("optimizer: {grad_clip: {global_norm: -1}}\n", "`optimizer.grad_clip.global_norm`", "above 0"),
-    ("optimizer: {name: Adam, args: {learning_rate: 1e-4}}\n", "`optimizer.args.learning_rate`", "1.0e-4"),
+    ("optimizer: {name: Adam, args: {learning_rate: '1e-4'}}\n", "`optimizer.args.learning_rate`", "in quotes"),
     ("optimizer: {name: Adam, args: {learning_rate: -0.1}}\n", "`optimizer.args.learning_rate`", "above 0"),
     ("optimizer: {args: {parameters: 1}}\n", "`optimizer.args.parameters`", "remove it"),
     ("amp: {enabled: 'yes please'}\n", "`amp.enabled`", "true or false"),
@@ -233,6 +233,15 @@ def test_user_module_syntax_error(project: Path):
 def test_bad_types(project: Path, extra: str, key: str, words: str):
     msg = _spec_error(project / "config.yaml", GOOD + extra)
     assert key in msg and words in msg, msg
+
+
+def test_numbers_in_exponent_form_are_numbers(project: Path):
+    """YAML 1.1 (PyYAML) reads `1e-4` and `1.0e36` as text; a spec reads them as the numbers they are."""
+    (project / "config.yaml").write_text(GOOD + "optimizer: {name: Adam, args: {learning_rate: 1e-4}}\n"
+                                         "checks: {value_range: [-1.0e36, 1e5]}\n")
+    spec = load_spec(project / "config.yaml")
+    assert spec.optimizer.args["learning_rate"] == 1e-4
+    assert spec.checks.value_range == (-1e36, 1e5)
 
 
 def test_inputs_naming_unknown_field(project: Path):
