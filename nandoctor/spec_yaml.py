@@ -6,13 +6,13 @@ where the parser knows it, the line.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from nandoctor.errors import SpecError
+from nandoctor.report.reproduce_script import yaml12_floats
 
 # A spec is a page of YAML: far more values than this (after expanding &anchors/*aliases) or deeper
 # nesting is an alias bomb or a generated file, refused before it can eat memory or the stack.
@@ -121,16 +121,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-# YAML 1.2's floats: PyYAML follows YAML 1.1, where `1e-4` and `1.0e36` (no dot, or no sign in the exponent)
-# are text, so a learning rate written the way Python and every paper write it would be refused as text.
-_UniqueKeyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-                |[-+]?\.(?:inf|Inf|INF)
-                |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
+# `1e-4` and `1.0e36` are numbers, as in YAML 1.2 (PyYAML's YAML 1.1 reads them as text). The rule lives in
+# reproduce.py, which reads the bundle's copy of this spec without nandoctor installed.
+yaml12_floats(_UniqueKeyLoader)
 
 
 def not_yaml_hint(path: Path) -> str:

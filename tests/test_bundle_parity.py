@@ -236,6 +236,19 @@ class _Mapping(Mapping):  # a Mapping that is not a dict
         return len(self._values)
 
 
+def test_spec_numbers_read_as_the_probe_reads_them(script: dict[str, Any], tmp_path: Path):
+    """spec.yaml's numbers, exponent forms included, are the same values in reproduce.py as in the probe."""
+    import yaml
+
+    from nandoctor.spec_yaml import read_yaml
+
+    text = "a: [1e-4, 1.0e36, -1e5, 1.0e-4, .5, 3, 1_000, .inf, abc, '1e-4', 1e, v1e5, 1.2.3]\n"
+    (tmp_path / "spec.yaml").write_text(text)
+    ours = read_yaml(tmp_path / "spec.yaml")["a"]
+    assert ours[:7] == [1e-4, 1e36, -1e5, 1e-4, 0.5, 3, 1000] and ours[8:] == ["abc", "1e-4", "1e", "v1e5", "1.2.3"]
+    assert yaml.load(text, Loader=script["_SpecLoader"])["a"] == ours
+
+
 def test_output_selection_picks_what_the_probe_picks(script: dict[str, Any]):
     """Every kind of output against every kind of selector: the same tensor, or an error on both sides."""
     import numpy as np

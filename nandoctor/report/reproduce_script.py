@@ -74,13 +74,35 @@ def parse_remedy(argv: list[str]) -> str | None:
     raise SystemExit(0 if argv[0] in ("-h", "--help") else 2)
 
 
+# YAML 1.2's floats: PyYAML follows YAML 1.1, where `1e-4` and `1.0e36` (no dot, or no sign in the exponent)
+# are text; nandoctor's spec reader and this file both read them as the numbers they are
+_YAML12_FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                            |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                            |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                            |[-+]?\.(?:inf|Inf|INF)
+                            |\.(?:nan|NaN|NAN))$""", re.X)
+
+
+def yaml12_floats(loader: type) -> type:
+    """`loader` (a yaml.SafeLoader subclass) reading YAML 1.2's floats as floats; returned for chaining."""
+    loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
+    return loader
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """spec.yaml as nandoctor read it."""
+
+
+yaml12_floats(_SpecLoader)
+
+
 def main(argv: list[str] | None = None) -> int:
     remedy = parse_remedy(argv or [])
     warnings.filterwarnings("ignore", message=".*ccache.*")  # Paddle's import-time build-tool notice
     sys.dont_write_bytecode = True  # leave the bundle as it came: no __pycache__ under code/
     try:
         report = json.loads((HERE / "report.json").read_text(encoding="utf-8"))
-        spec = yaml.safe_load((HERE / "spec.yaml").read_text(encoding="utf-8"))
+        spec = yaml.load((HERE / "spec.yaml").read_text(encoding="utf-8"), Loader=_SpecLoader)
     except (OSError, ValueError, yaml.YAMLError) as exc:
         print(f"reproduce.py: cannot read the bundle in {HERE}: {exc}", file=sys.stderr)
         return 2
