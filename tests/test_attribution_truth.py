@@ -194,9 +194,9 @@ def test_whole_batch_overflow_is_not_sample_specific(tmp_path: Path) -> None:
     code, report = probe("whole_batch_overflow", tmp_path)
     assert code == 1
     ff = report["first_fault"]
-    assert (ff["step"], ff["phase"], ff["op"], ff["sample_indices"]) == (step, "loss", op, None)
+    assert (ff["step"], ff["phase"], ff["op"], ff["sample_indices"]) == (step, "loss", op, [])
     f = error_finding(report)
-    assert f["location"]["sample_indices"] is None
+    assert f["location"]["sample_indices"] == []
     assert f["evidence"]["samples_scope"] == "not_sample_specific" and "not sample-specific" in f["message"].lower()
 
 
@@ -285,7 +285,7 @@ def test_hapi_fit_divergence_is_not_sample_specific_and_grows_from_step_0(tmp_pa
     model.fit(_Records(plain.batches), epochs=1, batch_size=64, shuffle=False, verbose=0, callbacks=[cb])
     data = json.loads((tmp_path / "report" / "report.json").read_text(encoding="utf-8"))
     ff = data["first_fault"]
-    assert (ff["step"], ff["op"], ff["sample_indices"]) == (step, op, None)
+    assert (ff["step"], ff["op"], ff["sample_indices"]) == (step, op, [])
     f = error_finding(data)
     assert f["evidence"]["samples_scope"] == "not_sample_specific"
     [g] = [f for f in data["findings"] if f["code"] == "grad.explosion"]

@@ -88,9 +88,14 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 
 def _fault(report: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The first fault's compared fields. No sample named is the same answer whether it was measured
+    (`[]`: no strict subset is special) or could not be (None: `run` cannot try apart the samples of a
+    fault in the script's own loss code when no gradient row reached the model)."""
     if report is None or report.get("first_fault") is None:
         return None
-    return {k: report["first_fault"].get(k) for k in KEYS}
+    fault = {k: report["first_fault"].get(k) for k in KEYS}
+    fault["sample_indices"] = fault["sample_indices"] or None
+    return fault
 
 
 @pytest.fixture(scope="module")

@@ -331,10 +331,10 @@ class _CountReplayer:
 
 
 @pytest.mark.parametrize(("together", "alone", "size", "samples", "scope", "reason"), [
-    (set(), {0, 1, 2, 3, 4, 5}, 0, None, "not_sample_specific", "every_sample"),
-    (set(range(6)), set(), 0, None, "not_sample_specific", "whole_batch"),
+    (set(), {0, 1, 2, 3, 4, 5}, 0, [], "not_sample_specific", "every_sample"),
+    (set(range(6)), set(), 0, [], "not_sample_specific", "whole_batch"),
     # any two samples fault together: the parts found ([1, 2], [4, 5]) are no more to blame than the rest
-    (set(), set(), 2, None, "not_sample_specific", "rest_of_batch_faults"),
+    (set(), set(), 2, [], "not_sample_specific", "rest_of_batch_faults"),
     (set(), {1, 4}, 0, [1, 4], "samples", None),
 ])
 def test_bisection_says_which_case_it_measured(together, alone, size, samples, scope, reason) -> None:

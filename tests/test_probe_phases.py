@@ -104,7 +104,7 @@ def test_whole_batch_fault_names_no_samples(tmp_path):
     report = probe(tmp_path, step="step_masked_mean", data_args={"label_batch": 2, "label_row": -1,
                                                                  "label_value": 0})
     ff = report.first_fault
-    assert (ff.step, ff.phase, ff.op, ff.sample_indices) == (2, Phase.LOSS, "divide", None)
+    assert (ff.step, ff.phase, ff.op, ff.sample_indices) == (2, Phase.LOSS, "divide", [])
 
 
 def test_backward_fault_names_layer_op_and_parameter(tmp_path):

@@ -78,9 +78,9 @@ EXPECTED: dict[str, Expect] = {
                                               frozenset({None, "features.logfeat.scale"}), 7, [2, 6]),
                                 {"grad.nonfinite"}),
     # the whole batch has no labelled token: no subset of samples is to blame
-    "empty_mask_mean": Expect(NAN, 1, fault(4, "loss", None, "divide", None, 4, None), {"loss.nonfinite"}),
-    # weights diverge: every sample alone overflows too, so it is the batch as a whole (null)
-    "lr_divergence": Expect(NAN, 1, fault(16, "forward", "out", "matmul", None, 16, None),
+    "empty_mask_mean": Expect(NAN, 1, fault(4, "loss", None, "divide", None, 4, []), {"loss.nonfinite"}),
+    # weights diverge: every sample alone overflows too, so it is the batch as a whole (empty)
+    "lr_divergence": Expect(NAN, 1, fault(16, "forward", "out", "matmul", None, 16, []),
                             {"activation.nonfinite", "grad.explosion"}, before_fault={"grad.explosion"}),
     # targets around 3000 under MSE: the squared error overflows at step 8 at the end of a growth (plain loop:
     # the first non-finite loss at step 8; tests/test_advice_truth.py); which samples overflow alone: ANY
@@ -89,14 +89,14 @@ EXPECTED: dict[str, Expect] = {
     # a NaN pixel, images[2, 0, 4, 7] of batch 3 (NCHW): the data check stops the step before the update
     "nan_in_images": Expect(NAN, 1, fault(3, "data", None, None, None, 3, [2]), {"data.nonfinite"},
                             where={"data.nonfinite": {"field": "image"}}),
-    "exploding_rnn": Expect(NAN, 1, fault(14, "forward", "rnn", "rnn_intermediate", None, 14, None),
+    "exploding_rnn": Expect(NAN, 1, fault(14, "forward", "rnn", "rnn_intermediate", None, 14, []),
                             {"activation.nonfinite", "grad.explosion"}, before_fault={"grad.explosion"}),
     # the probe runs the init-scale check before training, so the cause comes with the symptom
     "bad_init_overflow": Expect(NAN, 1, fault(0, "forward", "rate", "exp", None, 0, [5]),
                                 {"activation.nonfinite", "param.init_scale"}),
     # SGD at lr 1.0: a plain loop's gradient norm is 4.71, 7.07, 3.71, 9.53, 15.4 (steps 0-4), then step 5's
     # loss is NaN for every sample alone; the checker names exp in blocks.0.attn (the hand-written softmax)
-    "transformer_lr_divergence": Expect(NAN, 1, fault(5, "forward", "blocks.0.attn", "exp", None, 5, None),
+    "transformer_lr_divergence": Expect(NAN, 1, fault(5, "forward", "blocks.0.attn", "exp", None, 5, []),
                                         {"activation.nonfinite", "grad.explosion"},
                                         where={"grad.explosion": {"step": 2}}, before_fault={"grad.explosion"}),
     # Adam with epsilon 0: 0/0 in the update of the weight row fed by an always-zero input channel
@@ -107,7 +107,7 @@ EXPECTED: dict[str, Expect] = {
     # one NaN in a LayerNorm scale (not the whole tensor): the probe trains on, and step 0's forward reads it
     # (plain loop: step 0's loss is NaN for every sample alone; the checker names layer_norm_intermediate)
     "nan_parameter": Expect(NAN, 1, fault(0, "forward", "encoder.norm", "layer_norm_intermediate",
-                                          "encoder.norm.weight", 0, None),
+                                          "encoder.norm.weight", 0, []),
                             {"param.nonfinite", "activation.nonfinite"},
                             where={"param.nonfinite": {"parameter": "encoder.norm.weight", "phase": "params"}}),
     # one NaN row (token 37) of an embedding table: a plain loop's loss is first NaN at step 7, whose samples
@@ -154,7 +154,7 @@ EXPECTED: dict[str, Expect] = {
                                                        frozenset({None, "encoder.0.bias", "encoder.0.weight"}), 3,
                                                        [2]), {"grad.nonfinite"}),
     # a steady divergence overflows the loss's sum: no strict subset of the batch is special
-    "whole_batch_overflow": Expect(NAN, 1, fault(17, "loss", None, "mean", None, 17, None),
+    "whole_batch_overflow": Expect(NAN, 1, fault(17, "loss", None, "mean", None, 17, []),
                                    {"loss.nonfinite", "grad.explosion"}, before_fault={"grad.explosion"},
                                    where={"grad.explosion": {"step": 0}}),
     # the remedy-truth samples (tests/test_remedy_truth.py checks their remedies against plain loops)
@@ -298,10 +298,10 @@ def test_crash_names_the_users_line(probe):
 @pytest.mark.parametrize(("name", "batch"), [("lr_divergence", 16), ("empty_mask_mean", 4)])
 def test_every_sample_faulting_alone_is_said_as_such(name, batch, probe):
     """Ground truth (the plain loop, each sample alone): every sample of the failing batch faults on its
-    own. sample_indices stays null (all positions would name no sample and make "leave these samples out"
+    own. sample_indices is empty (all positions would name no sample and make "leave these samples out"
     drop the batch); the message and `samples_scope` say which case was measured."""
     _, report = probe(name)
-    assert report["first_fault"]["sample_indices"] is None
+    assert report["first_fault"]["sample_indices"] == []
     [f] = [f for f in report["findings"] if f["severity"] == "error" and f["location"]["step"] == batch]
     assert f"every sample of batch {batch} faults on its own" in f["message"], f["message"]
     assert "no subset" not in f["message"] and "as a whole" not in f["message"]

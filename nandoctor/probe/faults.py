@@ -227,7 +227,7 @@ def loss_code_fault(report: Report, fault: Fault, outside: Any, mode: str) -> No
     rows = outside.rows
     specific = bool(rows) and outside.batch_size is not None and len(rows) < outside.batch_size
     loc = Location(step=fault.step, phase=phase, layer=None, op=outside.op, batch_index=fault.batch_index,
-                   sample_indices=list(rows) if specific else None)
+                   sample_indices=list(rows) if specific else [] if rows else None)
     op = f" (op {outside.op})" if outside.op else ""
     loss_ok = st is not None and math.isfinite(st.loss)
     if phase == Phase.LOSS and loss_ok:  # the forward made a NaN/Inf the loss's reduction left out

@@ -25,7 +25,7 @@ MAX_EVALS = 64
 
 # `scope`: the report's evidence.samples_scope
 SAMPLES = "samples"  # a strict subset of the batch faults alone, and the rest without it does not: named
-NOT_SPECIFIC = "not_sample_specific"  # no strict subset is special: sample_indices stays null
+NOT_SPECIFIC = "not_sample_specific"  # no strict subset is special: sample_indices is empty
 # `reason` (evidence.samples_reason) when NOT_SPECIFIC
 EVERY_SAMPLE = "every_sample"  # each sample of the batch faults on its own
 WHOLE_BATCH = "whole_batch"  # no part faults alone, only the batch together (or part of it together)
@@ -107,7 +107,7 @@ def find_samples(replayer: Any, fields: dict[str, Any], phase: str) -> Bisection
         out.notes.append(f"bisection stopped after {MAX_EVALS} replays; the samples named may be more than needed")
     if len(found) == n:
         # Every position would be no attribution at all (and "leave these samples out" would drop the
-        # batch), so sample_indices stays null and the reason says which case was measured.
+        # batch), so sample_indices is empty and the reason says which case was measured.
         out.samples = None
         if together:
             _not_specific(out, WHOLE_BATCH, "no strict subset of the samples faults alone: the batch as a whole is "
@@ -127,7 +127,6 @@ def find_samples(replayer: Any, fields: dict[str, Any], phase: str) -> Bisection
         rest_faults = faults(rest)
         out.evaluations = evals
         if rest_faults:
-            out.samples = None
             _not_specific(out, REST_FAULTS, f"the parts of the batch the bisection found ({len(found)} sample(s)) "
                                             f"fault on their own, and so do the other {len(rest)} samples without "
                                             "them: no strict subset of the batch is special (the weights or the "
@@ -136,7 +135,8 @@ def find_samples(replayer: Any, fields: dict[str, Any], phase: str) -> Bisection
 
 
 def _not_specific(out: Bisection, reason: str, note: str) -> None:
-    out.scope, out.reason = NOT_SPECIFIC, reason
+    """No strict subset is special: no sample named (an empty list, as against None: not tried apart)."""
+    out.samples, out.scope, out.reason = [], NOT_SPECIFIC, reason
     out.notes.append(note)
 
 
