@@ -4,15 +4,17 @@ script's own functions, with Paddle's tensor checker in abort mode around each b
 `first_backward_fault` trains phase after phase (a phase: a model, its optimizer and its loss) until a
 backward aborts, and answers what the report must say: the step and op (the checker's), the layer (the
 sublayer whose class's forward holds the script line Paddle printed as the op's creator, with
-FLAGS_call_stack_level=3; None for the model's own forward), the parameter (the first in
+FLAGS_call_stack_level=3, in the script's folder; None for the model's own forward), the parameter (the first in
 `named_parameters()` order whose gradient is NaN/Inf when that backward runs again without the checker)
 and the samples (each row of the batch alone, on the same parameters).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import re
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,18 @@ import pytest
 
 # (step, model, optimizer, loss of the whole batch, loss of one row of it, rows)
 Phase = tuple[int, Any, Any, Callable[[], Any], Callable[[int], Any], int]
+
+
+def run_script(path: Path) -> Any:
+    """A test script of tests/run_scripts/ imported as a module (its functions are the ground truth's),
+    with its folder on sys.path as when Python runs it (the scripts import their shared layers from it)."""
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"_run_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def bad_params(model: Any) -> list[str]:
@@ -59,13 +73,16 @@ def first_backward_fault(phases: Iterable[Phase], script: Path, capfd: pytest.Ca
         paddle.set_flags(old)
     assert found is not None, "the plain loop never went non-finite"
     step, model, loss_of, row_loss, rows, op, printed = found
-    frames = [int(n) for f, n, fn in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', printed.out + printed.err)
-              if Path(f).resolve() == script.resolve() and fn == "forward"]
+    frames = [(Path(f).resolve(), int(n))
+              for f, n, fn in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', printed.out + printed.err)
+              if Path(f).resolve().parent == script.resolve().parent and fn == "forward"]
     assert frames, printed.err[-2000:]
 
     def owns(layer: Any) -> bool:
+        file, line = frames[-1]
         lines, first = inspect.getsourcelines(type(layer).forward)
-        return first <= frames[-1] < first + len(lines)
+        return (Path(inspect.getsourcefile(type(layer).forward)).resolve() == file
+                and first <= line < first + len(lines))
 
     owners = [n for n, layer in [("", model), *model.named_sublayers()] if owns(layer)]
     assert len(owners) == 1, owners

@@ -10,7 +10,6 @@ multiprocessing ends a child with os._exit: no atexit, no report).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -23,7 +22,7 @@ import jsonschema
 import paddle
 import pytest
 from inloop_helpers import ROOT
-from run_truth import first_backward_fault
+from run_truth import first_backward_fault, run_script
 
 from nandoctor.report.json import schema_path
 
@@ -32,10 +31,7 @@ KEYS = ("step", "phase", "layer", "op", "parameter", "sample_indices")
 
 
 def _script() -> Any:
-    spec = importlib.util.spec_from_file_location("_run_forked", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return run_script(SCRIPT)
 
 
 def ground_truth(capfd: pytest.CaptureFixture, worker: int = 2, groups: bool = False) -> dict[str, Any]:

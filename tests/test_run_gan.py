@@ -10,7 +10,6 @@ optimizer's) was applied and missed: the report named step 5's data, the NaN the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,7 +21,7 @@ import jsonschema
 import paddle
 import pytest
 from inloop_helpers import ROOT
-from run_truth import first_backward_fault
+from run_truth import first_backward_fault, run_script
 
 from nandoctor.report.json import schema_path
 
@@ -31,10 +30,7 @@ KEYS = ("step", "phase", "layer", "op", "parameter", "sample_indices")
 
 
 def _script() -> Any:
-    spec = importlib.util.spec_from_file_location("_run_gan", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return run_script(SCRIPT)
 
 
 def ground_truth(kind: str, capfd: pytest.CaptureFixture) -> tuple[str, dict[str, Any]]:

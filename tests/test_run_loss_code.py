@@ -20,18 +20,14 @@ import numpy as np
 import paddle
 import pytest
 from inloop_helpers import ROOT
+from run_truth import run_script
 
 SCRIPT = ROOT / "tests" / "run_scripts" / "loss_code.py"
 LINE = {"log": "return -(y * paddle.log(p)", "sqrt": "return paddle.sqrt("}
 
 
 def _script() -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_run_loss_code", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return run_script(SCRIPT)
 
 
 def _finite_grads(model: Any) -> bool:

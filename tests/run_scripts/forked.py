@@ -23,22 +23,10 @@ import sys
 import numpy as np
 import paddle
 from paddle import nn
+from radial import Radial  # (the script's own folder is first on sys.path)
 
 STEPS = 8
 BAD_WORKER, BAD_STEP = 2, 4
-
-
-class Radial(nn.Layer):
-    """p / (1 + |p|) of a projection p: the norm's sqrt has an infinite gradient where p is exactly 0."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(n, n, bias_attr=False)
-
-    def forward(self, h: paddle.Tensor) -> paddle.Tensor:
-        p = self.proj(h)
-        r = paddle.sqrt((p * p).sum(axis=1, keepdim=True))
-        return p / (1.0 + r)
 
 
 class Net(nn.Layer):
