@@ -7,7 +7,7 @@ values as Paddle tensors or numpy arrays. Naming happens once here so that every
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,41 +163,86 @@ def to_numpy(value: Any) -> np.ndarray | None:
     return None
 
 
+# A batch is checked for NaN/Inf this many values at a time: the check's temporaries (boolean masks, a
+# tensor's rows copied to the host) stay a few MB whatever the batch, not a copy of a 100 MB batch.
+CHECK_CHUNK = 1 << 20
+
+
+def row_chunks(value: Any) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, rows as a 2-D array) of an array or tensor with a first axis, a few MB at a time: a numpy
+    array's rows are views, a tensor's are copied to the host one chunk at a time (never the whole tensor)."""
+    shape = tuple(getattr(value, "shape", ()))
+    n = int(shape[0])
+    per_row = max(1, int(np.prod(shape[1:], dtype=np.int64)))
+    step = max(1, CHECK_CHUNK // per_row)
+    for start in range(0, n, step):
+        part = value[start:start + step]
+        arr = part if isinstance(part, np.ndarray) else to_numpy(part)
+        yield start, arr.reshape(arr.shape[0], -1)
+
+
+def _float_rows(value: Any) -> bool:
+    """Whether `value` is an array or tensor of floats with a first axis (what the row checks read)."""
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind in "fc" and value.ndim > 0 and value.size > 0
+    shape = getattr(value, "shape", None)
+    if shape is None or not hasattr(value, "numpy") or len(shape) == 0 or 0 in shape:
+        return False
+    from nandoctor.probe.monitors import float_dtypes
+
+    return value.dtype in float_dtypes()
+
+
 def nonfinite_rows(value: Any) -> list[int]:
     """Positions along the first axis that hold a NaN or Inf (a batch's samples, a weight's rows); [0] for
-    a non-finite scalar; [] for anything that is not array-like."""
-    arr = to_numpy(value)
-    if arr is None or arr.dtype.kind not in "fc":
-        return []
-    if arr.ndim == 0:
-        return [0] if not np.isfinite(arr) else []
-    bad = ~np.isfinite(arr.reshape(arr.shape[0], -1)).all(axis=1)
-    return [int(i) for i in np.where(bad)[0]]
+    a non-finite scalar; [] for anything that is not array-like. Read a chunk of rows at a time."""
+    if not _float_rows(value):  # a scalar, a list, a complex tensor: as numpy
+        value = to_numpy(value)
+        if value is None or value.dtype.kind not in "fc" or value.size == 0:
+            return []
+        if value.ndim == 0:
+            return [0] if not np.isfinite(value) else []
+    out: list[int] = []
+    for start, rows in row_chunks(value):
+        bad = ~np.isfinite(rows).all(axis=1)
+        out += (np.flatnonzero(bad) + start).tolist()
+    return out
 
 
 def harmful_rows(value: Any) -> list[int]:
     """Like `nonfinite_rows`, but an additive attention mask's intended -inf does not count: in a field
     whose finite values are all 0 or <= -1e30 (the rule `probe.origin.kind` applies to a model's own
-    masks), only NaN and +inf are harmful. A user's batch may carry such a mask on purpose."""
-    arr = to_numpy(value)
-    if arr is None or arr.dtype.kind != "f" or arr.ndim == 0:
-        return nonfinite_rows(arr)
-    if arr.size == 0:  # an empty batch holds no value at all (reshape(0, -1) cannot even be asked)
-        return []
-    flat = arr.reshape(arr.shape[0], -1)
-    finite = np.isfinite(flat)
-    if finite.all():
-        return []
-    return [int(i) for i in np.where(harmful_values(flat, finite).any(axis=1))[0]]
+    masks), only NaN and +inf are harmful. A user's batch may carry such a mask on purpose. A chunk of
+    rows at a time: a healthy chunk costs one finiteness test, and nothing the size of the batch is made."""
+    if not _float_rows(value) or getattr(value.dtype, "kind", "f") == "c":  # (a tensor's dtype has no kind)
+        return nonfinite_rows(value)
+    nonfinite: list[int] = []  # rows with any NaN/Inf
+    harmful: list[int] = []  # rows with a NaN or +inf
+    mask_like = True  # every finite value so far is 0 or <= -1e30
+    for start, rows in row_chunks(value):
+        finite = np.isfinite(rows)
+        if finite.all():
+            if mask_like:
+                mask_like = bool(((rows == 0) | (rows <= -1e30)).all())
+            continue
+        bad_rows = np.flatnonzero(~finite.all(axis=1))
+        nonfinite += (bad_rows + start).tolist()
+        sub = rows[bad_rows]  # only the rows holding a NaN/Inf: few, and small
+        harmful += (bad_rows[(np.isnan(sub) | (sub == np.inf)).any(axis=1)] + start).tolist()
+        if mask_like:
+            with np.errstate(invalid="ignore"):
+                mask_like = bool(((rows == 0) | (rows <= -1e30) | ~finite).all())
+    return harmful if mask_like else nonfinite
 
 
 def harmful_values(values: np.ndarray, finite: np.ndarray) -> np.ndarray:
     """Where float `values` (with `finite = np.isfinite(values)`) hold a harmful NaN/Inf: every non-finite
     value, but -inf only when the finite ones are not an additive mask's (all 0, or <= -1e30 as
-    finfo.min-style fills are)."""
+    finfo.min-style fills are). (No copy of the finite values: boolean masks only.)"""
     bad = ~finite
-    kept = values[finite]
-    if ((kept == 0) | (kept <= -1e30)).all():
+    with np.errstate(invalid="ignore"):
+        mask_like = bool(((values == 0) | (values <= -1e30) | bad).all())
+    if mask_like:
         bad &= values != -np.inf
     return bad
 

@@ -191,20 +191,22 @@ class StepMonitor:
 
     def recheck_grads(self, stats: StepStats) -> bool:
         """After a non-finite norm: are the gradients really non-finite, or did float32's square overflow
-        (norms above ~1.8e19)? Recomputes the norms in float64 on the host (rare path, one sync per
-        parameter); True when every gradient is finite, and then `stats` holds the exact norms."""
+        (norms above ~1.8e19)? Recomputes the norms in float64 on the host (rare path, one sync per chunk);
+        True when every gradient is finite, and then `stats` holds the exact norms. Each gradient reaches
+        the host a few MB at a time (batches.row_chunks): a float64 copy of a large model's gradient, and
+        its square, would be several times its size, on top of everything the step holds."""
         sq = np.full(len(self.params), np.nan)
         late = 0.0
         for i, p in enumerate(self.params + self.late):
             if p.grad is None:
                 continue
-            g = np.asarray(p.grad.numpy(), dtype="float64")
-            if not np.isfinite(g).all():
+            total = _sum_squares(p.grad)
+            if total is None:
                 return False
             if i < len(sq):
-                sq[i] = float(np.sum(g * g))
+                sq[i] = total
             else:
-                late += float(np.sum(g * g))
+                late += total
         stats.grad_sq = sq
         stats.grad_norm = float(np.sqrt(np.nansum(sq) + late))
         return True
@@ -352,6 +354,25 @@ class StepMonitor:
             pos += len(acts)
         held = vec[pos:pos + len(pending)] if pending else None
         return StepStats(loss_v, g_full, g_norm, params_sum, act_max, loss_scale, held)
+
+
+def _sum_squares(tensor: Any) -> float | None:
+    """The sum of squares of a tensor's values in float64, a chunk of rows at a time (a few MB each); None
+    when a value is NaN/Inf."""
+    from nandoctor.batches import row_chunks, to_numpy
+
+    if len(tensor.shape) == 0:
+        arr = to_numpy(tensor)
+        chunks = [arr.reshape(1, 1)] if arr is not None else []
+    else:
+        chunks = (rows for _, rows in row_chunks(tensor))
+    total = 0.0
+    for rows in chunks:
+        flat = rows.astype(np.float64).ravel()
+        if not np.isfinite(flat).all():
+            return None
+        total += float(flat @ flat)
+    return total
 
 
 def stacked_losses(losses: list[Any]) -> Any:
