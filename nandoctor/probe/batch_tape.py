@@ -105,6 +105,7 @@ class BatchTape:
         fresh = opened is None or opened[1] > start  # (a kept batch let go in between: start over)
         if opened is not None and fresh:
             stop_loader(opened[0])
+            opened = None  # a generator holds the last batch it yielded: not alive through this whole replay
         saved = _rng_now()
         if fresh:
             if rng is not None:
@@ -112,7 +113,8 @@ class BatchTape:
             self.loaders += 1
             it, n = iter(_Recording(self._make(), self, epoch, keep=False)), 0
         else:
-            it, n = opened
+            it, n = opened  # type: ignore[misc]
+            opened = None
         try:
             while True:
                 try:
@@ -250,21 +252,51 @@ def batch_nbytes(batch: Any) -> int:
 
 
 def same(a: Any, b: Any) -> bool:
-    """Whether two batches hold the same values (NaN equal to NaN)."""
+    """Whether two batches hold the same values (NaN equal to NaN), compared a chunk of rows at a time: no
+    copy of either batch (a tensor's rows reach the host a few MB at a time)."""
     from nandoctor.batches import to_numpy
 
     la, lb = _leaves(a), _leaves(b)
     if len(la) != len(lb):
         return False
     for x, y in zip(la, lb):
-        ax, ay = to_numpy(x), to_numpy(y)
-        if ax is None or ay is None:
-            if ax is not ay and x != y:
+        if x is y:
+            continue
+        if not (_is_array(x) and _is_array(y)):
+            ax, ay = to_numpy(x), to_numpy(y)
+            if ax is None or ay is None:
+                if ax is not ay and x != y:
+                    return False
+                continue
+            if ax.shape != ay.shape or not np.array_equal(ax, ay, equal_nan=ax.dtype.kind in "fc"):
                 return False
             continue
-        if ax.shape != ay.shape or not np.array_equal(ax, ay, equal_nan=ax.dtype.kind in "fc"):
+        if tuple(x.shape) != tuple(y.shape):
             return False
+        for cx, cy in zip(_chunks(x), _chunks(y)):
+            if cx.shape != cy.shape or not np.array_equal(cx, cy, equal_nan=cx.dtype.kind in "fc"):
+                return False
     return True
+
+
+COMPARE_CHUNK = 1 << 20  # values compared at a time by `same`
+
+
+def _is_array(value: Any) -> bool:
+    """A numpy array or a tensor with a first axis (compared by chunks of rows)."""
+    shape = getattr(value, "shape", None)
+    return (isinstance(value, np.ndarray) or hasattr(value, "numpy")) and shape is not None and len(shape) > 0
+
+
+def _chunks(value: Any) -> Iterator[np.ndarray]:
+    from nandoctor.batches import to_numpy
+
+    shape = tuple(value.shape)
+    per_row = max(1, int(np.prod(shape[1:], dtype=np.int64)))
+    step = max(1, COMPARE_CHUNK // per_row)
+    for start in range(0, max(1, int(shape[0])), step):
+        part = value[start:start + step]
+        yield part if isinstance(part, np.ndarray) else to_numpy(part)
 
 
 def _rng_now() -> tuple[Any, Any, Any]:

@@ -66,6 +66,10 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
     here = _fault_snapshot(fault, ring, entry)
     end_step = fault.step + max(1, fix_steps)
     cands = _candidates(report, fault, workload, ring, here, amp)
+    # The fault's batch has served (localisation, findings, the candidates' texts; a bundle took its own
+    # copy): the replays read the batch again, so holding this one too keeps a second copy of a batch alive
+    # through every replay (the loop's watcher and step engine must let it go as well for it to be freed).
+    fault.fields = None
     control_start = min((c.start for c in cands if c.start is not None), key=lambda s: s.step, default=None)
     control = None
     rows: list[dict[str, Any]] = []

@@ -139,6 +139,9 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
             if time.perf_counter() > deadline:
                 out.cut = True
                 break
+            # the last step's batch (a subset: a copy), its loss and gradients let go before the next batch is
+            # drawn: a plain loop holds one batch then, and a 100 MB batch or a large model's gradients count
+            item = batch = fields = here = loss = grads = engine.fields = None
             item = next(feed, None)
             if item is None:  # the kept batches ended and the loader cannot give the same ones again
                 out.ended = True
@@ -375,12 +378,14 @@ def _reinit_rows(model: Any, rows: dict[str, list[int]]) -> None:
 
 
 def _nonfinite_rows(fields: dict[str, Any]) -> set[int]:
-    """The samples a loader filter would drop: those holding a harmful NaN/Inf (a mask's -inf is kept)."""
+    """The samples a loader filter would drop: those holding a harmful NaN/Inf (a mask's -inf is kept).
+    Each field is read a chunk of rows at a time (batches.harmful_rows), never copied whole."""
     from nandoctor.batches import harmful_rows, to_numpy
 
     n = _rows(fields)
-    arrays = [to_numpy(v) for v in fields.values()]
-    return {i for arr in arrays if arr is not None and arr.ndim > 0 and arr.shape[0] == n for i in harmful_rows(arr)}
+    arrays = [v if hasattr(v, "shape") else to_numpy(v) for v in fields.values()]  # (a list: as numpy)
+    return {i for arr in arrays if arr is not None and len(arr.shape) > 0 and int(arr.shape[0]) == n
+            for i in harmful_rows(arr)}
 
 
 def _rows(fields: dict[str, Any]) -> int:
