@@ -7,6 +7,10 @@ and none waits at a collective the others never reach. The rank that faulted "fi
 rank with a fault of its own (2); gradients alone (1) may have come from another rank through
 DataParallel's gradient all-reduce. Only on a fault is there more: each rank writes its own report
 beside the merged one, a barrier, and rank 0 merges.
+
+When the ranks never agree (one raised alone, was killed, or hung), whoever watched the launch from
+outside (`probe --nproc`, `nandoctor run`) builds the job's report from what the ranks left: their own
+reports and where each stood (rank_progress.py), `rank_failure`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from nandoctor.findings import Code, Phase
 from nandoctor.probe.watcher import Fault, FaultKind
+from nandoctor.rank_progress import HANG_SECONDS, behind, hang_seconds, launched_rank, signal_in_log
 
 PEER = "peer"  # Fault.evidence key: this rank stopped because another rank faulted
 
@@ -76,6 +82,10 @@ class RankSync:
         self.world = world_size()
         self.levels: list[int] = [0] * self.world
         self.step: int | None = None
+        # `nandoctor run`: this rank's position for the parent (rank_progress.py), moved on at each check
+        progress = launched_rank()
+        self.progress = progress if progress is not None and not progress.own_loop else None
+        self._following = False
 
     @property
     def writes_report(self) -> bool:
@@ -86,12 +96,20 @@ class RankSync:
         import paddle
         import paddle.distributed as dist
 
+        progress = self.progress
+        if progress is not None:
+            if not self._following:  # from the first check on, the model's forward and backward move it too
+                self._following = True
+                progress.follow(doctor.wrapper, lambda: doctor.step)
+            progress.at(doctor.step, Phase.OPTIMIZER)
         vec = [0] * self.world
         vec[self.rank] = own_level(fault)
         t = paddle.to_tensor(vec, dtype="int32")
         dist.all_reduce(t)
         levels = [int(v) for v in t.numpy().tolist()]
         if not any(levels):
+            if progress is not None:  # (its update, then the next step's data: no seam between the two)
+                progress.at(doctor.step + 1, Phase.DATA)
             return None
         self.levels = levels
         self.step = doctor.step
@@ -225,3 +243,86 @@ def merge_crashed(reports: dict[int, Any], world: int, silent: dict[int, str] | 
 def _step(report: Any) -> int | None:
     ff = report.first_fault if report is not None else None
     return ff.step if ff is not None else None
+
+
+def rank_failure(reports: dict[int, Any], ending: Any, *, mode: Any, device: str) -> Any:
+    """The job's report when the ranks did not reach the merged one (`ending`: rank_progress.Ending): a rank's
+    own exception (`reports`: the reports ranks wrote alone), else the rank that died first without a word
+    (`rank.killed`), else the rank the others waited for (`rank.hung`: the parent stopped the job, or the
+    collective they waited in timed out and they died of it). None when nothing says which rank it was."""
+    world = max([ending.world, *[int(r.run.get("world_size") or 0) for r in reports.values()],
+                 max(reports, default=-1) + 1])
+    positions = ending.positions
+    died = ending.died
+    fates: dict[int, str] = {}
+    # the ranks the others waited for (those that died of the wait are not among them)
+    stuck = [r for r in behind(positions) if r not in ending.in_collective]
+    timed_out = bool(died) and died[0] in ending.in_collective and bool(stuck)
+    if reports and died:  # a rank raised; the others aborted at the collective it never reached
+        fates.update({r: f"stopped after rank {min(reports)} raised" for r in died})
+    elif died and not timed_out:
+        first = died[0]
+        fates[first] = f"died first, at {positions[first].describe()}, without a Python exception"
+        fates.update({r: f"stopped after rank {first} died" for r in died[1:]})
+    elif ending.hung or timed_out:
+        why = (f"no progress for {hang_seconds():g} s" if ending.hung else
+               "no progress while the others waited for it")
+        fates.update({r: f"waited for rank {min(stuck)} at a collective until it timed out"
+                      for r in died if r in ending.in_collective})
+        fates.update({r: f"{why} at {positions[r].describe()}" for r in stuck})
+    merged = merge_crashed(reports, world, fates)
+    if merged is not None:
+        return merged
+    if died and not timed_out:
+        first = died[0]
+        return _rank_report(world, first, positions, fates, Code.RANK_KILLED,
+                            _died_message(first, world, positions[first], signal_in_log(ending.logs.get(first))),
+                            ["If it was the out-of-memory killer (`dmesg` says so), lower this rank's memory: a "
+                             "smaller batch per rank, or fewer ranks per machine. A native crash (SIGSEGV, "
+                             "SIGABRT) points at a custom op or an extension: the rank's log has its stack."],
+                            mode=mode, device=device)
+    if stuck and fates:
+        first = min(stuck)
+        if ending.hung:
+            how = (f"no rank made progress for {hang_seconds():g} s, and the others were waiting for it at a "
+                   "collective (DataParallel's gradient all-reduce, or nandoctor's check). The job was stopped.")
+        else:
+            how = (f"the others waited for it at a collective (DataParallel's gradient all-reduce, or nandoctor's "
+                   f"check) until it timed out, and rank {died[0]} died of it (its log ends in a gloo error).")
+        return _rank_report(world, first, positions, fates, Code.RANK_HUNG,
+                            f"Rank {first} of {world} stopped moving at {positions[first].describe()}: {how}",
+                            [f"Look for what rank {first} does alone at that point: a data loader that blocks on "
+                             "this rank only, a collective called on some ranks and not others, or input/output "
+                             "that waits. NANDOCTOR_RANK_HANG_SECONDS sets how long a rank may stand still "
+                             f"(default {HANG_SECONDS:g} s)."], mode=mode, device=device)
+    return None
+
+
+def _died_message(rank: int, world: int, where: Any, signame: str | None) -> str:
+    what = (f"died of {signame} (a crash in native code: Paddle printed it in the rank's log)" if signame else
+            "was killed by a signal no process can catch (SIGKILL: the kernel's out-of-memory killer, or kill -9)")
+    return (f"Rank {rank} of {world} {what} at {where.describe()}, without a Python exception; the other ranks "
+            "stopped after it.")
+
+
+def _rank_report(world: int, first: int, positions: dict[int, Any], fates: dict[int, str], code: Any,
+                 message: str, advice: list[str], *, mode: Any, device: str) -> Any:
+    """A report of one rank that stopped the job without a report of its own (verdict `crashed`)."""
+    from nandoctor.findings import Finding, FirstFault, Location, Severity
+    from nandoctor.inloop import outcome
+
+    where = positions.get(first)
+    step = where.step if where is not None and where.step >= 0 else None
+    phase = where.phase if where is not None else None
+    report = outcome.new_report(device, mode)
+    report.crashed = True
+    report.findings.append(Finding(code, Severity.ERROR, message,
+                                   Location(step=step, phase=phase, batch_index=step, rank=first), advice=advice))
+    if phase is not None:  # where that rank was when it stopped; unknown before its first step
+        report.first_fault = FirstFault(step=step, phase=phase, batch_index=step, rank=first)
+    report.run["first_rank"] = first
+    report.run["world_size"] = world
+    report.details["first_rank"] = first
+    report.details["ranks"] = [{"rank": r, "position": positions[r].describe() if r in positions else None,
+                                "fate": fates.get(r)} for r in range(world)]
+    return report

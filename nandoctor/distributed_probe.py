@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,30 +29,33 @@ if __name__ == "__main__" and sys.path and Path(sys.path[0]).resolve() == Path(_
     sys.path.pop(0)  # run by the launcher as a file: nandoctor's own folder must not shadow top-level modules
 
 from nandoctor.errors import SpecError
-from nandoctor.findings import Code, Finding, FirstFault, Location, Mode, Report, Severity
-from nandoctor.rank_progress import HANG_SECONDS, Position
+from nandoctor.findings import Mode, Report
 
 TIMEOUT = 3600  # seconds for the whole launch; a rank left waiting must not hang the command for ever
 
 
 def launch_probe(config: Path, steps: int, seed: int, nproc: int, device: str = "auto") -> Report:
     """Run the ranks; rank 0's merged report. A rank whose own code raised, that was killed, or that
-    stopped moving is named in a report of its own (`_without_agreement`); a launch that left nothing to
-    read is a SpecError with the ranks' last output."""
+    stopped moving is named in a report of its own (distributed.rank_failure); a launch that left nothing
+    to read is a SpecError with the ranks' last output."""
+    from nandoctor.rank_progress import ENV, RankWatch
+
     with tempfile.TemporaryDirectory(prefix="nandoctor-nproc-") as tmp:
         out = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc), "--log_dir",
                str(Path(tmp) / "log"), str(Path(__file__).resolve()), str(config), "--steps", str(steps),
                "--seed", str(seed), "--out", str(out), "--device", device]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_")}
+        env[ENV] = str(out.with_name("ranks"))  # each rank's position, and how its processes are found
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
-        ending = _wait(proc, out, nproc)
+        watch = RankWatch(out.with_name("ranks"), nproc)
+        _wait(proc, watch)
         launcher_out = proc.stdout.read() if proc.stdout is not None else ""
         if out.is_file():
             report = Report.from_dict(json.loads(out.read_text(encoding="utf-8")))
         else:
-            report = _without_agreement(out.with_name("ranks"), nproc, ending, Path(tmp) / "log")
+            report = _without_agreement(out.with_name("ranks"), watch.ending)
         if report is None:
             logs = "\n".join(p.read_text(errors="replace")[-1500:]
                              for p in sorted((Path(tmp) / "log").glob("workerlog.*")))
@@ -67,157 +69,50 @@ def launch_probe(config: Path, steps: int, seed: int, nproc: int, device: str = 
     return report
 
 
-@dataclass
-class _Ending:
-    """How a launch ended, as the parent saw it: ranks that vanished mid-loop in the order they did, and
-    where every rank stood; `hung` when the parent stopped a launch in which none moved for the limit."""
+def _wait(proc: subprocess.Popen, watch: Any) -> None:
+    """Wait for the launch, looking at every rank's position (rank_progress.RankWatch): a rank whose process
+    is gone while its loop was running died without a word; when none moved for the hang limit, or the
+    whole launch passed TIMEOUT, every process of the launch is stopped."""
+    from nandoctor.rank_progress import LOOK_SECONDS
 
-    died: list[int] = field(default_factory=list)
-    positions: dict[int, Position] = field(default_factory=dict)
-    hung: bool = False
-
-
-def _wait(proc: subprocess.Popen, out: Path, world: int) -> _Ending:
-    """Wait for the launch, watching every rank's position (rank_progress.py): a rank whose process is
-    gone while its loop was running died without a word (the first to go is the one that died of it; the
-    others stopped after it); when none moved for the hang limit, or the whole launch passed TIMEOUT, every
-    process of the launch is stopped."""
-    from nandoctor.rank_progress import died_in_collective, hang_seconds, read_positions
-
-    limit = hang_seconds()
-    ranks = out.with_name("ranks")
-    ending = _Ending()
-    started = last_move = time.monotonic()
+    started = time.monotonic()
     try:
         while True:
             try:
-                proc.wait(timeout=0.05)
+                proc.wait(timeout=LOOK_SECONDS)
                 # the launcher ends at its first failed rank; the others may still wait in a collective
-                _stop(proc, out)
-                return ending
+                _stop(proc, watch)
+                return
             except subprocess.TimeoutExpired:
                 pass
-            now = time.monotonic()
-            positions = read_positions(ranks, world)
-            gone = [r for r, where in positions.items()
-                    if where.phase is not None and r not in ending.died and not where.alive]
-            # a rank whose peer died aborts in gloo within milliseconds ("Connection reset by peer"): of the
-            # ranks gone since the last look, those that died of a collective go after the one that did not
-            ending.died += sorted(gone, key=lambda r: died_in_collective(out.with_name("log") / f"workerlog.{r}"))
-            if positions != ending.positions:
-                ending.positions, last_move = positions, now
-            # a hang is judged once every rank has started (start-up on a loaded machine can be slow)
-            stalled = len(positions) == world and now - last_move > limit
-            if stalled or now - started > TIMEOUT:
-                ending.hung = not ending.died
-                _stop(proc, out)
-                return ending
+            if watch.look() or time.monotonic() - started > TIMEOUT:
+                watch.stopped()
+                _stop(proc, watch)
+                return
     except BaseException:  # Ctrl-C, SIGTERM: no rank trains on as an orphan
-        _stop(proc, out)
+        _stop(proc, watch)
         raise
 
 
-def _stop(proc: subprocess.Popen, out: Path) -> None:
-    """Kill the launcher's process group and every rank (the launcher starts each in a session of its own,
-    so they are found by `out`, which every rank's command line holds), and wait until they are gone."""
+def _stop(proc: subprocess.Popen, watch: Any) -> None:
+    """Kill the launcher's process group and every rank (each in a session of its own), and wait for them."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    deadline = time.monotonic() + 5.0
-    while (ranks := _processes_with(str(out))) and time.monotonic() < deadline:
-        for pid in ranks:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
+    watch.stop_all()
 
 
-def _processes_with(marker: str) -> list[int]:
-    """Live processes whose command line holds `marker` (Linux /proc; elsewhere none are found)."""
-    from nandoctor.rank_progress import process_alive
-
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline and process_alive(int(entry.name)):
-            found.append(int(entry.name))
-    return found
-
-
-def _without_agreement(ranks: Path, world: int, ending: _Ending, logs: Path) -> Report | None:
-    """The job's report when the ranks did not reach the merged one: a rank's own exception (its report in
-    ranks/rank-N/), else the rank that died first without a word, else the ranks the others waited for."""
-    from nandoctor.distributed import merge_crashed
-    from nandoctor.rank_progress import behind, hang_seconds, read_positions, signal_in_log
+def _without_agreement(ranks: Path, ending: Any) -> Report | None:
+    """The job's report when the ranks did not reach the merged one: from the reports ranks wrote alone
+    (ranks/rank-N/) and where each stood."""
+    from nandoctor.distributed import rank_failure
 
     reports = {}
-    for r in range(world):
+    for r in range(ending.world):
         path = ranks / f"rank-{r}" / "report.json"
         if path.is_file():
             reports[r] = Report.from_dict(json.loads(path.read_text(encoding="utf-8")))
-    positions = ending.positions or read_positions(ranks, world)
-    fates: dict[int, str] = {}
-    if reports and ending.died:  # a rank raised; the others aborted at the collective it never reached
-        fates.update({r: f"stopped after rank {min(reports)} raised" for r in ending.died})
-    elif ending.died:
-        first = ending.died[0]
-        fates[first] = f"died first, at {positions[first].describe()}, without a Python exception"
-        fates.update({r: f"stopped after rank {first} died" for r in ending.died[1:]})
-    elif ending.hung:
-        fates.update({r: f"no progress for {hang_seconds():g} s at {positions[r].describe()}"
-                      for r in behind(positions)})
-    merged = merge_crashed(reports, world, fates)
-    if merged is not None:
-        return merged
-    if ending.died:
-        first = ending.died[0]
-        return _rank_report(world, first, positions, fates, Code.RANK_KILLED,
-                            _died_message(first, world, positions[first], signal_in_log(logs / f"workerlog.{first}")),
-                            ["If it was the out-of-memory killer (`dmesg` says so), lower this rank's memory: a "
-                             "smaller batch per rank, or fewer ranks per machine. A native crash (SIGSEGV, "
-                             "SIGABRT) points at a custom op or an extension: the rank's log has its stack."])
-    if ending.hung and fates:
-        first = min(fates)
-        return _rank_report(world, first, positions, fates, Code.RANK_HUNG,
-                            f"Rank {first} of {world} stopped moving at {positions[first].describe()}: no rank made "
-                            f"progress for {hang_seconds():g} s, and the others were waiting for it at a collective "
-                            "(DataParallel's gradient all-reduce, or nandoctor's check). The job was stopped.",
-                            [f"Look for what rank {first} does alone at that point: a data loader that blocks on "
-                             "this rank only, a collective called on some ranks and not others, or input/output "
-                             "that waits. NANDOCTOR_RANK_HANG_SECONDS sets how long a rank may stand still "
-                             f"(default {HANG_SECONDS:g} s)."])
-    return None
-
-
-def _died_message(rank: int, world: int, where: Position, signame: str | None) -> str:
-    what = (f"died of {signame} (a crash in native code: Paddle printed it in the rank's log)" if signame else
-            "was killed by a signal no process can catch (SIGKILL: the kernel's out-of-memory killer, or kill -9)")
-    return (f"Rank {rank} of {world} {what} at {where.describe()}, without a Python exception; the other ranks "
-            "stopped after it.")
-
-
-def _rank_report(world: int, first: int, positions: dict[int, Position], fates: dict[int, str], code: Code,
-                 message: str, advice: list[str]) -> Report:
-    """A report of one rank that stopped the job without a report of its own (verdict `crashed`)."""
-    from nandoctor.inloop import outcome
-
-    where = positions.get(first)
-    step = where.step if where is not None and where.step >= 0 else None
-    phase = where.phase if where is not None else None
-    report = outcome.new_report("cpu", Mode.PROBE)
-    report.crashed = True
-    report.findings.append(Finding(code, Severity.ERROR, message,
-                                   Location(step=step, phase=phase, batch_index=step, rank=first), advice=advice))
-    if phase is not None:  # where that rank was when it stopped; unknown before its first step
-        report.first_fault = FirstFault(step=step, phase=phase, batch_index=step, rank=first)
-    report.run["first_rank"] = first
-    report.run["world_size"] = world
-    report.details["first_rank"] = first
-    report.details["ranks"] = [{"rank": r, "position": positions[r].describe() if r in positions else None,
-                                "fate": fates.get(r)} for r in range(world)]
-    return report
+    return rank_failure(reports, ending, mode=Mode.PROBE, device="cpu")
 
 
 def rank_main(config: Path, steps: int, seed: int, out: Path, device: str = "auto") -> int:
@@ -231,7 +126,7 @@ def rank_main(config: Path, steps: int, seed: int, out: Path, device: str = "aut
     from nandoctor.findings import Phase
     from nandoctor.inloop.doctor import Doctor
     from nandoctor.probe.loop import UserRaised, user_call
-    from nandoctor.rank_progress import RankProgress
+    from nandoctor.rank_progress import RankProgress, launched_rank
     from nandoctor.spec import load_spec
     from nandoctor.training import StepEngine
     from nandoctor.workload import build_optimizer, build_workload
@@ -253,10 +148,11 @@ def rank_main(config: Path, steps: int, seed: int, out: Path, device: str = "aut
     model.train()
     ranks_dir = out.with_name("ranks")
     fp16 = spec.amp.enabled and spec.amp.dtype == "float16"
+    progress = launched_rank() or RankProgress(ranks_dir, rank)
+    progress.own_loop = True  # this loop marks every phase itself: the agreement adds nothing
     doctor = Doctor(dp, optimizer, step_fn=workload.compute_loss, report_dir=ranks_dir, sync=RankSync(),
                     target=workload.target(), scaler=engine.scaler, fp16=fp16, mode=Mode.PROBE)
     loop = engine.with_boundary(user_call)  # the user's calls: their exception is this rank's finding, ours is not
-    progress = RankProgress(ranks_dir, rank)
     fields: dict[str, Any] | None = None
     try:
         it = iter(user_call(Phase.DATA, lambda: iter(_shard(workload.make_loader(), rank, world))))
