@@ -76,3 +76,24 @@ def probe_plain_loop(tmp_path: Path, healthy: bool = False) -> dict[str, Any]:
     path = tmp_path / "plain_loop.yaml"
     path.write_text(yaml.safe_dump(raw), encoding="utf-8")
     return fault_of(run_probe(load_spec(path), ProbeOptions(steps=20, seed=0, device="cpu")))
+
+
+def first_nonfinite_step(model: Any, batches: Any, *, grads: bool, lr: float = 0.01) -> int | None:
+    """Ground truth from a plain Paddle loop (Adam at `lr`, cross-entropy, as tests/probe_models.py's specs
+    train): the first step whose loss (or, with `grads`, any gradient) is non-finite, judged on the host
+    in float64."""
+    import numpy as np
+    import paddle
+
+    opt = paddle.optimizer.Adam(learning_rate=lr, parameters=model.parameters())
+    for step, (x, y) in enumerate(batches):
+        loss = paddle.nn.functional.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y).unsqueeze(-1))
+        if not np.isfinite(float(loss)):
+            return step
+        loss.backward()
+        if grads and not all(np.isfinite(p.grad.numpy().astype("float64")).all()
+                             for p in model.parameters() if p.grad is not None):
+            return step
+        opt.step()
+        opt.clear_grad()
+    return None

@@ -9,6 +9,7 @@ import numpy as np
 import paddle
 import probe_models as pm
 import pytest
+from inloop_helpers import first_nonfinite_step
 from probe_spec import probe
 
 from nandoctor.findings import Phase
@@ -29,23 +30,6 @@ def reads_spaced(monkeypatch, no_stats_steps):
     monkeypatch.setattr(watcher, "_READ_SHARE", 1e-9)
 
 
-def _first_nonfinite_step(model, batches, *, grads: bool) -> int | None:
-    """Ground truth from a plain Paddle loop (Adam, lr 0.01, as the spec): the first step whose loss (or,
-    with `grads`, any gradient) is non-finite, judged on the host in float64."""
-    opt = paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters())
-    for step, (x, y) in enumerate(batches):
-        loss = paddle.nn.functional.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y).unsqueeze(-1))
-        if not np.isfinite(float(loss)):
-            return step
-        loss.backward()
-        if grads and not all(np.isfinite(p.grad.numpy().astype("float64")).all()
-                             for p in model.parameters() if p.grad is not None):
-            return step
-        opt.step()
-        opt.clear_grad()
-    return None
-
-
 def _live(tmp_path, steps=BATCHES, **kw):
     """The same spec probed with every step read (no ring: nothing to roll back to)."""
     tmp_path.mkdir()
@@ -61,7 +45,7 @@ def _where(report):
 
 def test_a_backward_fault_on_an_unread_step_of_a_small_model_is_named_as_if_caught_live(tmp_path, reads_spaced):
     data = {"zero_batch": FAULT_STEP, "zero_rows": [FAULT_ROW], "batches": BATCHES}
-    assert _first_nonfinite_step(pm.classifier("dist"), pm.loader(**data), grads=True) == FAULT_STEP
+    assert first_nonfinite_step(pm.classifier("dist"), pm.loader(**data), grads=True) == FAULT_STEP
     report = probe(tmp_path, model="classifier", model_args={"kind": "dist"}, data_args=data, steps=BATCHES)
     rollback = report.details["rollback"]
     assert FAULT_STEP in rollback["unread_steps"]  # the step's loss and gradients were never read live
@@ -75,7 +59,7 @@ def test_a_backward_fault_on_an_unread_step_of_a_small_model_is_named_as_if_caug
 
 def test_a_nan_batch_on_an_unread_step_is_named_as_data_at_its_step(tmp_path, reads_spaced):
     data = {"nan_batch": FAULT_STEP, "nan_rows": [FAULT_ROW], "batches": BATCHES}
-    assert _first_nonfinite_step(pm.classifier(), pm.loader(**data), grads=True) == FAULT_STEP
+    assert first_nonfinite_step(pm.classifier(), pm.loader(**data), grads=True) == FAULT_STEP
     report = probe(tmp_path, data_args=data, steps=BATCHES)
     assert FAULT_STEP in report.details["rollback"]["unread_steps"]
     ff = report.first_fault

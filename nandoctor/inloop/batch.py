@@ -29,13 +29,37 @@ def to_fields(batch: Any, names: Sequence[str] | None = None) -> tuple[dict[str,
 
         return dict(batch), rebuild_map
     if isinstance(batch, (tuple, list)):
-        keys = list(names) if names is not None and len(names) == len(batch) else default_field_names(len(batch))
-        seq = type(batch)
-
-        def rebuild_seq(fields: dict[str, Any]) -> Any:
-            values = [fields[k] for k in keys]
-            return seq(values) if seq in (tuple, list) else tuple(values)
-
+        keys, rebuild_seq = _sequence_layout(type(batch), len(batch), names)
         return dict(zip(keys, batch)), rebuild_seq
     key = names[0] if names else "x"
     return {key: batch}, lambda fields: fields[key]
+
+
+def _sequence_layout(seq: type, length: int, names: Sequence[str] | None
+                     ) -> tuple[list[str], Callable[[dict], Any]]:
+    """The field names of a tuple or list batch of this type and length, and its rebuild."""
+    keys = list(names) if names is not None and len(names) == length else default_field_names(length)
+
+    def rebuild_seq(fields: dict[str, Any]) -> Any:
+        values = [fields[k] for k in keys]
+        return seq(values) if seq in (tuple, list) else tuple(values)
+
+    return keys, rebuild_seq
+
+
+class FieldNamer:
+    """`to_fields` for one watch, every step: a plain tuple or list batch's names and rebuild are decided
+    once for its type and length (on a 0.3 ms step, building them anew was ~1% of the step)."""
+
+    def __init__(self, names: Sequence[str] | None) -> None:
+        self.names = names
+        self._layouts: dict[tuple[type, int], tuple[list[str], Callable[[dict], Any]]] = {}
+
+    def __call__(self, batch: Any) -> tuple[dict[str, Any], Callable[[dict], Any]]:
+        kind = type(batch)
+        if kind is not tuple and kind is not list:
+            return to_fields(batch, self.names)
+        layout = self._layouts.get((kind, len(batch)))
+        if layout is None:
+            layout = self._layouts[(kind, len(batch))] = _sequence_layout(kind, len(batch), self.names)
+        return dict(zip(layout[0], batch)), layout[1]

@@ -6,7 +6,9 @@ The user's loop keeps its own forward, backward and update; the doctor needs thr
   (RNG state captured for the replay, the sampled stats hooks switched on), as `ProbeLoop` does
   before its forward;
 - `check(loss, batch)` after backward: the watcher's one host sync and its fault decision, before
-  the optimizer has stepped, so the parameters are exactly those that produced a fault;
+  the optimizer has stepped, so the parameters are exactly those that produced a fault. Where the
+  steps can be replayed (`step_fn`, history.py), most steps are not read at all: their losses wait on
+  the device, and a fault found at a later read is rolled back to the exact step it began at;
 - the optimizer's `step`, wrapped on the instance: closes the step (the parameter check after the
   update, the timing) and, with `on_fault="skip_step"`, drops the update of a faulty step.
 
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nandoctor.findings import Mode, Report
-from nandoctor.inloop.batch import to_fields
+from nandoctor.inloop.batch import FieldNamer
 from nandoctor.inloop.history import StepHistory
 from nandoctor.probe.diagnose import StepTarget, note_replay_writes
 from nandoctor.probe.watcher import Fault, FaultKind, StepWatcher
@@ -68,6 +70,10 @@ class Doctor:
         self.report_dir = Path(report_dir) if report_dir is not None else None
         self.on_fault = on_fault
         self.names = fields
+        self._name_fields = FieldNamer(fields)
+        # the latest checked batch's rebuild: a fault read after its step (at close(), as the user's code
+        # raised) has its batch and the sample bisection's subsets put back in the user's shape by it
+        self._last_rebuild: Callable[[dict], Any] = lambda fields: None
         self.mode = mode
         # How the diagnosis names this workload's loss and data (a spec's, under --nproc); the replay is ours
         self.described = target
@@ -86,10 +92,11 @@ class Doctor:
         self.start_bad = nan_params.inspect(self.model, optimizer, bad) if bad else []
         self.watcher = StepWatcher(self.model, optimizer, scaler=scaler, fp16=fp16, amp=scaler is not None,
                                    start_nonfinite=bad or None)
-        # Gradients read one step in four on a many-tensor model, where a rollback can replay (history.py)
+        # Where a rollback can replay (history.py): most steps' losses left on the device, and a many-tensor
+        # model's gradients read one step in four
         self.history: StepHistory | None = None
         if (defer_reads and step_fn is not None and optimizer is not None and on_fault != "skip_step"
-                and sync is None and scaler is None and not self.watcher.monitor.small):
+                and sync is None and scaler is None):
             self.history = StepHistory(self.model, optimizer, self.watcher)
         self.step = 0  # steps checked so far = the next step's index
         self.fault: Fault | None = None
@@ -161,12 +168,22 @@ class Doctor:
 
     # ---- the user's call ----------------------------------------------------------------------------
     def check(self, loss: Any, batch: Any = None) -> bool:
-        """After `loss.backward()`, before `optimizer.step()`: True when the step is finite and may update.
+        """After `loss.backward()`, before `optimizer.step()`: True when the step may update.
 
-        One host sync. On the first fault the report is built (the step replayed when `step_fn` was
-        given) and written; then "stop" returns False (and every later call too), "raise" raises
-        NonFiniteError, "skip_step" returns False and makes the next `optimizer.step()` a no-op that
-        clears the gradients, so training goes on without the faulty update.
+        A step that is read (one host sync) returns True when its loss and gradients are finite. With
+        `step_fn` and the batch given here (one update per batch, no scaler, no ranks, `on_fault` "stop" or
+        "raise"), most steps after the first 64 are not read, as in the probe: the loss stays on the device
+        until a later check reads it together with its own (or `close()` does), and True only says that no
+        fault is known yet, so the update goes ahead. A non-finite value found at that later read is traced
+        back: the steps since a snapshot are replayed through `step_fn`, and the report names the first
+        faulty step (not the one whose check found it), its phase, layer, op and samples, as if caught
+        live. The model and optimizer are then left as they were before that step's update (the updates
+        after it are undone), and the check that found it answers as for any fault.
+
+        On the first fault the report is built (the step replayed when `step_fn` was given) and written;
+        then "stop" returns False (and every later call too), "raise" raises NonFiniteError, "skip_step"
+        (every step read) returns False and makes the next `optimizer.step()` a no-op that clears the
+        gradients, so training goes on without the faulty update.
         """
         if self._closed:
             raise RuntimeError("this nandoctor watch is closed; call nandoctor.watch again for a new run")
@@ -174,7 +191,8 @@ class Doctor:
             return False
         if not self._open:  # the model was not called in training mode since the last step
             self._begin()
-        fields, rebuild = to_fields(batch, self.names)
+        fields, rebuild = self._name_fields(batch)
+        self._last_rebuild = rebuild
         watcher = self.watcher
         watcher.attach_batch(fields, batch_index=self.step)
         fault = watcher.observe_loss(loss)
@@ -227,7 +245,7 @@ class Doctor:
         self._report(fault, rebuild)
         if self.on_fault == "raise":
             ff = self.report.first_fault if self.report else None
-            raise NonFiniteError(f"nandoctor: non-finite values at step {step}"
+            raise NonFiniteError(f"nandoctor: non-finite values at step {self.fault.step}"
                                  + (f": {ff.as_location().describe()}" if ff else ""), self.report)
         if self.on_fault == "skip_step":
             self.skipped.append(step)
@@ -254,7 +272,7 @@ class Doctor:
             fault = None if self.fault is not None or self.sync is not None else self.watcher.finish()
             if fault is not None:
                 self.fault = fault
-                self._report(fault, lambda f: None)
+                self._report(fault, self._last_rebuild)
         finally:
             self._hook.remove()
             if self.optimizer is not None and vars(self.optimizer).get("step") == self._wrapped_step:
@@ -284,6 +302,11 @@ class Doctor:
         from nandoctor.findings import Phase
         from nandoctor.probe.crash import in_backward, in_data_loading, label_in_traceback
 
+        unread = self.watcher.flush() if self.history is not None else None
+        if unread is not None:  # a NaN on an earlier step left unread came first (and may be why the code raised)
+            self.fault = unread
+            self._report(unread, self._last_rebuild)
+            return self.report
         if self._checked:
             phase = Phase.OPTIMIZER  # checked, not yet updated: the optimizer's step raised
         elif self._open:
@@ -430,7 +453,9 @@ def watch(model: Any, optimizer: Any = None, step_fn: Callable[[Any, Any], Any] 
     """Watch a training loop: `doctor.check(loss, batch)` after each backward (see Doctor.check).
 
     `step_fn(model, batch) -> loss` (the forward and loss of one step) lets the doctor replay a faulty
-    step for its layer, op, parameter, source line and samples. `fields` names the parts of a tuple
+    step for its layer, op, parameter, source line and samples, and (given the batch at each check) leave
+    most steps unread, a fault on one of them replayed from a snapshot (see Doctor.check for what True
+    then means). `fields` names the parts of a tuple
     batch. In a process group the script set up itself (`init_parallel_env`, more than one process; or
     `distributed=True`), every rank must call `check` every step: the ranks agree on a fault with one
     collective per step. Processes that joined no group are each watched alone.

@@ -1,15 +1,20 @@
-"""Spaced-out gradient reads for `nandoctor.watch`, as the probe has them: a snapshot ring, the batches
-since its older snapshot, and the rollback that replays them when a fault began on an unread step.
+"""Spaced-out reads for `nandoctor.watch`, as the probe has them: a snapshot ring, the batches since its
+older snapshot, and the rollback that replays them when a fault began on a step that was not read.
 
-On a model of hundreds of tensors, fetching and reducing every gradient is most of the watch's per-step
-cost (~2.5% of a 20 ms step on a 300-tensor MLP). Read one step in four, a NaN gradient on an unread step
-goes into the weights and shows one step later, as NaN weights or the NaN loss they cause. The probe
-then restores a snapshot and replays the steps from its loader (probe/rollback.py); a user's loop has no
-loader nandoctor could remake, so this keeps the checked batches since the ring's older snapshot (host
-references, no copies) and replays them through the user's `step_fn`. It is only switched on where such a
-replay can stand in for the live check: a `step_fn` to replay with, one optimizer step per batch (no
-gradient accumulation), no AMP scaler, no ranks to agree with, and `on_fault` other than "skip_step"
-(which promises that no faulty update is ever applied), and only while the kept batches stay small.
+Two reads are spaced out. On a model of hundreds of tensors, fetching and reducing every gradient is most
+of the watch's per-step cost (~2.5% of a 20 ms step on a 300-tensor MLP): they are read one step in four
+(`StepWatcher.defer_grads`). On a fast step (a tiny MLP's 0.3 ms) the loss's own host read is a third of
+the step: past the first READ_ALL_STEPS steps most steps are not read at all, their losses left on the
+device until a later read takes them together (`StepWatcher.defer_reads`); `check()` returns True for
+such a step without knowing its loss. Either way a NaN on a step that was not read goes into the weights
+and shows at a later read, as a NaN loss or NaN weights. The probe then restores a snapshot and replays
+the steps from its loader (probe/rollback.py); a user's loop has no loader nandoctor could remake, so
+this keeps the checked batches since the ring's older snapshot (host references, no copies) and replays
+them through the user's `step_fn`, naming the first faulty step as if caught live. It is only switched
+on where such a replay can stand in for the live check: a `step_fn` to replay with, one optimizer step
+per batch (no gradient accumulation), no AMP scaler, no ranks to agree with, and `on_fault` other than
+"skip_step" (which promises that no faulty update is ever applied), and only while the kept batches stay
+small.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from nandoctor.probe.loop import DEFER_EVERY, LoopResult
-from nandoctor.probe.snapshots import MIN_EVERY, SnapshotRing, tensor_nbytes
+from nandoctor.probe.snapshots import MIN_EVERY, SnapshotRing
 from nandoctor.probe.watcher import Fault, StepWatcher
 from nandoctor.schedulers import lr_scheduler
 from nandoctor.training import StepPlan
@@ -33,54 +38,65 @@ KEPT_BYTES = 64 * 2**20  # the batches kept for a replay, all together (on the d
 MIN_INTERVAL = 16  # snapshots needed more often than this (large batches): read every step instead
 
 
-@dataclass
-class _Kept:
-    fields: dict[str, Any]
-    rebuild: Callable[[dict], Any]
-    nbytes: int
-
-
 class StepHistory:
     """The ring, the kept batches and the rollback for one watch; `None` of it costs anything when off."""
 
     def __init__(self, model: Any, optimizer: Any, watcher: StepWatcher) -> None:
+        import paddle
+
         self.model = model
         self.optimizer = optimizer
         self.watcher = watcher
+        self._tensor = paddle.Tensor
         self.ring: SnapshotRing | None = SnapshotRing.for_model(model, optimizer)
         if not self.ring.memory_only():  # a model whose snapshots do not fit in memory: read every step
             self.ring = None
-        self.kept: dict[int, _Kept] = {}
+        # step -> (fields, rebuild, nbytes) of each batch kept (a tuple: one is made every step)
+        self.kept: dict[int, tuple[dict[str, Any], Callable[[dict], Any], int]] = {}
         self.kept_bytes = 0
+        self.closing = False  # off() was called with losses still unread: the ring stays until they are read
         sched = lr_scheduler(optimizer)  # where the loop's scheduler stood at step 0 (see _scheduler_by)
         self._sched_start = int(sched.last_epoch) if sched is not None else None
 
     def off(self, why: str) -> None:
-        """Back to reading every step, for good (no unread step can come after this)."""
+        """Back to reading every step, for good (no unread step can come after this). Losses still waiting
+        on the device are read with the next step: the ring and the batches stay until then, so that a
+        fault among them is still replayed (`keep` drops them)."""
         if self.ring is not None:
-            log.debug("nandoctor: gradients read every step: %s", why)
+            log.debug("nandoctor: every step read from now on: %s", why)
+        self.watcher.read_every_step()
+        if self.watcher.pending:
+            self.closing = True
+            return
+        self._drop()
+
+    def _drop(self) -> None:
         self.ring = None
+        self.closing = False
         self.kept.clear()
         self.kept_bytes = 0
-        self.watcher.defer_every = 1
 
     def begin(self, step: int) -> None:
         """Before step `step`'s forward: the ring's snapshot when one is due, then the batches it frees."""
         ring = self.ring
-        if ring is None:
+        if ring is None or self.closing:
             return
         saves = ring.saves
         ring.on_batch(step, 0, step)
         if ring.saves != saves and len(ring.ring) == ring.ring.maxlen:
             oldest = ring.ring[0].step  # the older ring snapshot: a rollback replays from it at the earliest
             for s in [s for s in self.kept if s < oldest]:
-                self.kept_bytes -= self.kept.pop(s).nbytes
+                self.kept_bytes -= self.kept.pop(s)[2]
 
     def keep(self, step: int, fields: dict[str, Any], rebuild: Callable[[dict], Any]) -> None:
         """A checked step's batch, for a replay; on the first, whether batches this size may be kept."""
-        if self.ring is None:
+        ring = self.ring
+        if ring is None:
             return
-        size = _batch_nbytes(fields)
+        if self.closing and not self.watcher.pending:  # the last unread losses were read, finite
+            self._drop()
+            return
+        size = _batch_nbytes(fields, self._tensor)
         if not self.kept and step == 0:
             if not fields:
                 self.off("check() was given no batch, so there is none to replay")
@@ -88,17 +104,20 @@ class StepHistory:
             if size and KEPT_BYTES // (2 * size) < MIN_INTERVAL:
                 self.off(f"batches of {size / 2**20:.1f} MB are too large to keep for a replay")
                 return
-            self.ring.max_every = max(MIN_EVERY, KEPT_BYTES // (2 * max(size, 1)))
+            ring.max_every = max(MIN_EVERY, KEPT_BYTES // (2 * max(size, 1)))
             self.watcher.defer_grads(DEFER_EVERY)
-        elif self.kept_bytes + size > 2 * KEPT_BYTES:  # the batches grew since the first (longer sequences)
+            # no more steps unread in a row than the ring's interval: a snapshot before them is always held
+            self.watcher.defer_reads(lambda: ring.every)
+        elif self.kept_bytes + size > 2 * KEPT_BYTES and not self.closing:  # the batches grew (longer sequences)
             self.off(f"the batches kept for a replay passed {2 * KEPT_BYTES / 2**20:.0f} MB")
-            return
-        self.kept[step] = _Kept(fields, rebuild, size)
+            if not self.closing:
+                return  # (else this step went unread: its batch is kept for the replay of the pending steps)
+        self.kept[step] = (fields, rebuild, size)
         self.kept_bytes += size
 
     def rebuilds(self) -> dict[int, Callable[[dict], Any]]:
         """id(fields) -> the rebuild of that kept batch: a replayed batch back in the user's own shape."""
-        return {id(k.fields): k.rebuild for k in self.kept.values()}
+        return {id(fields): rebuild for fields, rebuild, _ in self.kept.values()}
 
     def rollback(self, fault: Fault, step_fn: Callable[[Any, Any], Any], default_rebuild: Callable[[dict], Any],
                  steps_run: int) -> tuple[Fault, dict[str, Any] | None]:
@@ -122,7 +141,7 @@ class StepHistory:
         rebuilds = self.rebuilds()
 
         def make_loader() -> Iterator[Any]:
-            return iter([kept[s].fields if s in kept else None for s in range(max(kept, default=-1) + 1)])
+            return iter([kept[s][0] if s in kept else None for s in range(max(kept, default=-1) + 1)])
 
         def fields(batch: Any, index: int) -> dict[str, Any]:
             if batch is None:
@@ -163,14 +182,16 @@ class KeptBatches:
     plan: StepPlan
 
 
-def _batch_nbytes(fields: dict[str, Any]) -> int:
-    """The batch's arrays and tensors in bytes (metadata only: no copy, no sync)."""
-    import paddle
-
+def _batch_nbytes(fields: dict[str, Any], tensor: type) -> int:
+    """The batch's arrays and tensors (`tensor`: paddle.Tensor) in bytes (metadata only: no copy, no sync).
+    Every step: written out rather than through `tensor_nbytes`, whose generator cost ~1 us a field."""
     total = 0
     for value in fields.values():
-        if isinstance(value, np.ndarray):
-            total += int(value.nbytes)
-        elif isinstance(value, paddle.Tensor):
-            total += tensor_nbytes(value)
+        if isinstance(value, tensor):
+            n = value.element_size()
+            for d in value.shape:
+                n *= d
+            total += n
+        elif isinstance(value, np.ndarray):
+            total += value.nbytes
     return total

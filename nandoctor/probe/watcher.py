@@ -225,6 +225,17 @@ class StepWatcher:
         if self.scaler is None:
             self._read_limit = limit
 
+    def read_every_step(self) -> None:
+        """Undo `defer_grads` and `defer_reads`: the driver can no longer roll back. Steps still unread are
+        read with the next step (`pending`), which is read in full."""
+        self.defer_every = self.read_every = 1
+        self._read_limit = None
+
+    @property
+    def pending(self) -> bool:
+        """Unread steps' losses are waiting on the device for the next read."""
+        return bool(self._pending)
+
     def _reads(self, step: int, stats: bool) -> bool:
         """Whether step `step` is read on the host (always, unless defer_reads). On multiples of read_every: no
         more than read_every steps go unread in a row, whenever read_every changes."""
