@@ -1,0 +1,89 @@
+"""Memory is bounded (issue 22): the probe holds at most one batch (or one copy of a tensor) more than
+the step it runs. The replays hold the batch they train on and no other; the NaN/Inf checks of a batch
+and the float64 recheck of overflowing gradients read a few MB at a time, never a whole copy."""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import memory_models
+import numpy as np
+import paddle
+import pytest
+import yaml
+
+from nandoctor import batches
+from nandoctor.probe import ProbeOptions, batch_tape, run_probe
+from nandoctor.probe.monitors import StepMonitor
+from nandoctor.spec import load_spec
+
+
+def test_the_replays_hold_no_batch_but_the_one_they_train_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the tape keeps no batch, as with 100 MB batches: every replay reads the loader again
+    monkeypatch.setattr(batch_tape, "KEPT_BYTES", 1)
+    memory_models.ALIVE.clear()
+    memory_models.DRAWS.clear()
+    monkeypatch.setattr(memory_models, "PHASE", ["loop"])
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({
+        "version": 1, "model": {"entry": "memory_models:build_model"},
+        "data": {"entry": "memory_models:build_loader", "fields": ["x", "label"], "label": "label"},
+        "loss": {"builtin": "cross_entropy"}, "optimizer": {"name": "Adam", "args": {"learning_rate": 0.01}}}))
+    held_by_the_loop: set[int] = set()
+
+    def progress(done: int, total: int | None, what: str) -> None:
+        if what != "probe step" and what != "building the model" and memory_models.PHASE[0] == "loop":
+            memory_models.PHASE[0] = "replays"  # what the loop's objects still hold is not the replays' doing
+            held_by_the_loop.update(memory_models.ALIVE)
+
+    report = run_probe(load_spec(tmp_path / "config.yaml"), ProbeOptions(steps=10, seed=0, device="cpu"), progress)
+    assert report.first_fault is not None and report.first_fault.step == 5
+    assert any(r["remedy"] == "drop_samples" and r["outcome"] == "fixed" for r in report.remedies)
+    draws = [(i, alive - held_by_the_loop) for phase, i, alive in memory_models.DRAWS if phase == "replays"]
+    assert len(draws) > 8  # the control replay and drop_samples read the loader again from batch 0
+    # while a batch is made, the replay holds at most the one before it (as a plain loop's variable does)
+    worst = max(draws, key=lambda d: len(d[1]))
+    assert len(worst[1]) <= 2, f"drawing batch {worst[0]}, the replays held {len(worst[1]) - 1} other batch(es)"
+
+
+def test_the_batch_checks_read_a_chunk_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(2048, 512)).astype(np.float32)  # 4 MB
+    x[[7, 1500], [3, 400]] = [np.nan, np.inf]
+    mask = np.where(rng.random((2048, 512)) < 0.5, np.float32(0), np.float32(-np.inf))
+    mask[9, 0] = np.nan
+    truth_x = np.flatnonzero(~np.isfinite(x).all(axis=1)).tolist()
+    monkeypatch.setattr(batches, "CHECK_CHUNK", 4096)
+    for value, want in ((x, truth_x), (mask, [9])):  # a mask's -inf is intended: only the NaN row counts
+        tracemalloc.start()
+        got = batches.harmful_rows(value)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert got == want
+        assert peak < value.nbytes // 16, f"{peak} bytes for a {value.nbytes}-byte batch"
+    assert batches.nonfinite_rows(mask) == sorted(set(np.flatnonzero(~np.isfinite(mask).all(axis=1)).tolist()))
+    # a tensor reaches the host a chunk at a time, never whole
+    copied: list[int] = []
+    to_numpy = batches.to_numpy
+    monkeypatch.setattr(batches, "to_numpy", lambda v: copied.append(int(np.prod(v.shape))) or to_numpy(v))
+    assert batches.harmful_rows(paddle.to_tensor(x)) == truth_x
+    assert copied and max(copied) <= 4096 < x.size
+
+
+def test_the_gradient_recheck_reads_a_chunk_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    paddle.seed(0)
+    model = paddle.nn.Linear(256, 64)
+    x = paddle.to_tensor(np.full((4, 256), 1e18, dtype=np.float32))
+    model(x).sum().backward()  # finite gradients whose squares overflow float32
+    grads = [np.asarray(p.grad.numpy(), dtype=np.float64) for p in model.parameters()]
+    assert all(np.isfinite(g).all() for g in grads)
+    monitor = StepMonitor(model)
+    stats = monitor.read(paddle.to_tensor(1.0))
+    assert not stats.grads_finite  # the float32 norm overflowed
+    copied: list[int] = []
+    to_numpy = batches.to_numpy
+    monkeypatch.setattr(batches, "CHECK_CHUNK", 1024)
+    monkeypatch.setattr(batches, "to_numpy", lambda v: copied.append(int(np.prod(v.shape))) or to_numpy(v))
+    assert monitor.recheck_grads(stats)
+    assert stats.grad_norm == pytest.approx(np.sqrt(sum(float((g * g).sum()) for g in grads)), rel=1e-9)
+    assert max(copied) <= 1024 < grads[0].size
