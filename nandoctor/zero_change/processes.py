@@ -47,8 +47,15 @@ def child_info() -> dict[str, Any] | None:
     if root is None:
         os.environ[ROOT_PID] = str(os.getpid())  # inherited by spawned children (and their env copies)
         return None
-    if root == str(os.getpid()) or os.environ.get("PADDLE_TRAINER_ID") is not None:
-        return None  # (a launcher's ranks are watched as ranks: report.rankN.json)
+    if root == str(os.getpid()):
+        return None
+    if os.environ.get("PADDLE_TRAINER_ID") is not None:
+        # a launcher's ranks are watched as ranks (report.rankN.json), and each keeps its position for the
+        # parent from its start on, so one that dies or hangs before its first step is seen too
+        from nandoctor.rank_progress import launched_rank
+
+        launched_rank()
+        return None
     spawned = "--multiprocessing-fork" in (getattr(sys, "orig_argv", None) or [])  # multiprocessing's spawn
     return {"pid": os.getpid(), "parent_pid": os.getppid(), "start": "spawn" if spawned else "exec"}
 

@@ -4,7 +4,9 @@ The command runs as a child with its own stdin/stdout/stderr, so its output pass
 with nothing found its exit status is ours. After a fault the child writes the report (JSON) to a file
 in a private temporary folder and stops with status 1 (unless --keep-going); the parent renders it,
 writes --json / --markdown, and exits 1. Under `python -m paddle.distributed.launch` every rank is
-watched (the variable and PYTHONPATH are inherited) and rank 0's merged report is the one shown. Child
+watched (the variable and PYTHONPATH are inherited) and rank 0's merged report is the one shown; the
+parent also watches where each rank stands (rank_progress.py), as `probe --nproc` does, to name a rank
+that raised alone, was killed or hung, and kills every rank left when the launch ends. Child
 processes the script starts itself (multiprocessing, fork or spawn) are each watched on their own, and the
 first fault of any process is the one shown (processes.py).
 """
@@ -26,6 +28,8 @@ from rich.console import Console
 
 from nandoctor.errors import OutputError, SpecError
 from nandoctor.findings import Report, Verdict
+from nandoctor.rank_progress import ENV as RANK_PROGRESS
+from nandoctor.rank_progress import LOOK_SECONDS, Ending, RankWatch
 from nandoctor.zero_change.processes import merge_children
 
 SITE = Path(__file__).resolve().parent / "site"
@@ -56,11 +60,15 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
         env = dict(os.environ)
         env["NANDOCTOR_RUN"] = json.dumps(config)
         env["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, [env.get("PYTHONPATH")])])
+        # the ranks of a launch in the command each keep their position there (rank_progress.py)
+        ranks = RankWatch(Path(tmp) / "progress", whole_loop=False)
+        env[RANK_PROGRESS] = str(ranks.folder)
         # `--json -` gives standard output to the report: the script's own output goes to standard error
         script = _Script(command, env, stdout=2 if is_stdout(json_path) or is_stdout(markdown_path) else None)
-        returncode, stopped_by = script.wait()
-        if not result.is_file():
-            _merge_ranks(result)  # a rank's own exception under a launcher: rank 0 wrote nothing
+        returncode, stopped_by = script.wait(ranks)
+        if ranks.ending.seen:
+            ranks.stop_all()  # each rank runs in a session of its own: it outlives the launcher
+            _merge_ranks(result, ranks.ending, failed=stopped_by is None and returncode != 0)
         merge_children(result)  # a child process of the script's that trained and faulted first
         if not result.is_file():
             if stopped_by is not None:
@@ -117,15 +125,28 @@ class _Script:
             raise SpecError(f"cannot run {command[0]!r}: it is not executable.") from None
         self.signal: int | None = None
 
-    def wait(self) -> tuple[int | None, int | None]:
-        """(the script's exit status, the signal that stopped nandoctor run or None)."""
+    def wait(self, ranks: RankWatch) -> tuple[int | None, int | None]:
+        """(the script's exit status, the signal that stopped nandoctor run or None), looking at the ranks of
+        a launch meanwhile: when none has moved for the hang limit, every process of the command is killed."""
         previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        hung = False  # (after that, ranks gone are ours: no more looks)
         try:
             while True:
                 try:
-                    return self.proc.wait(), self.signal
+                    code = self.proc.wait(timeout=LOOK_SECONDS)
+                    if self.signal is None and not hung:
+                        ranks.look()  # a rank that died right before the launcher ended
+                    return code, self.signal
+                except subprocess.TimeoutExpired:
+                    pass
                 except KeyboardInterrupt:  # a handler of ours raised it (the interrupt module's): forward
                     self._forward(signal.SIGINT, None)
+                if self.signal is None and not hung and ranks.look():
+                    hung = True
+                    ranks.stopped()
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    ranks.stop_all()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -151,23 +172,46 @@ class _Script:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def _merge_ranks(result: Path) -> None:
-    """Ranks whose own code raised each wrote `report.rankN.json` alone (no collective: the others were
-    inside one of the script's); the job's report names the first of them, written where rank 0's goes."""
-    from nandoctor.distributed import merge_crashed
+def _merge_ranks(result: Path, ending: Ending, *, failed: bool) -> None:
+    """The job's report when the ranks of a launch did not agree on one: ranks whose own code raised each
+    wrote theirs alone (`report.rankN.json`, rank 0's where the result goes; no collective: the others were
+    inside one of the script's), and where each rank stood says which one was killed or hung (`failed`: the
+    launch did not end well on its own; a rank gone without a word from a launch that exited 0 ended its
+    own way). The result is written where rank 0's goes, unless the ranks agreed on a fault."""
+    from nandoctor.distributed import rank_failure
+    from nandoctor.findings import Mode
     from nandoctor.report import json as json_report
 
+    own = _load_report(result)
+    if own is not None and own.exit_code and "rank" not in own.run:
+        return  # rank 0's merged report of a fault the ranks agreed on
     reports = {}
     for path in result.parent.glob(f"{result.stem}.rank*{result.suffix}"):
         try:
             rank = int(path.stem.rsplit(".rank", 1)[1])
-            reports[rank] = Report.from_dict(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError, KeyError, TypeError):
+        except ValueError:
             continue
-    world = max([int(r.run.get("world_size") or 0) for r in reports.values()] + [max(reports, default=-1) + 1])
-    merged = merge_crashed(reports, world)
+        report = _load_report(path)
+        if report is not None and report.exit_code:  # (not a healthy one written as the launcher stopped it)
+            reports[rank] = report
+    if own is not None and own.exit_code:
+        reports[int(own.run["rank"])] = own
+    if not failed and not ending.hung:
+        ending = Ending(ending.world, positions=ending.positions, logs=ending.logs)
+    if not reports and not ending.died and not ending.hung:
+        return
+    import paddle
+
+    merged = rank_failure(reports, ending, mode=Mode.RUN, device=str(paddle.device.get_device()))
     if merged is not None:
         result.write_text(json_report.render(merged), encoding="utf-8")
+
+
+def _load_report(path: Path) -> Report | None:
+    try:
+        return Report.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _signal_name(signum: int) -> str:

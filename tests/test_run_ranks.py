@@ -1,0 +1,115 @@
+"""`nandoctor run` over the user's own `python -m paddle.distributed.launch` (2 CPU ranks, gloo): a rank killed
+by SIGKILL, and a rank that hangs, are named as `probe --nproc` names them (`rank.killed`, `rank.hung`, the
+rank, its step and phase), the run exits 1 with the report written, and no process of the launch and no
+temporary folder of nandoctor's is left behind. Before, the killed rank's launch ended in the launcher's
+own exit status with no report, and a hung rank was called healthy after gloo gave up on it.
+
+The script (tests/run_scripts/ranks.py) prints "rank R step S" after each update: the step a rank stopped at
+is read from what its own log says it finished, and the other rank is seen waiting for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from inloop_helpers import ROOT
+
+SCRIPT = ROOT / "tests" / "run_scripts" / "ranks.py"
+LIMIT = 120  # seconds: a launch left hanging fails the test instead of CI
+HANG = 5  # NANDOCTOR_RANK_HANG_SECONDS in the hang case: far below gloo's own timeout (about 30 s)
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "FLAGS_", "NANDOCTOR_"))}
+    (tmp_path / "tmp").mkdir()
+    return {**env, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path / "tmp"), **extra}
+
+
+def _launch(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """`nandoctor run --json r.json -- python -m paddle.distributed.launch --nproc_per_node 2 ranks.py ARGS`."""
+    cmd = [sys.executable, "-m", "nandoctor", "run", "--json", str(tmp_path / "r.json"), "-q", "--",
+           sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
+           str(tmp_path / "log"), str(SCRIPT), *args]
+    try:
+        return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=LIMIT,
+                              env=_env(tmp_path, **env))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"nandoctor run over 2 ranks did not finish in {LIMIT} s: {_logs(tmp_path)}")
+
+
+def _logs(tmp_path: Path) -> str:
+    return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((tmp_path / "log").glob("workerlog.*")))
+
+
+def _steps_done(tmp_path: Path, rank: int) -> list[int]:
+    """The steps a rank's own log says it finished (updated)."""
+    text = (tmp_path / "log" / f"workerlog.{rank}").read_text(errors="replace")
+    return [int(s) for s in re.findall(rf"^rank {rank} step (\d+)$", text, re.M)]
+
+
+def _left_running(tmp_path: Path) -> list[str]:
+    """Live processes of this test's launch: the launcher's command line and every rank's environment
+    (PADDLE_LOG_DIR, TMPDIR) hold tmp_path."""
+    needle = str(tmp_path).encode()
+    left = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle not in (entry / "cmdline").read_bytes() + (entry / "environ").read_bytes():
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if state not in ("Z", "X"):
+            left.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+    return left
+
+
+@pytest.mark.parametrize(("how", "where", "code"), [("kill", "data", "rank.killed"),
+                                                     ("hang", "forward", "rank.hung")])
+def test_a_rank_that_is_killed_or_hangs_is_named(tmp_path: Path, how: str, where: str, code: str) -> None:
+    """Rank 1 SIGKILLs itself before its model is called at step 3, or hangs inside its model's forward at
+    step 3, while rank 0 waits for it in DataParallel's gradient all-reduce (rank 0 has begun step 3's
+    backward: the hung rank is the one behind)."""
+    proc = _launch(tmp_path, how, "1", "3", where, **({"NANDOCTOR_RANK_HANG_SECONDS": str(HANG)}
+                                                      if how == "hang" else {}))
+    assert not _left_running(tmp_path)
+    assert not list((tmp_path / "tmp").glob("nandoctor-*")), "nandoctor run left its temporary folder"
+    assert proc.returncode == 1, proc.stderr[-3000:] + _logs(tmp_path)
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    stopped_at = max(_steps_done(tmp_path, 1)) + 1  # the step rank 1 began and never finished
+    assert stopped_at == 3 and max(_steps_done(tmp_path, 0)) + 1 == stopped_at  # rank 0 waited in it
+    assert data["verdict"] == "crashed"
+    first = data["findings"][0]
+    assert first["code"] == code and first["severity"] == "error"
+    assert first["message"].startswith("Rank 1 of 2 ")
+    ff = data["first_fault"]
+    assert (ff["rank"], ff["step"], ff["phase"]) == (1, stopped_at, where)
+    assert (first["location"]["rank"], first["location"]["step"]) == (1, stopped_at)
+    assert data["details"]["first_rank"] == 1 and data["run"]["world_size"] == 2
+    fates = {r["rank"]: r["fate"] for r in data["details"]["ranks"]}
+    if how == "kill":
+        assert "without a Python exception" in first["message"] and "SIGKILL" in first["message"]
+        assert fates[0] == "stopped after rank 1 died"
+    else:
+        assert f"no rank made progress for {HANG} s" in first["message"]
+        assert fates[0] is None and fates[1] == f"no progress for {HANG} s at step {stopped_at}, {where}"
+    assert f"{code} at rank 1, step {stopped_at}, {where}" in proc.stdout + proc.stderr
+
+
+def test_ranks_resting_together_after_training_are_not_hung(tmp_path: Path) -> None:
+    """Both ranks stand still together for 2.5x the hang limit after their last step (an evaluation or a
+    checkpoint save of the script's own): under `nandoctor run` that is not a hang; the run is healthy,
+    exits 0, and both ranks finish."""
+    proc = _launch(tmp_path, "rest", "-1", "-1", "data", "7.5", NANDOCTOR_RANK_HANG_SECONDS="3")
+    assert proc.returncode == 0, proc.stderr[-3000:] + _logs(tmp_path)
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert data["verdict"] == "healthy" and data["first_fault"] is None
+    assert _steps_done(tmp_path, 0) == _steps_done(tmp_path, 1) == list(range(8))
+    assert "rank 1 rested" in (tmp_path / "log" / "workerlog.1").read_text(errors="replace")
+    assert not _left_running(tmp_path)
