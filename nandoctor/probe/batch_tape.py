@@ -279,9 +279,6 @@ def same(a: Any, b: Any) -> bool:
     return True
 
 
-COMPARE_CHUNK = 1 << 20  # values compared at a time by `same`
-
-
 def _is_array(value: Any) -> bool:
     """A numpy array or a tensor with a first axis (compared by chunks of rows)."""
     shape = getattr(value, "shape", None)
@@ -289,14 +286,9 @@ def _is_array(value: Any) -> bool:
 
 
 def _chunks(value: Any) -> Iterator[np.ndarray]:
-    from nandoctor.batches import to_numpy
+    from nandoctor.batches import row_chunks
 
-    shape = tuple(value.shape)
-    per_row = max(1, int(np.prod(shape[1:], dtype=np.int64)))
-    step = max(1, COMPARE_CHUNK // per_row)
-    for start in range(0, max(1, int(shape[0])), step):
-        part = value[start:start + step]
-        yield part if isinstance(part, np.ndarray) else to_numpy(part)
+    return (rows for _, rows in row_chunks(value))
 
 
 def _rng_now() -> tuple[Any, Any, Any]:
