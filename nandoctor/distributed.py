@@ -262,14 +262,14 @@ def rank_failure(reports: dict[int, Any], ending: Any, *, mode: Any, device: str
         fates.update({r: f"stopped after rank {min(reports)} raised" for r in died})
     elif died and not timed_out:
         first = died[0]
-        fates[first] = f"died first, at {positions[first].describe()}, without a Python exception"
+        fates[first] = f"died first, {positions[first].said()}, without a Python exception"
         fates.update({r: f"stopped after rank {first} died" for r in died[1:]})
     elif ending.hung or timed_out:
         why = (f"no progress for {hang_seconds():g} s" if ending.hung else
                "no progress while the others waited for it")
         fates.update({r: f"waited for rank {min(stuck)} at a collective until it timed out"
                       for r in died if r in ending.in_collective})
-        fates.update({r: f"{why} at {positions[r].describe()}" for r in stuck})
+        fates.update({r: f"{why} {positions[r].said()}" for r in stuck})
     merged = merge_crashed(reports, world, fates)
     if merged is not None:
         return merged
@@ -290,7 +290,7 @@ def rank_failure(reports: dict[int, Any], ending: Any, *, mode: Any, device: str
             how = (f"the others waited for it at a collective (DataParallel's gradient all-reduce, or nandoctor's "
                    f"check) until it timed out, and rank {died[0]} died of it (its log ends in a gloo error).")
         return _rank_report(world, first, positions, fates, Code.RANK_HUNG,
-                            f"Rank {first} of {world} stopped moving at {positions[first].describe()}: {how}",
+                            f"Rank {first} of {world} stopped moving {positions[first].said()}: {how}",
                             [f"Look for what rank {first} does alone at that point: a data loader that blocks on "
                              "this rank only, a collective called on some ranks and not others, or input/output "
                              "that waits. NANDOCTOR_RANK_HANG_SECONDS sets how long a rank may stand still "
@@ -301,7 +301,7 @@ def rank_failure(reports: dict[int, Any], ending: Any, *, mode: Any, device: str
 def _died_message(rank: int, world: int, where: Any, signame: str | None) -> str:
     what = (f"died of {signame} (a crash in native code: Paddle printed it in the rank's log)" if signame else
             "was killed by a signal no process can catch (SIGKILL: the kernel's out-of-memory killer, or kill -9)")
-    return (f"Rank {rank} of {world} {what} at {where.describe()}, without a Python exception; the other ranks "
+    return (f"Rank {rank} of {world} {what} {where.said()}, without a Python exception; the other ranks "
             "stopped after it.")
 
 

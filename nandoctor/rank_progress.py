@@ -159,11 +159,16 @@ class Position:
         return (self.step, _CODES[self.phase])
 
     def describe(self) -> str:
-        if self.step < 0:
-            return "before its first step"
+        """Where it stood, as `details.ranks` puts it ("step 3, forward")."""
+        if self.step < 0:  # (under `nandoctor run` the first position comes with the first step's check)
+            return "before its first checked step"
         if self.phase is None:
             return f"after its loop (step {self.step})"
         return f"step {self.step}, {self.phase.value}"
+
+    def said(self) -> str:
+        """The same inside a sentence ("at step 3, forward", "before its first checked step")."""
+        return self.describe() if self.step < 0 or self.phase is None else f"at {self.describe()}"
 
 
 def process_alive(pid: int) -> bool:
