@@ -17,8 +17,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 from inloop_helpers import ROOT
+
+from nandoctor.report.json import schema_path
 
 SCRIPT = ROOT / "tests" / "run_scripts" / "ranks.py"
 LIMIT = 120  # seconds: a launch left hanging fails the test instead of CI
@@ -82,6 +85,7 @@ def test_a_rank_that_is_killed_or_hangs_is_named(tmp_path: Path, how: str, where
     assert not list((tmp_path / "tmp").glob("nandoctor-*")), "nandoctor run left its temporary folder"
     assert proc.returncode == 1, proc.stderr[-3000:] + _logs(tmp_path)
     data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    jsonschema.validate(data, json.loads(schema_path().read_text(encoding="utf-8")))
     stopped_at = max(_steps_done(tmp_path, 1)) + 1  # the step rank 1 began and never finished
     assert stopped_at == 3 and max(_steps_done(tmp_path, 0)) + 1 == stopped_at  # rank 0 waited in it
     assert data["verdict"] == "crashed"
@@ -113,3 +117,26 @@ def test_ranks_resting_together_after_training_are_not_hung(tmp_path: Path) -> N
     assert _steps_done(tmp_path, 0) == _steps_done(tmp_path, 1) == list(range(8))
     assert "rank 1 rested" in (tmp_path / "log" / "workerlog.1").read_text(errors="replace")
     assert not _left_running(tmp_path)
+
+
+def test_a_hang_that_gloo_timed_out_first_names_the_rank_behind() -> None:
+    """With the default limit (600 s) gloo gives up first (about 30 s on CPU): the waiting rank 0 dies of it
+    (its log ends in a gloo error), then the launcher stops the hung rank 1. What the parent saw in such a
+    run of ranks.py (hang 1 3, 36 s: too slow for a test) names rank 1 as hung, not rank 0 as killed (as
+    probe --nproc did before)."""
+    from nandoctor.distributed import rank_failure
+    from nandoctor.findings import Mode, Phase
+    from nandoctor.rank_progress import Ending, Position
+
+    ending = Ending(2, died=[0, 1], in_collective={0},
+                    positions={0: Position(3, Phase.BACKWARD, 11), 1: Position(3, Phase.DATA, 12)})
+    data = rank_failure({}, ending, mode=Mode.RUN, device="cpu").to_dict()
+    first = data["findings"][0]
+    assert (first["code"], data["first_fault"]["rank"], data["first_fault"]["step"]) == ("rank.hung", 1, 3)
+    assert first["message"].startswith("Rank 1 of 2 stopped moving at step 3, data: ")
+    assert "until it timed out, and rank 0 died of it" in first["message"]
+    # a rank killed first is still the killed one, whatever dies of it after
+    ending = Ending(2, died=[1, 0], in_collective={0},
+                    positions={0: Position(3, Phase.BACKWARD, 11), 1: Position(3, Phase.DATA, 12)})
+    data = rank_failure({}, ending, mode=Mode.RUN, device="cpu").to_dict()
+    assert (data["findings"][0]["code"], data["first_fault"]["rank"]) == ("rank.killed", 1)
