@@ -89,7 +89,10 @@ class SnapshotRing:
     _last_t: float | None = None
     _last_saved: int = 0
     _last_took: float | None = None  # seconds the newest snapshot took
-    _step_times: list[float] = field(default_factory=list)
+    # the latest step times (the interval is worked out from their median) and how many were timed in all:
+    # a long run keeps no list per step
+    _step_times: deque[float] = field(default_factory=lambda: deque(maxlen=20))
+    _steps_timed: int = 0
     _groups: tuple[list[Any], dict[tuple[Any, ...], list[int]]] | None = None  # the last tensors (weakly), groups
 
     @classmethod
@@ -139,6 +142,7 @@ class SnapshotRing:
         now = time.perf_counter()
         if self._last_t is not None:
             self._step_times.append(now - self._last_t)
+            self._steps_timed += 1
         self._last_t = now
         if self.disabled is not None or (step > 0 and step - self._last_saved < self.every):
             return
@@ -173,7 +177,7 @@ class SnapshotRing:
 
     def _interval(self, took: float) -> int:
         """Steps between snapshots so that one costing `took` seconds stays within COST_SHARE of the steps."""
-        per_step = statistics.median(self._step_times[-20:])
+        per_step = statistics.median(self._step_times)
         return max(MIN_EVERY, min(math.ceil(took / max(COST_SHARE * per_step, 1e-9)), self.max_every))
 
     def _tensors(self) -> tuple[list[tuple[str, str]], list[Any], list[str]]:
@@ -243,7 +247,7 @@ class SnapshotRing:
                 "skipped": self.skipped,
                 "capacity": (self.ring.maxlen or 0) + 1, "saves": self.saves,
                 "seconds": round(self.seconds, 4),
-                "share_of_run": round(self.seconds / max(per_step * len(self._step_times), 1e-9), 4)
+                "share_of_run": round(self.seconds / max(per_step * self._steps_timed, 1e-9), 4)
                 if per_step else None}
 
 

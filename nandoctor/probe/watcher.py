@@ -51,6 +51,7 @@ MAX_UNREAD = 256
 # Steps read in full before any is left unread: the early level of the gradient norm, and the whole of a short
 # probe (the samples run 10-60 steps), keep every step's norm, so a growth is placed at its exact step there
 READ_ALL_STEPS = 64
+DETECT_SPAN = 256  # the steps the reads' mean cost is taken over (StatsSchedule.detect): MAX_UNREAD
 
 
 class FaultKind(str, Enum):
@@ -106,7 +107,10 @@ class StatsSchedule:
         # the latest 20 of each (a long run keeps no list per step)
         self.plain: deque[float] = deque(maxlen=20)
         self.stats: deque[float] = deque(maxlen=20)
-        self.detect: deque[float] = deque(maxlen=20)  # seconds of the reductions and the sync, on plain steps
+        # seconds of the reductions and the sync a plain step pays, a mean decaying over ~DETECT_SPAN steps: with
+        # the reads spaced out (defer_reads: one step in up to 256), the latest 20 steps often held no read at
+        # all, and the stats then took the whole budget (on a 0.3 ms step, 2% of it besides the reads' ~1.5%)
+        self.detect: float | None = None
         self.alert = False
         self._fresh = 0  # plain steps recorded since k was last worked out
 
@@ -130,7 +134,8 @@ class StatsSchedule:
             self.last = step
         else:
             self.plain.append(seconds)
-            self.detect.append(detect_seconds)
+            mean = self.detect
+            self.detect = detect_seconds if mean is None else mean + (detect_seconds - mean) / DETECT_SPAN
             self._fresh += 1
             # k is worked out again after each stats step and every 8th plain one: on a 0.3 ms step the
             # sums below cost more than the probe's whole per-step budget
@@ -142,7 +147,7 @@ class StatsSchedule:
             plain = min(self.plain)
             # the mean, not the median: with the reads spaced out (defer_grads, defer_reads), most plain
             # steps read nothing and the median would hide the steps that do
-            detect = statistics.fmean(self.detect) / max(plain, 1e-9)
+            detect = (self.detect or 0.0) / max(plain, 1e-9)
             budget = max(_MIN_STATS_BUDGET, _TOTAL_BUDGET - detect)
             extra = max(0.0, statistics.median(self.stats) - plain)
             self.k = max(1, math.ceil(extra / max(budget * plain, 1e-9)))
@@ -164,8 +169,11 @@ class StepWatcher:
 
     def __init__(self, model: Any, optimizer: Any = None, *, scaler: Any = None, fp16: bool = False,
                  amp: bool = False, start_nonfinite: list[str] | None = None) -> None:
+        import paddle
+
         from nandoctor.probe.warnings import WarningTracker
 
+        self._tensor = paddle.Tensor  # (observe_loss, every step: no import statement there)
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler  # paddle.amp.GradScaler on a GPU with amp enabled; inert (None) on CPU
@@ -198,6 +206,7 @@ class StepWatcher:
         self._read_limit: Any = None
         self.read_every = 1  # steps from one host read to the next (defer_reads sets it from measured cost)
         self._read = True  # this step is read on the host
+        self._next_read = True  # ... and the next one (worked out in after_update, used by begin_step)
         self._first_step: int | None = None
         self._read_seconds: list[float] = []
         # the unread steps since the last read: (step, batch_index, epoch, loss tensor, learning rate)
@@ -230,6 +239,7 @@ class StepWatcher:
         read with the next step (`pending`), which is read in full."""
         self.defer_every = self.read_every = 1
         self._read_limit = None
+        self._next_read = True
 
     @property
     def pending(self) -> bool:
@@ -252,9 +262,13 @@ class StepWatcher:
         self._step, self._batch_index, self._epoch, self._fields = step, batch_index, epoch, fields
         if self._first_step is None:
             self._first_step = step  # (a resumed run numbers its steps from the checkpoint's)
-        self._stats_step = stats = self.schedule.want(step) if self._next_stats is None else self._next_stats
-        self._next_stats = None
-        self._read = read = self._reads(step, stats)
+        stats = self._next_stats
+        if stats is None:  # (the first step, or a driver that skipped after_update)
+            stats = self.schedule.want(step)
+            read = self._reads(step, stats)
+        else:  # both were decided when the previous step ended
+            read = self._next_read
+        self._stats_step, self._read, self._next_stats = stats, read, None
         # `rng`: the state from before a forward that already ran (`nandoctor run` attaches after step 0's).
         # An unread step needs none: a fault found later is replayed from the ring with its own RNG state.
         if read:
@@ -284,6 +298,10 @@ class StepWatcher:
     def observe_loss(self, loss: Any) -> Fault | None:
         """Before backward: a loss that cannot train (metadata only, no device work, no sync); a non-finite
         loss on an earlier, unread step (read now) came first."""
+        if type(loss) is self._tensor and not loss.stop_gradient:
+            shape = loss.shape
+            if not shape or shape == [1]:  # the usual scalar loss (metadata only; every step)
+                return None
         fault = self._loss_fault(loss)
         return (self.flush() or fault) if fault is not None else None
 
@@ -323,7 +341,6 @@ class StepWatcher:
         t_read = time.perf_counter()
         st = mon.read(loss, full=self._stats_step, scale=getattr(scaler, "_scale", None),
                       grads=self._read_grads, pending=[p[3] for p in pending] if pending else None)
-        self._t_read = time.perf_counter() - t_read
         if not self._read_grads:
             self.unread.add(step)
         mon.active = False
@@ -332,6 +349,8 @@ class StepWatcher:
             fault, alert = self._take_pending(st.pending)
             if fault is not None:
                 return fault
+        # the read's cost includes the unread steps' records it made (~2 us each: a read of 256 steps' losses)
+        self._t_read = time.perf_counter() - t_read
         if self._read_limit is not None:
             self._pace()
         if st.params_sum is not None:
@@ -484,14 +503,16 @@ class StepWatcher:
     def after_update(self, stepped: bool = True) -> None:
         """The step is over (`stepped`: the optimizer did update): timing, next schedule, parameter check."""
         step = self._step
-        self.schedule.record(step, self._stats_step, time.perf_counter() - self._t0, self._t_read)
-        self._next_stats = self.schedule.want(step + 1)
+        schedule = self.schedule
+        schedule.record(step, self._stats_step, time.perf_counter() - self._t0, self._t_read)
+        self._next_stats = stats = schedule.want(step + 1)
+        self._next_read = read = self._reads(step + 1, stats)
         if stepped:
             # Small models: the parameter check after every update. Many-tensor models: on stats steps,
             # since it costs ~7% of a 500-layer MLP's step; a NaN weight shows in the next step's loss
             # anyway, and then an exact check names the update that wrote it (`_update_fault`).
-            self.monitor.after_update(check=self._next_stats or (self.monitor.small
-                                                                 and self._reads(step + 1, self._next_stats)))
+            mon = self.monitor
+            mon.after_update(check=stats or (mon.small and read))
             history = self.history
             if len(history) > 1:
                 # Only the first and the newest entries' batches are ever named (`_update_fault`). Kept for
@@ -500,9 +521,11 @@ class StepWatcher:
                 s, b, e, n, _ = history[-1]
                 history[-1] = (s, b, e, n, None)
             history.append((step, self._batch_index, self._epoch, self._last_norm, self._fields))
-        self.stats_every.append(self.schedule.k)
-        if len(self.stats_every) > 64:  # only the latest is read: a long run must not grow a list per step
-            del self.stats_every[:-1]
+        every = self.stats_every
+        if not every or every[-1] != schedule.k:  # only the latest is read: a long run grows no list per step
+            every.append(schedule.k)
+            if len(every) > 64:
+                del every[:-1]
 
     def finish(self) -> Fault | None:
         """After the last step: the unread steps read, the last update checked once more (one or two syncs)."""
