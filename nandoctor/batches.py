@@ -213,6 +213,14 @@ def nonfinite_rows(value: Any) -> list[int]:
     return out
 
 
+def nonfinite_count(value: Any) -> int:
+    """How many NaN/Inf values an array or tensor holds, a chunk of rows at a time."""
+    if len(getattr(value, "shape", ())) == 0 or not _float_rows(value):
+        arr = to_numpy(value)
+        return int((~np.isfinite(arr)).sum()) if arr is not None and arr.dtype.kind in "fc" else 0
+    return sum(int((~np.isfinite(rows)).sum()) for _, rows in row_chunks(value))
+
+
 def harmful_rows(value: Any) -> list[int]:
     """Like `nonfinite_rows`, but an additive attention mask's intended -inf does not count: in a field
     whose finite values are all 0 or <= -1e30 (the rule `probe.origin.kind` applies to a model's own
