@@ -35,8 +35,10 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def _launch(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    """`nandoctor run --json r.json -- python -m paddle.distributed.launch --nproc_per_node 2 ranks.py ARGS`."""
-    cmd = [sys.executable, "-m", "nandoctor", "run", "--json", str(tmp_path / "r.json"), "-q", "--",
+    """`nandoctor run --json r.json --bundle bundle -- python -m paddle.distributed.launch --nproc_per_node 2
+    ranks.py ARGS`."""
+    cmd = [sys.executable, "-m", "nandoctor", "run", "--json", str(tmp_path / "r.json"), "--bundle",
+           str(tmp_path / "bundle"), "-q", "--",
            sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
            str(tmp_path / "log"), str(SCRIPT), *args]
     try:
@@ -104,6 +106,8 @@ def test_a_rank_that_is_killed_or_hangs_is_named(tmp_path: Path, how: str, where
         assert f"no rank made progress for {HANG} s" in first["message"]
         assert fates[0] is None and fates[1] == f"no progress for {HANG} s at step {stopped_at}, {where}"
     assert f"{code} at rank 1, step {stopped_at}, {where}" in proc.stdout + proc.stderr
+    bundled = json.loads((tmp_path / "bundle" / "report.json").read_text(encoding="utf-8"))
+    assert (bundled["findings"][0]["code"], bundled["first_fault"]) == (code, ff)
 
 
 def test_ranks_resting_together_after_training_are_not_hung(tmp_path: Path) -> None:

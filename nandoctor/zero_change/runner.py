@@ -94,6 +94,10 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
             steps = f"{report.run.get('steps_run', 0)} step(s)"
             report.findings.append(interrupted_finding("nandoctor run", steps, signum=stopped_by))
     report.run["command_line"] = shlex.join(command)
+    if bundle is not None and ranks.ending.seen and report.exit_code and not (bundle / "report.json").is_file():
+        from nandoctor.inloop.outcome import write_report
+
+        write_report(report, bundle)  # the job's report, beside the ones ranks wrote alone (rank-N/)
     # A clean run's output stays the script's own: one line on stderr; the files are written all the same
     write_outputs(report, _stderr() if report.verdict == Verdict.HEALTHY else console, json_path=json_path,
                   markdown_path=markdown_path, quiet=quiet or report.verdict == Verdict.HEALTHY)
