@@ -21,9 +21,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nandoctor.findings import Code, Phase
+from nandoctor.findings import Code, Mode, Phase
 from nandoctor.probe.watcher import Fault, FaultKind
-from nandoctor.rank_progress import HANG_SECONDS, behind, hang_seconds, launched_rank, signal_in_log
+from nandoctor.rank_progress import HANG_SECONDS, Ending, Position, behind, hang_seconds, launched_rank, signal_in_log
 
 PEER = "peer"  # Fault.evidence key: this rank stopped because another rank faulted
 
@@ -245,7 +245,7 @@ def _step(report: Any) -> int | None:
     return ff.step if ff is not None else None
 
 
-def rank_failure(reports: dict[int, Any], ending: Any, *, mode: Any, device: str) -> Any:
+def rank_failure(reports: dict[int, Any], ending: Ending, *, mode: Mode, device: str) -> Any:
     """The job's report when the ranks did not reach the merged one (`ending`: rank_progress.Ending): a rank's
     own exception (`reports`: the reports ranks wrote alone), else the rank that died first without a word
     (`rank.killed`), else the rank the others waited for (`rank.hung`: the parent stopped the job, or the
@@ -298,15 +298,15 @@ def rank_failure(reports: dict[int, Any], ending: Any, *, mode: Any, device: str
     return None
 
 
-def _died_message(rank: int, world: int, where: Any, signame: str | None) -> str:
+def _died_message(rank: int, world: int, where: Position, signame: str | None) -> str:
     what = (f"died of {signame} (a crash in native code: Paddle printed it in the rank's log)" if signame else
             "was killed by a signal no process can catch (SIGKILL: the kernel's out-of-memory killer, or kill -9)")
     return (f"Rank {rank} of {world} {what} {where.said()}, without a Python exception; the other ranks "
             "stopped after it.")
 
 
-def _rank_report(world: int, first: int, positions: dict[int, Any], fates: dict[int, str], code: Any,
-                 message: str, advice: list[str], *, mode: Any, device: str) -> Any:
+def _rank_report(world: int, first: int, positions: dict[int, Position], fates: dict[int, str], code: Code,
+                 message: str, advice: list[str], *, mode: Mode, device: str) -> Any:
     """A report of one rank that stopped the job without a report of its own (verdict `crashed`)."""
     from nandoctor.findings import Finding, FirstFault, Location, Severity
     from nandoctor.inloop import outcome

@@ -23,13 +23,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 if __name__ == "__main__" and sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)  # run by the launcher as a file: nandoctor's own folder must not shadow top-level modules
 
 from nandoctor.errors import SpecError
 from nandoctor.findings import Mode, Report
+
+if TYPE_CHECKING:
+    from nandoctor.rank_progress import Ending, RankWatch
 
 TIMEOUT = 3600  # seconds for the whole launch; a rank left waiting must not hang the command for ever
 
@@ -69,7 +72,7 @@ def launch_probe(config: Path, steps: int, seed: int, nproc: int, device: str = 
     return report
 
 
-def _wait(proc: subprocess.Popen, watch: Any) -> None:
+def _wait(proc: subprocess.Popen, watch: RankWatch) -> None:
     """Wait for the launch, looking at every rank's position (rank_progress.RankWatch): a rank whose process
     is gone while its loop was running died without a word; when none moved for the hang limit, or the
     whole launch passed TIMEOUT, every process of the launch is stopped."""
@@ -80,6 +83,7 @@ def _wait(proc: subprocess.Popen, watch: Any) -> None:
         while True:
             try:
                 proc.wait(timeout=LOOK_SECONDS)
+                watch.look()  # a rank that died right before the launcher ended
                 # the launcher ends at its first failed rank; the others may still wait in a collective
                 _stop(proc, watch)
                 return
@@ -94,7 +98,7 @@ def _wait(proc: subprocess.Popen, watch: Any) -> None:
         raise
 
 
-def _stop(proc: subprocess.Popen, watch: Any) -> None:
+def _stop(proc: subprocess.Popen, watch: RankWatch) -> None:
     """Kill the launcher's process group and every rank (each in a session of its own), and wait for them."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -102,7 +106,7 @@ def _stop(proc: subprocess.Popen, watch: Any) -> None:
     watch.stop_all()
 
 
-def _without_agreement(ranks: Path, ending: Any) -> Report | None:
+def _without_agreement(ranks: Path, ending: Ending) -> Report | None:
     """The job's report when the ranks did not reach the merged one: from the reports ranks wrote alone
     (ranks/rank-N/) and where each stood."""
     from nandoctor.distributed import rank_failure
