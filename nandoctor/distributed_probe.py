@@ -49,10 +49,10 @@ def launch_probe(config: Path, steps: int, seed: int, nproc: int, device: str = 
                str(Path(tmp) / "log"), str(Path(__file__).resolve()), str(config), "--steps", str(steps),
                "--seed", str(seed), "--out", str(out), "--device", device]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_")}
-        env[ENV] = str(out.with_name("ranks"))  # each rank's position, and how its processes are found
+        watch = RankWatch(out.with_name("ranks"), nproc)
+        env[ENV] = str(watch.folder)  # each rank's position, and how its processes are found
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
-        watch = RankWatch(out.with_name("ranks"), nproc)
         _wait(proc, watch)
         launcher_out = proc.stdout.read() if proc.stdout is not None else ""
         if out.is_file():

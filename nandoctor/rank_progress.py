@@ -131,7 +131,7 @@ def launched_rank() -> RankProgress | None:
         return _LAUNCHED[0]
     writer = None
     folder, rank = os.environ.get(ENV), os.environ.get("PADDLE_TRAINER_ID")
-    if folder and rank and rank.isdigit():
+    if folder and rank and rank.isdigit() and Path(folder).is_dir():  # (not a variable leaked from a run gone)
         held = read_positions(Path(folder)).get(int(rank))
         if held is None or not held.alive:
             try:
@@ -269,6 +269,7 @@ class RankWatch:
 
     def __init__(self, folder: Path, world: int | None = None, *, whole_loop: bool = True) -> None:
         self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)  # (a rank writes only into a folder its parent made)
         self.ending = Ending(world or 0)
         self.local = world  # the ranks on this machine, once known: a hang is judged when all have started
         self.whole_loop = whole_loop
