@@ -144,3 +144,43 @@ def test_a_hang_that_gloo_timed_out_first_names_the_rank_behind() -> None:
                     positions={0: Position(3, Phase.BACKWARD, 11), 1: Position(3, Phase.DATA, 12)})
     data = rank_failure({}, ending, mode=Mode.RUN, device="cpu").to_dict()
     assert (data["findings"][0]["code"], data["first_fault"]["rank"]) == ("rank.killed", 1)
+
+
+_RANK = '''
+import os, subprocess, sys
+from nandoctor.findings import Phase
+from nandoctor.rank_progress import launched_rank
+
+writer = launched_rank()
+writer.at(5, Phase.FORWARD)
+pid = os.fork()
+if pid == 0:  # a DataLoader worker, say: shares the mapping, must not move the rank
+    launched_rank().at(99, Phase.BACKWARD)
+    os._exit(0)
+os.waitpid(pid, 0)
+from nandoctor.rank_progress import read_positions
+where = read_positions(os.environ["NANDOCTOR_RANK_PROGRESS"])[1]
+print(where.step, where.phase.value, flush=True)
+# a program the rank starts inherits the variables: it finds the rank's file held and writes nothing
+child = subprocess.run([sys.executable, "-c", "from nandoctor.rank_progress import launched_rank; "
+                        "print(launched_rank() is None)"], capture_output=True, text=True)
+print(child.stdout.strip(), flush=True)
+'''
+
+
+def test_only_the_rank_itself_moves_its_position(tmp_path: Path) -> None:
+    """A rank's forked child (a DataLoader worker) and a program it starts (both inherit the launcher's
+    variables) never write the rank's position: the parent would take a worker's pid for the rank's, or
+    its step for the rank's. The rank's own exit marks it out of its loop (not a death)."""
+    from nandoctor.rank_progress import ENV, read_positions
+
+    folder = tmp_path / "progress"
+    folder.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), ENV: str(folder), "PADDLE_TRAINER_ID": "1",
+           "PADDLE_TRAINERS_NUM": "2"}
+    proc = subprocess.Popen([sys.executable, "-c", _RANK], env=env, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.split("\n") == ["5 forward", "True", ""]
+    where = read_positions(folder)[1]
+    assert (where.pid, where.step, where.phase) == (proc.pid, 5, None)
+    assert json.loads((folder / "rank-1.json").read_text(encoding="utf-8"))["world"] == 2
