@@ -204,8 +204,8 @@ def _embedding(exc: BaseException, ctx: CrashContext, loc: Location, fields: dic
     code = Code.DATA_SEQ_LEN if is_position else Code.DATA_RANGE
     samples, field = _rows_beyond(fields, rows_in_table) if not is_position else (None, None)
     if is_position:
-        lengths = [int(np.shape(to_numpy(v))[1]) for v in fields.values()
-                   if to_numpy(v) is not None and to_numpy(v).ndim >= 2]
+        shapes = [_shape(v) for v in fields.values()]  # (shapes only: no copy of a tensor field, let alone three)
+        lengths = [int(shape[1]) for shape in shapes if shape is not None and len(shape) >= 2]
         if lengths:
             held = f"sequences of length {max(lengths)}"
         else:  # the batch is not known here (a user's loop): the position id that raised says enough
@@ -226,7 +226,11 @@ def _embedding(exc: BaseException, ctx: CrashContext, loc: Location, fields: dic
 
 def _rows_beyond(fields: dict[str, Any], rows: int) -> tuple[list[int] | None, str | None]:
     """The first integer field holding ids >= rows (or < 0), and which samples hold them."""
+    import paddle
+
     for key, value in fields.items():
+        if isinstance(value, paddle.Tensor) and not paddle.is_integer(value):
+            continue  # (an image batch is not copied to the host to learn that it holds no ids)
         arr = to_numpy(value)
         if arr is None or arr.dtype.kind not in "iu" or arr.ndim == 0:
             continue
@@ -234,3 +238,12 @@ def _rows_beyond(fields: dict[str, Any], rows: int) -> tuple[list[int] | None, s
         if bad.any():
             return sorted(int(i) for i in np.where(bad)[0]), str(key)
     return None, None
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    """A field's shape, read without copying an array or tensor (a list is converted)."""
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return tuple(int(d) for d in shape)
+    arr = to_numpy(value)
+    return None if arr is None else arr.shape
