@@ -23,6 +23,7 @@ statistics), RNG states, device and flags back when it is restored, so nothing t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,16 +57,34 @@ class Localization:
 
 
 def tensor_stats(t: Any, what: str) -> dict[str, Any] | None:
-    """min, max, mean over finite values; NaN/Inf counts; shape and dtype: what a user wants to see."""
+    """min, max, mean over finite values; NaN/Inf counts; shape and dtype: what a user wants to see. Read a
+    chunk of rows at a time (batches.row_chunks): a float64 copy of a large activation, its finite values
+    and masks would be several times its size, on top of the replay's own tensors."""
+    from nandoctor.batches import row_chunks, to_numpy
+
     try:
-        arr = np.asarray(t.detach().astype("float32").numpy(), dtype="float64")
+        shape = [int(d) for d in t.shape]
+        if shape and 0 not in shape:
+            chunks: Any = (rows for _, rows in row_chunks(t.detach()))
+        else:
+            chunks = [np.asarray(to_numpy(t.detach().astype("float32")))]
+        n_nan = n_inf = count = 0
+        total, lo, hi = 0.0, math.inf, -math.inf
+        for rows in chunks:
+            arr = np.asarray(rows, dtype="float64")
+            nan, inf = np.isnan(arr), np.isinf(arr)
+            n_nan += int(nan.sum())
+            n_inf += int(inf.sum())
+            finite = arr[~(nan | inf)]
+            if finite.size:
+                count += finite.size
+                total += float(finite.sum())
+                lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
     except Exception:  # noqa: BLE001 - stats are a nicety
         return None
-    finite = arr[np.isfinite(arr)]
-    return {"what": what, "shape": list(arr.shape), "dtype": str(t.dtype).replace("paddle.", ""),
-            "numel": int(arr.size), "num_nan": int(np.isnan(arr).sum()), "num_inf": int(np.isinf(arr).sum()),
-            "min": float(finite.min()) if finite.size else None, "max": float(finite.max()) if finite.size else None,
-            "mean": float(finite.mean()) if finite.size else None}
+    return {"what": what, "shape": shape, "dtype": str(t.dtype).replace("paddle.", ""),
+            "numel": math.prod(shape), "num_nan": n_nan, "num_inf": n_inf,
+            "min": lo if count else None, "max": hi if count else None, "mean": total / count if count else None}
 
 
 class Replayer:
