@@ -19,9 +19,13 @@ from nandoctor.probe.monitors import StepMonitor
 from nandoctor.spec import load_spec
 
 
-def test_the_replays_hold_no_batch_but_the_one_they_train_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the tape keeps no batch, as with 100 MB batches: every replay reads the loader again
-    monkeypatch.setattr(batch_tape, "KEPT_BYTES", 1)
+@pytest.mark.parametrize("tape", ["keeps none", "keeps one"])
+def test_the_replays_hold_no_batch_but_the_one_they_train_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            tape: str) -> None:
+    if tape == "keeps none":  # as with 100 MB batches (over KEPT_BYTES): every replay reads the loader again
+        monkeypatch.setattr(batch_tape, "KEPT_BYTES", 1)
+    else:  # as with 16 MB batches (over KEPT_FLOOR): the tape keeps the latest batch only
+        monkeypatch.setattr(batch_tape, "KEPT_FLOOR", 0)
     memory_models.ALIVE.clear()
     memory_models.DRAWS.clear()
     monkeypatch.setattr(memory_models, "PHASE", ["loop"])
@@ -41,7 +45,8 @@ def test_the_replays_hold_no_batch_but_the_one_they_train_on(tmp_path: Path, mon
     assert any(r["remedy"] == "drop_samples" and r["outcome"] == "fixed" for r in report.remedies)
     draws = [(i, alive - held_by_the_loop) for phase, i, alive in memory_models.DRAWS if phase == "replays"]
     assert len(draws) > 8  # the control replay and drop_samples read the loader again from batch 0
-    # while a batch is made, the replay holds at most the one before it (as a plain loop's variable does)
+    # while a batch is made, the replay (and the tape) hold at most the one before it, as a plain loop's
+    # variable does
     worst = max(draws, key=lambda d: len(d[1]))
     assert len(worst[1]) <= 2, f"drawing batch {worst[0]}, the replays held {len(worst[1]) - 1} other batch(es)"
 
