@@ -9,6 +9,7 @@ learning-rate, clipping and warmup remedies need a snapshot from before the grow
 
     .venv/bin/python benchmarks/large_model.py                  # 34M parameters
     .venv/bin/python benchmarks/large_model.py --layers 6       # 101M parameters
+    .venv/bin/python benchmarks/large_model.py --phases         # ... and the probe's peak RSS in each phase
 
 Each side runs in its own process; peak RSS is the process's `ru_maxrss` from `wait4` (the same figure
 `/usr/bin/time -v` prints). The plain loop is seeded as the probe seeds and stops at the first
@@ -104,6 +105,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--phases", action="store_true",
+                        help="also the probe's peak RSS per phase (loop, localisation, each replay; big_batches.py)")
     parser.add_argument("--plain", action="store_true", help="(internal) run the plain loop in this process")
     args = parser.parse_args()
     if args.plain:
@@ -119,6 +122,9 @@ def main() -> None:
         probe_mb, probe_s, _ = measure([sys.executable, "-m", "nandoctor", "probe", str(config), "--json",
                                         str(report_path), "-q"])
         report = json.loads(report_path.read_text(encoding="utf-8"))
+        if args.phases:  # in a process of its own: its peaks are not this one's
+            subprocess.run([sys.executable, str(HERE.parent / "big_batches.py"), "--phases-only", str(config)],
+                           check=True)
     fault = report.get("first_fault") or {}
     details = report.get("details", {})  # the ring's figures depend on the clock: under details.timings
     snaps = {**details.get("snapshots", {}), **details.get("timings", {}).get("snapshots", {})}
