@@ -197,10 +197,20 @@ def _float_rows(value: Any) -> bool:
     return value.dtype in float_dtypes()
 
 
+def _integer_tensor(value: Any) -> bool:
+    """A tensor (not a numpy array) of integers or booleans: it cannot hold NaN/Inf."""
+    if isinstance(value, np.ndarray) or not hasattr(value, "numpy"):
+        return False
+    dtype = str(getattr(value, "dtype", ""))
+    return bool(dtype) and "float" not in dtype and "complex" not in dtype
+
+
 def nonfinite_rows(value: Any) -> list[int]:
     """Positions along the first axis that hold a NaN or Inf (a batch's samples, a weight's rows); [0] for
     a non-finite scalar; [] for anything that is not array-like. Read a chunk of rows at a time."""
     if not _float_rows(value):  # a scalar, a list, a complex tensor: as numpy
+        if _integer_tensor(value):
+            return []  # (ids, labels, masks: no copy to learn they hold no NaN)
         value = to_numpy(value)
         if value is None or value.dtype.kind not in "fc" or value.size == 0:
             return []
@@ -216,6 +226,8 @@ def nonfinite_rows(value: Any) -> list[int]:
 def nonfinite_count(value: Any) -> int:
     """How many NaN/Inf values an array or tensor holds, a chunk of rows at a time."""
     if len(getattr(value, "shape", ())) == 0 or not _float_rows(value):
+        if _integer_tensor(value):
+            return 0
         arr = to_numpy(value)
         return int((~np.isfinite(arr)).sum()) if arr is not None and arr.dtype.kind in "fc" else 0
     return sum(int((~np.isfinite(rows)).sum()) for _, rows in row_chunks(value))
