@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from large_model import measure  # (this folder is first on sys.path: both are run as scripts)
 
 HERE = Path(__file__).resolve()
 FEATURES = 4096
@@ -101,17 +101,6 @@ def plain(rows: int, steps: int, fault_at: int) -> None:
         opt.step()
         opt.clear_grad()
     print(json.dumps({"stopped_at": None}))
-
-
-def measure(cmd: list[str]) -> tuple[float, float, str]:
-    """(peak RSS in MB, wall seconds, stdout) of one child process."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None
-    out = proc.stdout.read().decode()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return usage.ru_maxrss / 1024, time.perf_counter() - t0, out
 
 
 def _hwm_mb() -> float:
