@@ -209,3 +209,24 @@ def test_skip_step_still_reads_every_step(tmp_path, reads_spaced):
     assert not doctor.watcher.unread and doctor.history is None
     assert answers[FAULT_STEP] is False and doctor.skipped[0] == FAULT_STEP
     assert all(np.isfinite(p.numpy()).all() for p in model.parameters())
+
+
+def test_a_fault_still_unread_when_the_batches_outgrow_the_budget_is_still_named(tmp_path, reads_spaced, monkeypatch):
+    """Batches grow past what may be kept on the step after the NaN gradient, itself unread: the watch goes
+    back to reading every step, but keeps its ring and batches until the waiting losses are read, so the
+    fault they hold is still replayed and named at its step."""
+    import nandoctor.inloop.history as history
+
+    size = 8 * 6 * 4 + 8 * 8  # one batch of pm.loader: x float32 (8, 6) and the int64 labels
+    monkeypatch.setattr(history, "KEPT_BYTES", 2 * size * history.MIN_INTERVAL)
+    batches = pm.loader(**ZERO)
+    x, y = batches[FAULT_STEP + 1]
+    batches[FAULT_STEP + 1] = (np.tile(x, (40, 1)), np.tile(y, 40))  # 40x the rows: past twice the budget
+    doctor, answers, _, _ = _loop(tmp_path, batches)
+    assert answers[FAULT_STEP] is True and answers[FAULT_STEP + 1] is True  # both unread
+    assert max(answers) == FAULT_STEP + 2 and answers[FAULT_STEP + 2] is False  # read at once, not at a multiple
+    assert doctor.history.closing and FAULT_STEP in doctor.history.kept  # kept for the replay of the waiting steps
+    assert doctor.report.details["rollback"]["found"] == {"step": FAULT_STEP, "kind": "grad"}
+    ff = doctor.report.first_fault
+    assert (ff.step, ff.phase, ff.layer, ff.op, ff.sample_indices) == (
+        FAULT_STEP, Phase.BACKWARD, "dist", "sqrt_grad", [FAULT_ROW])
