@@ -16,7 +16,8 @@ batches), and keeps what it reads there for the next replay.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
 import numpy as np
@@ -35,10 +36,12 @@ class BatchTape:
     def __init__(self, make_loader: Callable[[], Any], max_bytes: int | None = None) -> None:
         self._make = make_loader
         self.max_bytes = KEPT_BYTES if max_bytes is None else max_bytes
-        self.batches: dict[tuple[int, int], Any] = {}
-        self.records: dict[tuple[int, int], list[int]] = {}  # dataset indices of a batch (a batch sampler's)
+        # (position, batch, records, bytes) in the order kept, the oldest first: all a step of the probe's
+        # loop does is append one (and let the oldest go past the cap); the index by position is built when a
+        # replay first asks (`batches`, `records`), and kept up to date from then on
+        self._kept: deque[tuple[tuple[int, int], Any, list[int] | None, int]] = deque()
+        self._index: dict[tuple[int, int], tuple[tuple[int, int], Any, list[int] | None, int]] | None = None
         self.ends: dict[int, int] = {}  # epoch -> its number of batches, where its end was seen
-        self._sizes: dict[tuple[int, int], int] = {}
         self.nbytes = 0
         self.cap: int | None = None  # set by the first batch (KEPT_FLOOR)
         self.evicted = 0  # batches let go to stay within max_bytes
@@ -54,34 +57,55 @@ class BatchTape:
         return _Recording(self._make(), self, epoch)
 
     def keep(self, pos: tuple[int, int], batch: Any, records: list[int] | None) -> None:
+        """Keep a batch (a reference, no copy), the oldest let go past the cap: O(1) but for its size."""
         size = batch_nbytes(batch)
-        if self.cap is None:
-            self.cap = min(self.max_bytes, max(KEPT_FLOOR, size))
-        if size > self.cap:
+        cap = self.cap
+        if cap is None:
+            cap = self.cap = min(self.max_bytes, max(KEPT_FLOOR, size))
+        if size > cap:
             self.evicted += 1
             return
-        self.batches[pos], self._sizes[pos] = batch, size
-        if records is not None:
-            self.records[pos] = records
+        entry = (pos, batch, records, size)
+        self._kept.append(entry)
+        if self._index is not None:
+            self._index[pos] = entry
         self.nbytes += size
-        while self.nbytes > self.cap:  # the oldest kept first (dicts keep insertion order): replays start
-            old = next(iter(self._sizes))  # near the fault
-            self.nbytes -= self._sizes.pop(old)
-            self.batches.pop(old, None)
-            self.records.pop(old, None)
+        while self.nbytes > cap:  # the oldest kept first: replays start near the fault
+            old = self._kept.popleft()
+            self.nbytes -= old[3]
+            if self._index is not None and self._index.get(old[0]) is old:
+                del self._index[old[0]]
             self.evicted += 1
+
+    def _by_pos(self) -> dict[tuple[int, int], tuple[tuple[int, int], Any, list[int] | None, int]]:
+        """The kept entries by position, built on a replay's first question (the loop never asks)."""
+        if self._index is None:
+            self._index = {entry[0]: entry for entry in self._kept}
+        return self._index
+
+    @property
+    def batches(self) -> Mapping[tuple[int, int], Any]:
+        """The kept batches by (epoch, batch_index)."""
+        return _Column(self._by_pos(), 1)
+
+    @property
+    def records(self) -> Mapping[tuple[int, int], list[int]]:
+        """The dataset indices of the kept batches a batch sampler gave (for dropping a bad record)."""
+        return _Column(self._by_pos(), 2)
 
     def kept_from(self) -> tuple[int, int] | None:
         """The earliest kept position (None: nothing kept)."""
-        return min(self.batches) if self.batches else None
+        return min(self._by_pos()) if self._kept else None
 
     def read(self, epoch: int, index: int, epoch_rng: dict[int, Any]) -> Iterator[tuple[int, int, Any]]:
         """(epoch, batch_index, batch) from the position on, with `END` where an epoch ended; kept batches
         as they are, the rest from one fresh loader per epoch. Stops where the data ends for the replay."""
         e, b = epoch, index
+        kept = self._by_pos()
         while True:
-            if (e, b) in self.batches:
-                yield e, b, self.batches[(e, b)]
+            entry = kept.get((e, b))
+            if entry is not None:
+                yield e, b, entry[1]
                 b += 1
             elif self.ends.get(e) == b:
                 yield e, b, END
@@ -126,8 +150,9 @@ class BatchTape:
                     if fresh and n == 0 and rng is not None:  # a sampler draws its order with the first batch
                         _rng_restore(saved)
                 pos = (epoch, n)
-                if pos in self.batches:
-                    if not same(batch, self.batches[pos]):
+                entry = self._by_pos().get(pos)
+                if entry is not None:
+                    if not same(batch, entry[1]):
                         self.stream = (f"the loader did not yield batch {n} of epoch {epoch} again as the training "
                                        "read it (a stream, or an order that is not seeded)")
                         return
@@ -135,7 +160,7 @@ class BatchTape:
                     self.keep(pos, batch, it.last_records)
                 if n >= start:
                     try:
-                        yield n, self.batches.get(pos, batch)
+                        yield n, batch if entry is None else entry[1]
                     except GeneratorExit:  # the replay is done: the next one goes on from here
                         self._open[epoch] = (it, n + 1)
                         it = None
@@ -150,6 +175,26 @@ class BatchTape:
         for it, _ in self._open.values():
             stop_loader(it)
         self._open.clear()
+
+
+class _Column(Mapping):  # type: ignore[type-arg]
+    """One field of the kept entries by position (the batches, or the records a batch sampler gave), read
+    through without a copy; a position without records is not in the records."""
+
+    def __init__(self, entries: dict[tuple[int, int], tuple[Any, ...]], column: int) -> None:
+        self._entries, self._column = entries, column
+
+    def __getitem__(self, pos: tuple[int, int]) -> Any:
+        value = self._entries[pos][self._column]
+        if value is None and self._column == 2:
+            raise KeyError(pos)
+        return value
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return (pos for pos, entry in self._entries.items() if self._column != 2 or entry[2] is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class _Recording:
@@ -183,11 +228,15 @@ class _Recording:
             if self.keep:  # the epoch's end, where the training saw it
                 self.tape.ends[self.epoch] = self.n
             raise
+        n = self.n
         idx = self._indices
-        self.last_records = [int(i) for i in idx[self.n]] if idx is not None and self.n < len(idx) else None
+        if idx is not None:
+            self.last_records = records = [int(i) for i in idx[n]] if n < len(idx) else None
+        else:
+            records = None  # (last_records stays None: a loader without a batch sampler has none)
         if self.keep:
-            self.tape.keep((self.epoch, self.n), batch, self.last_records)
-        self.n += 1
+            self.tape.keep((self.epoch, n), batch, records)
+        self.n = n + 1
         return batch
 
     def __len__(self) -> int:  # as the user's loader (a TypeError for one without a length)
@@ -235,7 +284,16 @@ def _leaves(batch: Any) -> list[Any]:
 
 
 def batch_nbytes(batch: Any) -> int:
-    """The bytes a batch holds (its arrays and tensors; 64 for anything else): ~1 us a tensor, every step."""
+    """The bytes a batch holds (its arrays and tensors; 64 for anything else). Every step: a tuple or list of
+    arrays (the usual batch) is summed in one loop, without a call per array."""
+    kind = type(batch)
+    if kind is tuple or kind is list:
+        n = 0
+        for v in batch:
+            n += v.nbytes if type(v) is np.ndarray else batch_nbytes(v)
+        return n
+    if kind is np.ndarray:
+        return batch.nbytes
     if isinstance(batch, (list, tuple)):
         return sum(batch_nbytes(v) for v in batch)
     if isinstance(batch, dict):
