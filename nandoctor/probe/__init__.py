@@ -26,7 +26,7 @@ from nandoctor.probe.crash import CrashContext, crash_findings
 from nandoctor.probe.diagnose import diagnose, record_run, replaying
 from nandoctor.probe.loop import LoopResult, ProbeLoop
 from nandoctor.probe.trainability import no_trainable_finding
-from nandoctor.probe.watcher import current_lr, trainable_names
+from nandoctor.probe.watcher import FaultKind, current_lr, trainable_names
 from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.resume import resume_probe
 from nandoctor.spec import Spec
@@ -137,6 +137,12 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
             if rollback.needs_rollback(res.fault, loop.snapshots):
                 with replaying(report, spec.base_dir, "the rollback's replay of the unread steps"):
                     report.details["rollback"] = rollback.rollback(res, workload, optimizer, loop.snapshots)
+        if _bundle_needs_batch(report, res):  # the watcher kept the update's position, not its batch
+            from nandoctor.probe import rollback
+
+            with replaying(report, spec.base_dir, "the re-read of the update fault's batch for the bundle"):
+                res.fault.fields = rollback.read_batch(workload, loop.snapshots, res.fault.epoch,
+                                                       res.fault.batch_index)
         record_run(report, res.records, loop.monitor, steps_run=res.steps_run, epochs=res.epochs,
                    stats_every=res.stats_every)
         diagnose(report, res.fault, workload.target(), optimizer)
@@ -165,6 +171,14 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
         _disable_checker()
         if not was_training:
             model.eval()
+
+
+def _bundle_needs_batch(report: Report, res: LoopResult) -> bool:
+    """An update fault without its batch (the watcher kept its position: ProbeLoop.run), when a bundle will
+    be written: its batch.npz is the one thing an update fault's batch serves."""
+    fault = res.fault
+    return (fault is not None and fault.kind == FaultKind.UPDATE and fault.fields is None and not res.interrupted
+            and fault.batch_index is not None and report.artifacts.get(WANTED) is not False)
 
 
 def _keep_batches(loop: ProbeLoop) -> None:

@@ -99,6 +99,8 @@ class ProbeLoop:
             # (rollback.py), as long as no more steps go unread in a row than the ring's interval
             watch.defer_grads(DEFER_EVERY)
             watch.defer_reads(lambda: ring.every)
+            if ring.batches is not None:  # an update fault's batch is read back from the tape (read_batch)
+                watch.keep_update_batches = False
         try:
             if self.start_step:  # the loader past the batches trained before the checkpoint (workload.py)
                 epoch, batch_index, it = user_call(Phase.DATA, self.w.resume_at, self.start_step, self._on_epoch)
@@ -155,6 +157,7 @@ class ProbeLoop:
         finally:
             watch.monitor.begin_step(False)  # detach the stats hooks before any replay
             stop_loader(it)
+            self.release_batches()  # the fault holds its own batch: the replays after the loop read theirs
         res.records = watch.records
         res.stats_every = watch.stats_every
         return res
@@ -163,8 +166,15 @@ class ProbeLoop:
         if self.snapshots is not None:
             self.snapshots.on_epoch(epoch)
 
+    def release_batches(self) -> None:
+        """Let go of the batches the watcher and the step engine still hold (issue 22): after the loop they
+        would stay alive through the localisation and every replay, beside the batch each replay reads."""
+        self.watcher.release_batches()
+        self.engine.fields = None
+
     def close(self) -> None:
         self.watcher.close()
+        self.release_batches()
 
 
 _END = object()

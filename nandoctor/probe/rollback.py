@@ -76,3 +76,29 @@ def rollback(res: Any, workload: Any, optimizer: Any, ring: SnapshotRing) -> dic
     res.records = [r for r in res.records if r.step < failed.step]
     res.records.append(StepRecord(failed.step, failed.loss, grad_norm, None, None))
     return info
+
+
+def read_batch(workload: Any, ring: SnapshotRing | None, epoch: int, batch_index: int) -> dict[str, Any] | None:
+    """The named fields of the batch the loop trained on at (epoch, batch_index), read back through the probe's
+    batch tape (a kept batch, or a fresh loader made with that epoch's RNG and checked against the kept ones):
+    the loop's watcher keeps the positions of the updates an update fault may name, not their batches (issue
+    22). None when it cannot be read the same way (no tape, the epoch's RNG let go, a stream, the loader raised);
+    the training's RNG is as it was."""
+    from nandoctor.probe.batch_tape import END
+    from nandoctor.probe.snapshots import RngState
+
+    tape = ring.batches if ring is not None else None
+    if tape is None or ring.disabled is not None or epoch not in ring.epoch_rng:
+        return None
+    saved = RngState.now()
+    batches = tape.read(epoch, batch_index, ring.epoch_rng)
+    try:
+        e, b, batch = next(batches, (None, None, END))
+    except Exception:  # noqa: BLE001 - the user's loader raised on a re-read: the bundle goes without the batch
+        return None
+    finally:
+        batches.close()
+        saved.restore()
+    if batch is END or (e, b) != (epoch, batch_index) or tape.stream is not None:
+        return None
+    return workload.layout.fields(batch, batch_index)

@@ -188,6 +188,10 @@ class StepWatcher:
         self.stats_every: list[int] = []
         # updates since the parameters were last seen finite: (step, batch_index, epoch, grad_norm, fields)
         self.history: list[tuple[int, int | None, int, float | None, Any]] = []
+        # ... with the batches of the entries an update fault may name (the first and the newest). A driver
+        # that can read a batch back by its position (the probe, through its batch tape) turns this off: the
+        # loop then holds no batch but the step's own (issue 22: 100 MB batches held two more each step).
+        self.keep_update_batches = True
         self._next_stats: bool | None = None
         self._step = 0
         self._batch_index: int | None = None
@@ -514,13 +518,14 @@ class StepWatcher:
             mon = self.monitor
             mon.after_update(check=stats or (mon.small and read))
             history = self.history
-            if len(history) > 1:
+            fields = self._fields if self.keep_update_batches else None
+            if fields is not None and len(history) > 1:
                 # Only the first and the newest entries' batches are ever named (`_update_fault`). Kept for
                 # the entries between, every batch since the last parameter check stays alive: 16 MB
                 # batches on a 124-tensor model held 1.9 GB after 200 steps.
                 s, b, e, n, _ = history[-1]
                 history[-1] = (s, b, e, n, None)
-            history.append((step, self._batch_index, self._epoch, self._last_norm, self._fields))
+            history.append((step, self._batch_index, self._epoch, self._last_norm, fields))
         every = self.stats_every
         if not every or every[-1] != schedule.k:  # only the latest is read: a long run grows no list per step
             every.append(schedule.k)
@@ -543,6 +548,13 @@ class StepWatcher:
         """Detach every hook (always, in finally, before any replay)."""
         self.monitor.begin_step(False)
         self.monitor.close()
+
+    def release_batches(self) -> None:
+        """Let go of the batches kept for naming a fault (the step's, the updates'): the driver's loop is over
+        and a fault holds its own batch; the replays after the loop read theirs (issue 22). Positions and
+        norms stay."""
+        self._fields = None
+        self.history = [(s, b, e, n, None) for s, b, e, n, _ in self.history]
 
     def warnings(self, fault: Fault | None) -> list[Any]:
         """The warning findings; an explosion reported at or after a fault is that fault, not a warning."""
