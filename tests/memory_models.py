@@ -13,7 +13,8 @@ import numpy as np
 from paddle import nn
 
 ALIVE: dict[int, int] = {}  # id of a yielded x array -> its batch index, while it lives
-DRAWS: list[tuple[str, int, frozenset[int]]] = []  # (phase, batch index, ids alive) each time a batch is made
+# (phase, batch index, ids alive, the batch indices of those) each time a batch is made
+DRAWS: list[tuple[str, int, frozenset[int], list[int]]] = []
 PHASE = ["loop"]  # set by the test's progress callback: "loop" or "replays"
 
 
@@ -31,5 +32,5 @@ def build_loader(batches: int = 12, fault_at: int = 5) -> Iterator[tuple[np.ndar
             x[3, 2] = np.nan
         weakref.finalize(x, ALIVE.pop, id(x), None)
         ALIVE[id(x)] = i
-        DRAWS.append((PHASE[0], i, frozenset(ALIVE)))
+        DRAWS.append((PHASE[0], i, frozenset(ALIVE), sorted(ALIVE.values())))
         yield x, (x[:, 0] > 0).astype(np.int64)

@@ -43,7 +43,8 @@ def test_the_replays_hold_no_batch_but_the_one_they_train_on(tmp_path: Path, mon
     report = run_probe(load_spec(tmp_path / "config.yaml"), ProbeOptions(steps=10, seed=0, device="cpu"), progress)
     assert report.first_fault is not None and report.first_fault.step == 5
     assert any(r["remedy"] == "drop_samples" and r["outcome"] == "fixed" for r in report.remedies)
-    draws = [(i, alive - held_by_the_loop) for phase, i, alive in memory_models.DRAWS if phase == "replays"]
+    draws = [(i, alive - held_by_the_loop) for phase, i, alive, _ in memory_models.DRAWS
+             if phase == "replays"]
     assert len(draws) > 8  # the control replay and drop_samples read the loader again from batch 0
     # while a batch is made, the replay (and the tape) hold at most the one before it, as a plain loop's
     # variable does
@@ -92,3 +93,71 @@ def test_the_gradient_recheck_reads_a_chunk_at_a_time(monkeypatch: pytest.Monkey
     assert monitor.recheck_grads(stats)
     assert stats.grad_norm == pytest.approx(np.sqrt(sum(float((g * g).sum()) for g in grads)), rel=1e-9)
     assert max(copied) <= 1024 < grads[0].size
+
+
+def test_the_loop_holds_one_batch_beyond_its_own_and_none_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   no_stats_steps: None) -> None:
+    """A many-tensor model's parameters are checked only now and then, so an update fault may name an update
+    many steps back: the watcher keeps where those updates were, not their batches (the probe reads an update
+    fault's batch back from its tape). While a batch is made, the loop holds only the one before it; after
+    the loop, only the fault's own batch."""
+    from nandoctor.probe import monitors
+    from nandoctor.probe.loop import ProbeLoop
+
+    monkeypatch.setattr(batch_tape, "KEPT_BYTES", 1)  # the tape keeps none (100 MB batches)
+    monkeypatch.setattr(monitors, "SMALL_MODEL_TENSORS", 0)  # the parameters checked on stats steps only
+    memory_models.ALIVE.clear()
+    memory_models.DRAWS.clear()
+    monkeypatch.setattr(memory_models, "PHASE", ["loop"])
+    after_loop: list[tuple[set[int], set[int]]] = []
+    run = ProbeLoop.run
+
+    def watched_run(loop: ProbeLoop) -> object:
+        res = run(loop)
+        memory_models.PHASE[0] = "after"
+        fault = res.fault
+        own = {fault.batch_index} if fault is not None and fault.fields is not None else set()
+        after_loop.append((set(memory_models.ALIVE.values()), own))
+        return res
+
+    monkeypatch.setattr(ProbeLoop, "run", watched_run)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({
+        "version": 1, "model": {"entry": "memory_models:build_model"},
+        "data": {"entry": "memory_models:build_loader", "fields": ["x", "label"], "label": "label"},
+        "loss": {"builtin": "cross_entropy"}, "optimizer": {"name": "Adam", "args": {"learning_rate": 0.01}}}))
+    report = run_probe(load_spec(tmp_path / "config.yaml"), ProbeOptions(steps=10, seed=0, device="cpu"))
+    assert report.first_fault is not None and report.first_fault.step == 5
+    draws = [(i, held) for phase, i, _, held in memory_models.DRAWS if phase == "loop"]
+    assert len(draws) == 6  # batches 0-5: the fault at 5 ends the loop
+    worst = max(draws, key=lambda d: len(d[1]))
+    assert len(worst[1]) <= 2, f"drawing batch {worst[0]}, the loop held batches {worst[1]}"
+    [(alive, own)] = after_loop
+    assert alive <= own, f"after the loop, batches {sorted(alive - own)} were still held beside the fault's"
+
+
+@pytest.mark.parametrize("tape", ["keeps them", "keeps none"])
+def test_an_update_fault_s_batch_is_read_back_for_the_bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            no_stats_steps: None, tape: str) -> None:
+    """The update that wrote NaN is named by its position; the bundle's batch is that step's batch as the
+    loader yields it (read back from the tape's kept batches, or from a fresh loader), not the step's after."""
+    import probe_models as pm
+    from probe_spec import probe
+
+    from nandoctor.probe.snapshots import SnapshotRing
+
+    if tape == "keeps none":
+        monkeypatch.setattr(batch_tape, "KEPT_BYTES", 1)
+    # no snapshot to roll back to: the update fault over the unread steps stands, named at its first candidate
+    monkeypatch.setattr(SnapshotRing, "latest", lambda self, at_most: None)
+    data = {"zero_batch": 6, "zero_rows": [3], "batches": 12}
+    report = probe(tmp_path, model="deep_dist", data_args=data, steps=12)
+    ff = report.first_fault
+    finding = next(f for f in report.findings if f.code.value == "update.nonfinite")
+    first = finding.evidence["update_steps"][0]
+    assert ff.step == first and ff.batch_index == first  # one epoch: the step is the batch index
+    assert "rollback" in report.details and first not in (report.details["steps_run"], 0)
+    x, label = pm.loader(**data)[first]
+    kept = report.artifacts["batch"]
+    assert report.artifacts["batch_index"] == first
+    np.testing.assert_array_equal(kept["x"], x)
+    np.testing.assert_array_equal(kept["label"], label)
