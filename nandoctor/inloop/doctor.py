@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from nandoctor.findings import Mode, Report
 from nandoctor.inloop.batch import FieldNamer
+from nandoctor.inloop.forward import ForwardSeam
 from nandoctor.inloop.history import StepHistory
 from nandoctor.probe.diagnose import StepTarget, note_replay_writes
 from nandoctor.probe.watcher import Fault, FaultKind, StepWatcher
@@ -113,16 +114,16 @@ class Doctor:
         self._closed = False
         self._inputs: Any = ()
         self._warned: set[Any] = set()
-        self._hook = self.wrapper.register_forward_pre_hook(self._pre_forward)
+        self._hook = ForwardSeam(self.wrapper, self._pre_forward)  # (not a pre-hook: forward.py says why)
         self._orig_step = optimizer.step if optimizer is not None else None
         if optimizer is not None and wrap_step:  # (nandoctor run patches the class's step itself)
             optimizer.step = self._wrapped_step  # an instance attribute, deleted again in close()
 
     # ---- seams ----------------------------------------------------------------------------------
-    def _pre_forward(self, _layer: Any, inputs: Any) -> None:
+    def _pre_forward(self, layer: Any, inputs: Any) -> None:
         if self._busy or self._closed or self.fault is not None and self.on_fault != "skip_step":
             return
-        if not self.wrapper.training:
+        if not layer.training:
             return  # an evaluation pass between steps is not a training step
         self._inputs = inputs  # a reference: what a crash in this step's code is asked about
         if self._checked:  # accumulation: no optimizer step since the last check
@@ -162,8 +163,9 @@ class Doctor:
             self.optimizer.clear_grad()
             return None
         out = self._orig_step(*args, **kwargs)
-        if self._checked and not self._closed:
-            self._end_step(stepped=True)
+        if self._checked and not self._closed:  # (_end_step, written out: this runs every step)
+            self.watcher.after_update(True)
+            self._open = self._checked = False
         return out
 
     # ---- the user's call ----------------------------------------------------------------------------
@@ -194,15 +196,26 @@ class Doctor:
         fields, rebuild = self._name_fields(batch)
         self._last_rebuild = rebuild
         watcher = self.watcher
-        watcher.attach_batch(fields, batch_index=self.step)
+        step = self.step
+        watcher.attach_batch(fields, batch_index=step)
         fault = watcher.observe_loss(loss)
-        if fault is None and self._before_backward(loss):  # the gradients are checked at optimizer.step()
-            self._waiting = (loss, fields, rebuild, self.step)
-            self.step += 1
-            return True
         if fault is None:
+            # (only the first check can find the order out; written so that later ones make no call for it)
+            if (self._check_before_backward or not step) and self._before_backward(loss):
+                self._waiting = (loss, fields, rebuild, step)  # the gradients are checked at optimizer.step()
+                self.step = step + 1
+                return True
             fault = watcher.after_backward(loss)
-        return self._decide(fault, fields, rebuild, self.step)
+            if fault is None and self.sync is None:  # a healthy step (the rest of _decide's, written out)
+                tracker = watcher.tracker
+                if tracker.explosion is not None or tracker.fp16_hits:
+                    self._warn()
+                self.step = step + 1
+                self._checked = True
+                if self.history is not None:
+                    self.history.keep(step, fields, rebuild)
+                return True
+        return self._decide(fault, fields, rebuild, step)
 
     def _before_backward(self, loss: Any) -> bool:
         """check() called between the forward and `loss.backward()` (no gradient exists yet, and the loss has
