@@ -11,6 +11,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 import probe_models as pm
+import pytest
 
 import nandoctor
 from nandoctor.findings import Phase
@@ -129,3 +130,18 @@ def test_batches_that_grow_past_the_budget_stop_the_spaced_reads(tmp_path, no_st
     doctor, _ = _loop(tmp_path, batches=batches)
     assert doctor.report is None and doctor.history.ring is None and not doctor.history.kept
     assert doctor.watcher.unread and max(doctor.watcher.unread) < 12  # read every step once it stopped
+
+
+@pytest.mark.parametrize(("room", "kept"), [(2, True), (1, False)])
+def test_tensor_batches_are_sized_by_the_memory_they_keep(tmp_path, no_stats_steps, monkeypatch, room, kept):
+    """A batch of tensors counts its arrays' bytes: with room for MIN_INTERVAL such batches twice over it is
+    kept for a replay, with half that room not (as batches of numpy arrays of the same bytes)."""
+    import nandoctor.inloop.history as history
+
+    batches = pm.loader(batches=12)
+    size = sum(a.nbytes for a in batches[0])
+    monkeypatch.setattr(history, "KEPT_BYTES", room * size * history.MIN_INTERVAL)
+    doctor, _ = _loop(tmp_path, batches=[tuple(paddle.to_tensor(a) for a in b) for b in batches])
+    assert doctor.report is None and (doctor.history.ring is not None) == kept
+    if kept:
+        assert doctor.history.kept_bytes == size * len(doctor.history.kept) > 0
