@@ -3,17 +3,23 @@
 Captured only when a fault is found (a copy of one batch and one state dict), so a healthy run pays
 nothing. Everything is copied to numpy at capture time: the user's loader may reuse its buffers and the
 model keeps training (or is torn down) after the capture. The result goes into `Report.artifacts`,
-which stays in memory and never enters the JSON; `report/bundle.py` writes it to disk.
+which stays with the report (a large batch field in a temporary file, mapped back) and never enters the
+JSON; `report/bundle.py` writes it to disk.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from nandoctor.batches import to_numpy
+
+# A captured field this large waits for the bundle in a temporary file, not in memory (`_kept`)
+SPILL_BYTES = 16 * 2**20
 
 
 def batch_arrays(fields: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -23,8 +29,27 @@ def batch_arrays(fields: Mapping[str, Any]) -> dict[str, np.ndarray]:
     for name, value in fields.items():
         array = to_numpy(value)
         if array is not None and array.dtype != object:
-            out[str(name)] = np.array(array, copy=True) if isinstance(value, np.ndarray) else array
+            out[str(name)] = _kept(array, copy=isinstance(value, np.ndarray))
     return out
+
+
+def _kept(array: np.ndarray, *, copy: bool) -> np.ndarray:
+    """The capture's own copy of a field. A large one is written to a temporary file at once and mapped back
+    read-only (the file unlinked right away: its space goes with the mapping, whatever ends the process), so
+    a 100 MB batch is not held in memory through the localisation and every replay until the bundle is
+    written (issue 22: it was a second extra batch beside a replay's). With no room on disk, in memory."""
+    if array.nbytes < SPILL_BYTES:
+        return np.array(array, copy=True) if copy else array
+    try:
+        fd, path = tempfile.mkstemp(prefix="nandoctor-batch-", suffix=".npy")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, array, allow_pickle=False)  # written from the array itself: no copy in memory
+            return np.load(path, mmap_mode="r")
+        finally:
+            os.unlink(path)
+    except (OSError, ValueError):
+        return np.array(array, copy=True) if copy else array
 
 
 def model_state(model: Any) -> dict[str, np.ndarray]:
