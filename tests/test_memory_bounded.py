@@ -161,3 +161,25 @@ def test_an_update_fault_s_batch_is_read_back_for_the_bundle(tmp_path: Path, mon
     assert report.artifacts["batch_index"] == first
     np.testing.assert_array_equal(kept["x"], x)
     np.testing.assert_array_equal(kept["label"], label)
+
+
+def test_a_large_captured_batch_waits_for_the_bundle_on_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fault's batch is copied for the bundle at the fault and held until the bundle is written, through
+    every replay: a large field is written out at once, without a copy in memory, and still reads back as
+    the batch was at the fault (the loader may reuse its buffer afterwards)."""
+    from nandoctor import artifacts
+
+    monkeypatch.setattr(artifacts, "SPILL_BYTES", 1 << 20)
+    x = np.random.default_rng(0).normal(size=(1024, 1024)).astype(np.float32)  # 4 MB: over the patched limit
+    label = np.arange(1024, dtype=np.int64)  # 8 KB: under it, copied in memory
+    truth = x.copy()
+    tracemalloc.start()
+    kept = artifacts.batch_arrays({"x": x, "label": label, "ids": paddle.to_tensor(label)})
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < x.nbytes // 4, f"{peak} bytes in memory to capture a {x.nbytes}-byte field"
+    x[:] = 0.0  # the loader reuses its buffer
+    label[:] = -1
+    np.testing.assert_array_equal(kept["x"], truth)
+    np.testing.assert_array_equal(kept["label"], np.arange(1024))
+    np.testing.assert_array_equal(kept["ids"], np.arange(1024))
