@@ -53,8 +53,10 @@ def _kept(array: np.ndarray, *, copy: bool) -> np.ndarray:
 
 
 def model_state(model: Any) -> dict[str, np.ndarray]:
-    """{name: array} of `model.state_dict()` (parameters and buffers, the names users know)."""
-    return {name: np.array(value.numpy(), copy=True) for name, value in model.state_dict().items()}
+    """{name: array} of `model.state_dict()` (parameters and buffers, the names users know). `numpy()` is a
+    copy of its own, one tensor at a time; a large one waits for the bundle on disk (`_kept`): a copy of the
+    whole model held through every replay was the model's size beside the snapshots."""
+    return {name: _kept(value.numpy(), copy=False) for name, value in model.state_dict().items()}
 
 
 def rng_state() -> Any:
