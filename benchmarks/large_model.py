@@ -107,6 +107,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--phases", action="store_true",
                         help="also the probe's peak RSS per phase (loop, localisation, each replay; big_batches.py)")
+    parser.add_argument("--bundle", action="store_true",
+                        help="the probe writes a bundle (--bundle: the batch and model state captured at the fault)")
     parser.add_argument("--plain", action="store_true", help="(internal) run the plain loop in this process")
     args = parser.parse_args()
     if args.plain:
@@ -119,8 +121,9 @@ def main() -> None:
         base = [sys.executable, str(HERE), "--hidden", str(args.hidden), "--layers", str(args.layers),
                 "--steps", str(args.steps)]
         plain_mb, plain_s, plain_out = measure([*base, "--plain"])
+        bundle = ["--bundle", str(Path(tmp) / "bundle")] if args.bundle else []
         probe_mb, probe_s, _ = measure([sys.executable, "-m", "nandoctor", "probe", str(config), "--json",
-                                        str(report_path), "-q"])
+                                        str(report_path), "-q", *bundle])
         report = json.loads(report_path.read_text(encoding="utf-8"))
         if args.phases:  # in a process of its own: its peaks are not this one's
             subprocess.run([sys.executable, str(HERE.parent / "big_batches.py"), "--phases-only", str(config)],
@@ -131,7 +134,7 @@ def main() -> None:
     print(f"model: {params / 1e6:.1f}M parameters ({args.layers} x Linear({args.hidden}, {args.hidden}) + head), Adam")
     print(f"plain loop: peak RSS {plain_mb:.0f} MB, {plain_s:.1f} s, {plain_out.strip()}")
     print(f"nandoctor probe: peak RSS {probe_mb:.0f} MB, {probe_s:.1f} s, first fault at step {fault.get('step')}")
-    print(f"peak ratio probe / plain: {probe_mb / plain_mb:.2f}x")
+    print(f"peak ratio probe / plain: {probe_mb / plain_mb:.2f}x{' (--bundle)' if args.bundle else ''}")
     print(f"snapshots: kept before steps {snaps.get('kept_steps')}, of them on disk {snaps.get('disk_steps')}, "
           f"every {snaps.get('every')} steps, {snaps.get('seconds')} s; note: {snaps.get('note')}")
     for row in report.get("remedies", []):
