@@ -183,3 +183,22 @@ def test_a_large_captured_batch_waits_for_the_bundle_on_disk(monkeypatch: pytest
     np.testing.assert_array_equal(kept["x"], truth)
     np.testing.assert_array_equal(kept["label"], np.arange(1024))
     np.testing.assert_array_equal(kept["ids"], np.arange(1024))
+
+
+def test_the_captured_model_state_waits_for_the_bundle_on_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model state captured at the fault (for the bundle) is the weights as they were then, however the
+    replays change the model; a large tensor's copy is on disk, not a model's size more in memory."""
+    from nandoctor import artifacts
+
+    monkeypatch.setattr(artifacts, "SPILL_BYTES", 1 << 20)
+    paddle.seed(0)
+    model = paddle.nn.Linear(1024, 1024)  # a 4 MB weight, a 4 KB bias
+    truth = {name: value.numpy().copy() for name, value in model.state_dict().items()}
+    state = artifacts.model_state(model)
+    with paddle.no_grad():
+        model.weight.set_value(paddle.zeros([1024, 1024]))
+        model.bias.set_value(paddle.ones([1024]))
+    assert set(state) == set(truth)
+    for name, value in truth.items():
+        np.testing.assert_array_equal(state[name], value)
+    assert isinstance(state["weight"], np.memmap) and not isinstance(state["bias"], np.memmap)
