@@ -75,6 +75,22 @@ def test_force_replaces_an_earlier_bundle_even_after_reproduce_ran(earlier: Path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # no .partial / .old folder left behind
 
 
+def test_a_bundle_with_no_code_to_copy_has_no_code_folder_and_can_be_replaced(tmp_path: Path):
+    """The spec's code outside its folder (absolute entries): nothing is copied, so no empty code/ folder
+    that the manifest cannot list and that made --force refuse nandoctor's own bundle."""
+    text = NAN_DATA.read_text().replace('"model.py:', f'"{NAN_DATA.parent / "model.py"}:').replace(
+        '"data.py:', f'"{NAN_DATA.parent / "data.py"}:')
+    config = tmp_path / "elsewhere" / "config.yaml"
+    config.parent.mkdir()
+    config.write_text(text)
+    out = tmp_path / "b"
+    first = _cli("scan", str(config), "--bundle", str(out), "--quiet")
+    assert first.exit_code == 1, first.output
+    assert not (out / "code").exists() and foreign_files(out) == []
+    again = _cli("scan", str(config), "--bundle", str(out), "--force", "--quiet")
+    assert again.exit_code == 1, again.output
+
+
 @pytest.mark.parametrize("plant", ["top", "nested", "edited", "empty_dir"])
 def test_force_refuses_a_bundle_that_holds_anything_else(earlier: Path, plant: str):
     if plant == "top":

@@ -53,6 +53,8 @@ def copy_code(spec: Spec, dest: Path) -> tuple[list[str], list[str]]:
         shutil.copyfile(file, dest / rel)
         copied.append(str(rel))
         total += size
+    if not copied:  # an empty folder the manifest cannot list would make --force refuse this bundle
+        dest.rmdir()
     return copied, notes
 
 
