@@ -163,9 +163,8 @@ class Doctor:
             self.optimizer.clear_grad()
             return None
         out = self._orig_step(*args, **kwargs)
-        if self._checked and not self._closed:  # (_end_step, written out: this runs every step)
-            self.watcher.after_update(True)
-            self._open = self._checked = False
+        if self._checked and not self._closed:
+            self._end_step(stepped=True)
         return out
 
     # ---- the user's call ----------------------------------------------------------------------------
@@ -206,15 +205,6 @@ class Doctor:
                 self.step = step + 1
                 return True
             fault = watcher.after_backward(loss)
-            if fault is None and self.sync is None:  # a healthy step (the rest of _decide's, written out)
-                tracker = watcher.tracker
-                if tracker.explosion is not None or tracker.fp16_hits:
-                    self._warn()
-                self.step = step + 1
-                self._checked = True
-                if self.history is not None:
-                    self.history.keep(step, fields, rebuild)
-                return True
         return self._decide(fault, fields, rebuild, step)
 
     def _before_backward(self, loss: Any) -> bool:

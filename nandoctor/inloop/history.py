@@ -20,7 +20,6 @@ small.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from nandoctor.probe.loop import DEFER_EVERY, LoopResult
-from nandoctor.probe.snapshots import MIN_EVERY, SnapshotRing
+from nandoctor.probe.snapshots import MIN_EVERY, SnapshotRing, tensor_nbytes
 from nandoctor.probe.watcher import Fault, StepWatcher
 from nandoctor.schedulers import lr_scheduler
 from nandoctor.training import StepPlan
@@ -193,7 +192,7 @@ def _batch_nbytes(fields: dict[str, Any], tensor: type) -> int:
             try:
                 total += value._holder_size()
             except AttributeError:  # (a Paddle without it)
-                total += value.element_size() * math.prod(value.shape)
+                total += tensor_nbytes(value)
         elif isinstance(value, np.ndarray):
             total += value.nbytes
     return total
