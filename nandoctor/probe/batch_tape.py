@@ -286,20 +286,15 @@ def _leaves(batch: Any) -> list[Any]:
 def batch_nbytes(batch: Any) -> int:
     """The bytes a batch holds (its arrays and tensors; 64 for anything else). Every step: a tuple or list of
     arrays (the usual batch) is summed in one loop, without a call per array."""
-    kind = type(batch)
-    if kind is tuple or kind is list:
+    if isinstance(batch, np.ndarray):
+        return batch.nbytes
+    if isinstance(batch, (list, tuple)):
         n = 0
         for v in batch:
             n += v.nbytes if type(v) is np.ndarray else batch_nbytes(v)
         return n
-    if kind is np.ndarray:
-        return batch.nbytes
-    if isinstance(batch, (list, tuple)):
-        return sum(batch_nbytes(v) for v in batch)
     if isinstance(batch, dict):
         return sum(batch_nbytes(v) for v in batch.values())
-    if isinstance(batch, np.ndarray):
-        return batch.nbytes
     size = getattr(batch, "element_size", None)
     if size is not None:
         n = 1
