@@ -72,7 +72,8 @@ def no_stats_steps():
     model go unread but one in four (the rollback tests)."""
     from nandoctor.probe.watcher import StatsSchedule
 
-    orig = StatsSchedule.want
+    orig = StatsSchedule.want, StatsSchedule.next_stats
     StatsSchedule.want = lambda self, step: step == 0  # type: ignore[method-assign]
+    StatsSchedule.next_stats = lambda self, step: 2**62  # type: ignore[method-assign]
     yield
-    StatsSchedule.want = orig  # type: ignore[method-assign]
+    StatsSchedule.want, StatsSchedule.next_stats = orig  # type: ignore[method-assign]

@@ -36,6 +36,7 @@ def reads_spaced(monkeypatch, no_stats_steps):
     from nandoctor.probe import snapshots, watcher
 
     monkeypatch.setattr(watcher, "_READ_SHARE", 1e-9)
+    monkeypatch.setattr(watcher, "MAX_UNREAD", READ_EVERY)  # (else the reads would widen the ring's interval)
     monkeypatch.setattr(snapshots.SnapshotRing, "_interval", lambda self, took: READ_EVERY)
 
 

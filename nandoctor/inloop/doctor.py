@@ -22,15 +22,17 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from time import perf_counter
 from typing import Any, Callable
 
 from nandoctor.findings import Mode, Report
 from nandoctor.inloop.batch import FieldNamer
 from nandoctor.inloop.forward import ForwardSeam
-from nandoctor.inloop.history import StepHistory
+from nandoctor.inloop.history import StepHistory, batch_nbytes
 from nandoctor.probe.diagnose import StepTarget, note_replay_writes
-from nandoctor.probe.watcher import Fault, FaultKind, StepWatcher
+from nandoctor.probe.watcher import Fault, FaultKind, StepWatcher, current_lr
 from nandoctor.sandbox import redirected
 
 log = logging.getLogger("nandoctor")
@@ -100,6 +102,15 @@ class Doctor:
                 and sync is None and scaler is None):
             self.history = StepHistory(self.model, optimizer, self.watcher)
         self.step = 0  # steps checked so far = the next step's index
+        # Quiet steps (history.py): steps before `_quiet_until` are unread, without stats, and no snapshot is
+        # due, so the seams only note them (`[step, batch_index, epoch, loss, lr, start, end, batch size]` and
+        # the batch) and `_settle` does their bookkeeping when the window ends, or before anything reads it
+        self._quiet_until = 0
+        self._quiet: list[list[Any]] = []
+        self._quiet_batches: list[Any] = []
+        self._quiet_start: float | None = None  # a quiet step's forward ran at this time
+        self._quiet_room = 0  # bytes of batches the quiet steps may still keep (history.room)
+        self._tensor = paddle.Tensor
         self.fault: Fault | None = None
         self.report: Report | None = None
         self.skipped: list[int] = []
@@ -121,10 +132,17 @@ class Doctor:
 
     # ---- seams ----------------------------------------------------------------------------------
     def _pre_forward(self, layer: Any, inputs: Any) -> None:
+        if self.step < self._quiet_until and not self._checked:
+            if layer.training:
+                self._inputs = inputs
+                if self._quiet_start is None:
+                    self._quiet_start = perf_counter()
+            return
         if self._busy or self._closed or self.fault is not None and self.on_fault != "skip_step":
             return
         if not layer.training:
             return  # an evaluation pass between steps is not a training step
+        self._settle()
         self._inputs = inputs  # a reference: what a crash in this step's code is asked about
         if self._checked:  # accumulation: no optimizer step since the last check
             self._end_step(stepped=False)
@@ -149,6 +167,31 @@ class Doctor:
     def _end_step(self, stepped: bool) -> None:
         self.watcher.after_update(stepped=stepped)
         self._open = self._checked = False
+        history = self.history
+        if (history is not None and history.ring is not None and not history.closing and self.fault is None
+                and not self._check_before_backward):
+            self._quiet_until = min(self.watcher.quiet_until(self.step), history.ring.next_due())
+            self._quiet_room = history.room()
+
+    def _settle(self) -> None:
+        """The quiet steps' bookkeeping, done together: the watcher's (as its stages would have done it), the
+        ring's step times and the kept batches; a quiet step whose forward ran is begun. Before anything
+        reads the watcher's state or a step needs its stages."""
+        self._quiet_until = 0
+        quiet = self._quiet
+        if quiet:
+            history = self.history
+            named = [self._name_fields(batch) for batch in self._quiet_batches]
+            self._quiet, self._quiet_batches = [], []
+            history.ring.note_steps([q[5] for q in quiet])
+            self.watcher.quiet_steps(quiet, [fields for fields, _ in named])
+            for q, (fields, rebuild) in zip(quiet, named):
+                history.keep(q[0], fields, rebuild, q[7])
+            self._last_rebuild = named[-1][1]
+            self._open = quiet[-1][6] is None  # checked, not yet updated: the optimizer's step ends it
+        if self._quiet_start is not None:
+            self._quiet_start = None
+            self._begin()
 
     def _wrapped_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._waiting is not None and not self._closed and (self.fault is None or self.on_fault == "skip_step"):
@@ -164,7 +207,14 @@ class Doctor:
             return None
         out = self._orig_step(*args, **kwargs)
         if self._checked and not self._closed:
-            self._end_step(stepped=True)
+            quiet = self._quiet
+            if quiet and quiet[-1][6] is None:  # a quiet step's end; its bookkeeping waits for the window's end
+                quiet[-1][6] = perf_counter()
+                self._checked = False
+                if self.step >= self._quiet_until:
+                    self._settle()
+            else:
+                self._end_step(stepped=True)
         return out
 
     # ---- the user's call ----------------------------------------------------------------------------
@@ -186,16 +236,35 @@ class Doctor:
         (every step read) returns False and makes the next `optimizer.step()` a no-op that clears the
         gradients, so training goes on without the faulty update.
         """
+        step = self.step
+        if step < self._quiet_until and type(loss) is self._tensor and not loss.stop_gradient:
+            shape = loss.shape
+            if not shape or shape == [1]:
+                # a quiet step (see _settle): noted, its loss left on the device, detached (else it would
+                # keep its step's autograd graph alive until the read)
+                start, self._quiet_start = self._quiet_start, None
+                kind = type(batch)  # (its fields' values, as FieldNamer names them)
+                size = batch_nbytes(batch if kind is tuple or kind is list or isinstance(batch, (tuple, list))
+                                    else batch.values() if isinstance(batch, Mapping) else (batch,), self._tensor)
+                self._quiet.append([step, step, 0, loss.detach(), current_lr(self.optimizer),
+                                    perf_counter() if start is None else start, None, size])
+                self._quiet_batches.append(batch)
+                self.step = step + 1
+                self._checked = True
+                self._quiet_room -= size
+                if self._quiet_room < 0:  # the batches outgrew what may be kept: settled at this step's end
+                    self._quiet_until = 0
+                return True
         if self._closed:
             raise RuntimeError("this nandoctor watch is closed; call nandoctor.watch again for a new run")
         if self.fault is not None and self.on_fault == "stop":
             return False
+        self._settle()
         if not self._open:  # the model was not called in training mode since the last step
             self._begin()
         fields, rebuild = self._name_fields(batch)
         self._last_rebuild = rebuild
         watcher = self.watcher
-        step = self.step
         watcher.attach_batch(fields, batch_index=step)
         fault = watcher.observe_loss(loss)
         if fault is None:
@@ -240,6 +309,7 @@ class Doctor:
                 self.history.keep(step, fields, rebuild)
             return True
         self._end_step(stepped=False)
+        self._quiet_until = 0
         if self.fault is not None:  # skip_step: a later fault is counted, not localised again
             self.skipped.append(step)
             self._skip_next = True
@@ -258,6 +328,7 @@ class Doctor:
     def updated(self) -> None:
         """The update of a checked step was applied by a route other than `optimizer.step()` (hapi's
         `minimize`): close the step as the step wrapper would (parameter check, timing)."""
+        self._settle()
         if self._checked and not self._closed:
             self._end_step(stepped=True)
 
@@ -269,6 +340,7 @@ class Doctor:
             return self.report
         self._closed = True
         try:
+            self._settle()
             if self._checked:
                 self._end_step(stepped=False)
             # the last update's check is one more sync; with ranks it would be a collective some skip
@@ -305,6 +377,7 @@ class Doctor:
         from nandoctor.findings import Phase
         from nandoctor.probe.crash import in_backward, in_data_loading, label_in_traceback
 
+        self._settle()
         unread = self.watcher.flush() if self.history is not None else None
         if unread is not None:  # a NaN on an earlier step left unread came first (and may be why the code raised)
             self.fault = unread
@@ -339,6 +412,7 @@ class Doctor:
 
         from nandoctor.inloop import outcome
 
+        self._settle()
         report = outcome.new_report(str(paddle.get_device()), self.mode)
         outcome.fill_report(report, self.watcher, None, self.step, target=self._target(None),
                             optimizer=self.optimizer, start_bad=self.start_bad)

@@ -20,7 +20,7 @@ small.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,15 +88,22 @@ class StepHistory:
             for s in [s for s in self.kept if s < oldest]:
                 self.kept_bytes -= self.kept.pop(s)[2]
 
-    def keep(self, step: int, fields: dict[str, Any], rebuild: Callable[[dict], Any]) -> None:
-        """A checked step's batch, for a replay; on the first, whether batches this size may be kept."""
+    def room(self) -> int:
+        """Bytes of batches that may still be kept before the watch goes back to reading every step."""
+        return 2 * KEPT_BYTES - self.kept_bytes
+
+    def keep(self, step: int, fields: dict[str, Any], rebuild: Callable[[dict], Any], size: int | None = None
+             ) -> None:
+        """A checked step's batch, for a replay; on the first, whether batches this size may be kept.
+        `size`: its `batch_nbytes`, when already known."""
         ring = self.ring
         if ring is None:
             return
         if self.closing and not self.watcher.pending:  # the last unread losses were read, finite
             self._drop()
             return
-        size = _batch_nbytes(fields, self._tensor)
+        if size is None:
+            size = batch_nbytes(fields.values(), self._tensor)
         if not self.kept and step == 0:
             if not fields:
                 self.off("check() was given no batch, so there is none to replay")
@@ -107,8 +114,8 @@ class StepHistory:
             ring.max_every = max(MIN_EVERY, KEPT_BYTES // (2 * max(size, 1)))
             self.watcher.defer_grads(DEFER_EVERY)
             # no more steps unread in a row than the ring's interval: a snapshot before them is always held
-            self.watcher.defer_reads(lambda: ring.every)
-        elif self.kept_bytes + size > 2 * KEPT_BYTES and not self.closing:  # the batches grew (longer sequences)
+            self.watcher.defer_reads(ring)
+        elif size > self.room() and not self.closing:  # the batches grew (longer sequences)
             self.off(f"the batches kept for a replay passed {2 * KEPT_BYTES / 2**20:.0f} MB")
             if not self.closing:
                 return  # (else this step went unread: its batch is kept for the replay of the pending steps)
@@ -182,12 +189,13 @@ class KeptBatches:
     plan: StepPlan
 
 
-def _batch_nbytes(fields: dict[str, Any], tensor: type) -> int:
-    """The memory the batch's arrays and tensors keep alive (`tensor`: paddle.Tensor), in bytes, without a
-    copy or a sync. Every step, so a tensor's is its allocation's size, one call (`_holder_size`; a view
-    keeps its whole buffer alive): its shape and element size were three calls, ~3 us a batch of two."""
+def batch_nbytes(values: Iterable[Any], tensor: type) -> int:
+    """The memory a batch's arrays and tensors (its fields' `values`) keep alive (`tensor`: paddle.Tensor),
+    in bytes, without a copy or a sync. Every step, so a tensor's is its allocation's size, one call
+    (`_holder_size`; a view keeps its whole buffer alive): its shape and element size were three calls,
+    ~3 us a batch of two."""
     total = 0
-    for value in fields.values():
+    for value in values:
         if isinstance(value, tensor):
             try:
                 total += value._holder_size()

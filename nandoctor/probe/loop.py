@@ -98,7 +98,7 @@ class ProbeLoop:
             # a fault on a step whose gradients (or whole read) went unread can be replayed from the ring
             # (rollback.py), as long as no more steps go unread in a row than the ring's interval
             watch.defer_grads(DEFER_EVERY)
-            watch.defer_reads(lambda: ring.every)
+            watch.defer_reads(ring)
             if ring.batches is not None:  # an update fault's batch is read back from the tape (read_batch)
                 watch.keep_update_batches = False
         try:

@@ -137,6 +137,29 @@ class SnapshotRing:
             keep = {s.epoch for s in self.ring} | {epoch, 0}
             self.epoch_rng = {e: r for e, r in self.epoch_rng.items() if e in keep}
 
+    def widen(self, every: int) -> None:
+        """Snapshots at least `every` steps apart (at most `max_every`): a driver reading its steps that far
+        apart needs none closer (StepWatcher._pace)."""
+        self.every = max(self.every, min(every, self.max_every))
+
+    def next_due(self) -> int:
+        """The earliest step whose `on_batch` may take a snapshot (a later one when the interval grows)."""
+        return self._last_saved + self.every if self.disabled is None else 2**62
+
+    def note_steps(self, starts: list[float]) -> None:
+        """Steps that began at these `perf_counter` times before `next_due()` and had no `on_batch` (the
+        watch's quiet steps): their times, as `on_batch` would have measured them."""
+        if not starts:
+            return
+        last = self._last_t
+        times = self._step_times
+        for now in starts:
+            if last is not None:
+                times.append(now - last)
+            last = now
+        self._steps_timed += len(starts) - (self._last_t is None)
+        self._last_t = last
+
     def on_batch(self, step: int, epoch: int, batch_index: int) -> None:
         """Before step `step`: a snapshot on step 0 and every `every` steps (host copies)."""
         now = time.perf_counter()

@@ -125,6 +125,10 @@ class StatsSchedule:
         # measured slow once (a first-call cost, a load spike) would keep it at 1: measure one in 16.
         return step - self.last >= self.k and not (self.k == 1 and step % 16 == 0)
 
+    def next_stats(self, step: int) -> int:
+        """The first step after `step` (which `want` did not take) that `want` takes, alerts aside."""
+        return step + 1 if self.k == 1 else max(step + 1, self.last + self.k)
+
     def record(self, step: int, stats: bool, seconds: float, detect_seconds: float = 0.0) -> None:
         if step == 0:
             self.last = step
@@ -141,6 +145,21 @@ class StatsSchedule:
             # sums below cost more than the probe's whole per-step budget
             if self._fresh < 8:
                 return
+        self._work_out_k()
+
+    def record_plain(self, seconds: list[float]) -> None:
+        """Plain steps without a read, recorded together (a driver's quiet steps), as `record` would one by
+        one; k is worked out once, after them."""
+        if not seconds:
+            return
+        self.plain.extend(seconds)
+        mean = self.detect  # each step without a read moves the decaying mean towards 0 (see `record`)
+        self.detect = 0.0 if mean is None else mean * (1 - 1 / DETECT_SPAN) ** len(seconds)
+        self._fresh += len(seconds)
+        if self._fresh >= 8:
+            self._work_out_k()
+
+    def _work_out_k(self) -> None:
         self._fresh = 0
         if self.plain and self.stats:
             # min: one slow plain step (first calls, load) must not make the stats look free
@@ -206,8 +225,8 @@ class StepWatcher:
         self.defer_every = 1  # read the gradients on every step (defer_grads() may space the reads out)
         self.unread: set[int] = set()  # steps whose gradients were left unread
         self._read_grads = True
-        # defer_reads(): the longest run of unread steps a rollback can still replay (the ring's interval)
-        self._read_limit: Any = None
+        # defer_reads(): the snapshot ring a rollback replays from (its interval: the longest run of unread steps)
+        self._ring: Any = None
         self.read_every = 1  # steps from one host read to the next (defer_reads sets it from measured cost)
         self._read = True  # this step is read on the host
         self._next_read = True  # ... and the next one (worked out in after_update, used by begin_step)
@@ -226,23 +245,24 @@ class StepWatcher:
         if not self.monitor.small and self.scaler is None:
             self.defer_every = max(1, every)
 
-    def defer_reads(self, limit: Any) -> None:
+    def defer_reads(self, ring: Any) -> None:
         """Leave most steps without any host read: each unread step's loss stays on the device, and every
         `read_every`-th step reads them all at once with its own. `read_every` follows the measured cost of
         a read against the step's (a read may cost _READ_SHARE of the steps on average; a 0.3 ms step
-        reads ~1 in 30, a 40 ms one every step), capped by `limit()` (the snapshot ring's interval: the
-        ring then always holds a snapshot before the unread steps) and MAX_UNREAD, from step READ_ALL_STEPS
-        on (an unread step has no gradient norm in the timeline). A non-finite loss found
-        at a read is an update fault naming the unread steps, which the rollback replays from the ring
-        with every check on (probe/rollback.py). Only for a driver that can roll back; not under AMP."""
+        reads ~1 in 100, a 40 ms one every step), at most the snapshot `ring`'s interval (the ring then
+        always holds a snapshot before the unread steps; `_pace` widens it to the reads' distance, up to
+        MAX_UNREAD) from step READ_ALL_STEPS on (an unread step has no gradient norm in the timeline). A
+        non-finite loss found at a read is an update fault naming the unread steps, which the rollback
+        replays from the ring with every check on (probe/rollback.py). Only for a driver that can roll
+        back; not under AMP."""
         if self.scaler is None:
-            self._read_limit = limit
+            self._ring = ring
 
     def read_every_step(self) -> None:
         """Undo `defer_grads` and `defer_reads`: the driver can no longer roll back. Steps still unread are
         read with the next step (`pending`), which is read in full."""
         self.defer_every = self.read_every = 1
-        self._read_limit = None
+        self._ring = None
         self._next_read = True
 
     @property
@@ -253,7 +273,7 @@ class StepWatcher:
     def _reads(self, step: int, stats: bool) -> bool:
         """Whether step `step` is read on the host (always, unless defer_reads). On multiples of read_every: no
         more than read_every steps go unread in a row, whenever read_every changes."""
-        return (self._read_limit is None or stats or self.schedule.alert
+        return (self._ring is None or stats or self.schedule.alert
                 or step - self._first_step < READ_ALL_STEPS or step % self.read_every == 0)
 
     # ---- the stages of a step ----------------------------------------------------------------------
@@ -334,8 +354,10 @@ class StepWatcher:
                 return self._fault(FaultKind.LOSS, code=Code.LOSS_NO_GRAD, phase=Phase.BACKWARD,
                                    evidence={"reason": "no_gradient", "trainable": len(mon.params)})
         step = self._step
-        if not self._read:  # the loss waits on the device for the next read (defer_reads): no op, no sync
-            self._pending.append((step, self._batch_index, self._epoch, loss, current_lr(self.optimizer)))
+        if not self._read:  # the loss waits on the device for the next read (defer_reads): no sync
+            # detached (0.3 us, no device work): the loss itself would keep its step's autograd graph alive
+            # until the read, and freeing ~100 graphs there cost ~8 us each (a 0.3 ms step's +1.5 ms read)
+            self._pending.append((step, self._batch_index, self._epoch, loss.detach(), current_lr(self.optimizer)))
             self.unread.add(step)
             self._t_read = 0.0
             self._last_norm = None  # (an update fault names this step's norm: it was not read)
@@ -355,7 +377,7 @@ class StepWatcher:
                 return fault
         # the read's cost includes the unread steps' records it made (~2 us each: a read of 256 steps' losses)
         self._t_read = time.perf_counter() - t_read
-        if self._read_limit is not None:
+        if self._ring is not None:
             self._pace()
         if st.params_sum is not None:
             if not math.isfinite(st.params_sum):
@@ -435,7 +457,11 @@ class StepWatcher:
             return
         step_s = min(plain)
         cost = statistics.median(self._read_seconds)
-        k = max(1, min(math.ceil(cost / max(_READ_SHARE * step_s, 1e-9)), int(self._read_limit()), MAX_UNREAD))
+        k = max(1, min(math.ceil(cost / max(_READ_SHARE * step_s, 1e-9)), MAX_UNREAD))
+        ring = self._ring
+        if k > ring.every:  # snapshots further apart (fewer of them, and longer replays on a fault), up to
+            ring.widen(k)   # the ring's own limit: a read every ring interval cost ~2% of a 0.3 ms step
+            k = min(k, ring.every)
         if self.defer_every > 1 and k > 1:  # the gradients' own spacing: reads on the steps they are read
             k = self.defer_every
         self.read_every = k
@@ -526,11 +552,58 @@ class StepWatcher:
                 s, b, e, n, _ = history[-1]
                 history[-1] = (s, b, e, n, None)
             history.append((step, self._batch_index, self._epoch, self._last_norm, fields))
+        self._note_k()
+
+    def _note_k(self) -> None:
         every = self.stats_every
-        if not every or every[-1] != schedule.k:  # only the latest is read: a long run grows no list per step
-            every.append(schedule.k)
+        k = self.schedule.k
+        if not every or every[-1] != k:  # only the latest is read: a long run grows no list per step
+            every.append(k)
             if len(every) > 64:
                 del every[:-1]
+
+    # ---- quiet steps: most steps of a fast loop, without the stages ------------------------------------
+    def quiet_until(self, step: int) -> int:
+        """The first step from `step` on that needs its stages (a read, stats, an alert), after `after_update`
+        of the step before: a driver may run the steps before it quietly, keeping only what `quiet_steps`
+        takes. On a 0.3 ms step the stages' Python of an unread step (~25 us in the watch) was most of what
+        detection cost; what they decide does not change until the next read or stats step."""
+        schedule = self.schedule
+        mon = self.monitor
+        if (self._ring is None or self._next_stats is not False or self._next_read or schedule.alert
+                or mon.active or mon._hooks):  # (a stats step's hooks come off at the next begin_step)
+            return step
+        every = self.read_every
+        return min(-(-(step + 1) // every) * every, schedule.next_stats(step))
+
+    def quiet_steps(self, steps: list[list[Any]], fields: list[Any]) -> None:
+        """The bookkeeping of steps a driver ran quietly (before `quiet_until`), in one go, as begin_step,
+        after_backward and after_update would have done it one step at a time: each
+        `[step, batch_index, epoch, loss (detached), learning rate, start, end]`, `fields` their batches.
+        The last one may still be open (`end` None: checked, not yet updated), as after `after_backward`."""
+        if not steps:
+            return
+        self._pending += [(q[0], q[1], q[2], q[3], q[4]) for q in steps]
+        self.unread.update(q[0] for q in steps)
+        last = steps[-1]
+        done = steps if last[6] is not None else steps[:-1]
+        history = self.history
+        keep = self.keep_update_batches
+        if done and keep and len(history) > 1:  # only the first and the newest entries keep their batch
+            s, b, e, n, _ = history[-1]
+            history[-1] = (s, b, e, n, None)
+        for q, f in zip(done, fields):
+            history.append((q[0], q[1], q[2], None, f if keep and (not history or q is done[-1]) else None))
+        self.schedule.record_plain([q[6] - q[5] for q in done])
+        self._step, self._batch_index, self._epoch, self._fields = last[0], last[1], last[2], fields[-1]
+        self._stats_step = self._read = self._read_grads = False
+        self._rng, self._next_stats, self._t0, self._t_read, self._last_norm = None, None, last[5], 0.0, None
+        if last[6] is not None:  # the last one updated: what after_update decides for the next step
+            self._next_stats = stats = self.schedule.want(last[0] + 1)
+            self._next_read = read = self._reads(last[0] + 1, stats)
+            mon = self.monitor
+            mon.after_update(check=stats or (mon.small and read))
+        self._note_k()
 
     def finish(self) -> Fault | None:
         """After the last step: the unread steps read, the last update checked once more (one or two syncs)."""
@@ -599,6 +672,9 @@ def current_lr(optimizer: Any) -> float | None:
     """The learning rate the next update uses (host-side: a float or the scheduler's last value)."""
     if optimizer is None:
         return None
+    lr = getattr(optimizer, "_learning_rate", None)
+    if type(lr) is float:  # what Paddle's get_lr returns for a fixed rate, without its call (~1 us a step)
+        return lr
     try:
         return float(optimizer.get_lr())
     except Exception:  # noqa: BLE001 - an optimizer without get_lr: no lr in the timeline

@@ -1,0 +1,147 @@
+"""nandoctor.watch's quiet steps (issue 23): between reads, stats steps and snapshots, the watch only notes a
+step (its loss, batch and times) and does the step's bookkeeping when the window ends. The same loop with
+quiet steps turned off is the reference: the timeline, the steps left unread, the update history, the stats
+steps and the batches kept for a replay must be the same; a stats step's hooks never stay on through quiet
+steps; and the user's code raising in a quiet step is named at that step and phase."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import paddle
+import paddle.nn.functional as F
+import probe_models as pm
+import pytest
+
+import nandoctor
+from nandoctor.findings import Phase
+from nandoctor.probe.watcher import READ_ALL_STEPS, StepWatcher
+
+EVERY = 16  # reads and snapshots
+STATS_EVERY = 40
+STEPS = READ_ALL_STEPS + 150
+
+
+@pytest.fixture
+def pinned(monkeypatch):
+    """Reads and snapshots every EVERY steps, stats every STATS_EVERY, whatever the machine's speed: the two
+    runs compared make the same decisions."""
+    from nandoctor.probe import snapshots, watcher
+
+    monkeypatch.setattr(watcher, "_READ_SHARE", 1e-9)
+    monkeypatch.setattr(watcher, "MAX_UNREAD", EVERY)
+    monkeypatch.setattr(snapshots.SnapshotRing, "_interval", lambda self, took: EVERY)
+
+    def fixed_k(self: Any) -> None:
+        self._fresh, self.k = 0, STATS_EVERY
+
+    monkeypatch.setattr(watcher.StatsSchedule, "_work_out_k", fixed_k)
+
+
+@pytest.fixture
+def loud(monkeypatch):
+    """Quiet steps off: every step goes through the watcher's stages (the reference)."""
+    monkeypatch.setattr(StepWatcher, "quiet_until", lambda self, step: step)
+
+
+def _step(model: Any, batch: Any) -> Any:
+    x, y = (paddle.to_tensor(v) for v in batch)
+    return F.cross_entropy(model(x), y.unsqueeze(-1))
+
+
+def _train(batches: list, tmp_path: Any, model: Any = None) -> tuple[Any, list[dict[str, Any]]]:
+    """The README's loop; per step: the check's answer, whether it was quiet, whether stats hooks were on."""
+    model = model or pm.classifier("dist")
+    opt = paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters())
+    seen = []
+    with nandoctor.watch(model, opt, step_fn=_step, report_dir=tmp_path / "report", fields=["x", "label"]) as doctor:
+        for i, batch in enumerate(batches):
+            loss = _step(model, batch)
+            loss.backward()
+            ok = doctor.check(loss, batch)
+            quiet = bool(doctor._quiet) and doctor._quiet[-1][0] == i
+            seen.append({"ok": ok, "quiet": quiet, "hooks": bool(doctor.watcher.monitor._hooks)})
+            opt.step()
+            opt.clear_grad()
+    return doctor, seen
+
+
+def _state(doctor: Any) -> dict[str, Any]:
+    w = doctor.watcher
+    return {"timeline": [(r.step, r.loss, r.grad_norm, r.act_max is not None) for r in w.records],
+            "unread": sorted(w.unread), "history": [h[:4] for h in w.history], "k": w.stats_every,
+            "kept": sorted(doctor.history.kept) if doctor.history.ring is not None else None,
+            "plain_steps_timed": len(w.schedule.plain), "steps": doctor.step}
+
+
+def _run_twice(tmp_path: Any, monkeypatch: Any, batches: list) -> tuple[Any, list, Any, list]:
+    quiet_doctor, quiet_seen = _train(batches, tmp_path / "quiet")
+    monkeypatch.setattr(StepWatcher, "quiet_until", lambda self, step: step)
+    loud_doctor, loud_seen = _train(batches, tmp_path / "loud")
+    return quiet_doctor, quiet_seen, loud_doctor, loud_seen
+
+
+def test_quiet_steps_leave_the_same_record_as_the_stages_step_by_step(tmp_path, pinned, monkeypatch):
+    batches = pm.loader(batches=STEPS)
+    quiet_doctor, quiet_seen, loud_doctor, loud_seen = _run_twice(tmp_path, monkeypatch, batches)
+    assert sum(s["quiet"] for s in quiet_seen) > STEPS // 2  # most steps past the first READ_ALL_STEPS
+    assert not any(s["quiet"] for s in loud_seen)
+    assert quiet_doctor.report is None and loud_doctor.report is None
+    assert _state(quiet_doctor) == _state(loud_doctor)
+    assert any(t[3] for t in _state(quiet_doctor)["timeline"][READ_ALL_STEPS:])  # stats steps came
+
+
+def test_a_stats_steps_hooks_are_off_before_the_next_quiet_step(tmp_path, pinned):
+    """The hooks a stats step attached come off at the next step's begin: quiet steps, which skip it, wait
+    for that step. (They stayed on through a whole quiet window: per-layer reductions on every step and a
+    list of layer maxima growing until the next read.)"""
+    _, seen = _train(pm.loader(batches=STEPS), tmp_path)
+    assert any(s["quiet"] for s in seen)
+    assert not [i for i, s in enumerate(seen) if s["quiet"] and s["hooks"]]
+
+
+def test_a_nan_in_a_quiet_window_is_named_as_with_every_stage_run(tmp_path, pinned, monkeypatch):
+    fault_step = READ_ALL_STEPS + 2 * EVERY + 5  # inside a quiet window, not on a read
+    batches = pm.loader(batches=fault_step + 30, zero_batch=fault_step, zero_rows=[2])
+    quiet_doctor, quiet_seen, loud_doctor, loud_seen = _run_twice(tmp_path, monkeypatch, batches)
+    assert quiet_seen[fault_step]["quiet"] and quiet_seen[fault_step]["ok"] is True
+    quiet_ff, loud_ff = quiet_doctor.report.first_fault, loud_doctor.report.first_fault
+    assert (quiet_ff.step, quiet_ff.phase, quiet_ff.layer, quiet_ff.op, quiet_ff.sample_indices) == (
+        fault_step, Phase.BACKWARD, "dist", "sqrt_grad", [2])
+    assert quiet_ff.to_dict() == loud_ff.to_dict()
+    assert [s["ok"] for s in quiet_seen] == [s["ok"] for s in loud_seen]  # the same read found it
+
+
+class _RaisesAt(paddle.nn.Layer):
+    """The classifier, raising in its forward on one step (a shape the user's code does not handle)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.inner = pm.classifier("plain")
+        self.at, self.calls = at, 0
+
+    def forward(self, x: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.at + 1:
+            raise ValueError("the user's forward broke")
+        return self.inner(x)
+
+
+def test_the_users_code_raising_in_a_quiet_step_is_named_at_that_step(tmp_path, pinned, monkeypatch):
+    at = READ_ALL_STEPS + EVERY + 3
+    import json
+
+    reports = []
+    for name in ("quiet", "loud"):
+        if name == "loud":
+            monkeypatch.setattr(StepWatcher, "quiet_until", lambda self, step: step)
+        model = _RaisesAt(at)
+        with pytest.raises(ValueError):
+            _train(pm.loader(batches=at + 10), tmp_path / name, model=model)
+        reports.append((tmp_path / name / "report" / "report.json").read_text(encoding="utf-8"))
+
+    quiet, loud = (json.loads(r) for r in reports)
+    assert (quiet["first_fault"]["step"], quiet["first_fault"]["phase"]) == (at, "forward")
+    assert quiet["first_fault"] == loud["first_fault"]
+    assert [f["code"] for f in quiet["findings"]] == [f["code"] for f in loud["findings"]]
+    assert "user_code.error" in [f["code"] for f in quiet["findings"]]
