@@ -77,3 +77,24 @@ def no_stats_steps():
     StatsSchedule.next_stats = lambda self, step: 2**62  # type: ignore[method-assign]
     yield
     StatsSchedule.want, StatsSchedule.next_stats = orig  # type: ignore[method-assign]
+
+
+PINNED_EVERY, PINNED_STATS_EVERY = 16, 40
+
+
+@pytest.fixture
+def pinned_schedule(monkeypatch):
+    """Reads and snapshots every PINNED_EVERY steps past the first READ_ALL_STEPS, stats every
+    PINNED_STATS_EVERY, whatever the machine's speed: two runs compared make the same decisions (the quiet
+    steps' tests)."""
+    from nandoctor.probe import snapshots, watcher
+
+    monkeypatch.setattr(watcher, "_READ_SHARE", 1e-9)
+    monkeypatch.setattr(watcher, "MAX_UNREAD", PINNED_EVERY)
+    monkeypatch.setattr(snapshots.SnapshotRing, "_interval", lambda self, took: PINNED_EVERY)
+
+    def fixed_k(self) -> None:
+        self._fresh, self.k = 0, PINNED_STATS_EVERY
+
+    monkeypatch.setattr(watcher.StatsSchedule, "_work_out_k", fixed_k)
+    return PINNED_EVERY

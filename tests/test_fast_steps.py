@@ -129,3 +129,32 @@ def test_a_crash_right_after_an_unread_fault_reads_it_first(tmp_path, reads_spac
     assert FAULT_STEP in report.details["rollback"]["unread_steps"]
     assert _where(report) == (FAULT_STEP, Phase.BACKWARD, "dist", "sqrt_grad", [FAULT_ROW])
     assert "user_code.error" not in {f.code.value for f in report.findings}
+
+
+def test_the_probes_quiet_steps_give_the_report_of_every_stage_run(tmp_path, pinned_schedule, monkeypatch):
+    """The probe's loop runs most steps quietly (StepWatcher.quiet_until) and the watcher catches up at each
+    window's end: the same timeline, stats steps, rollback and first fault as with every stage run."""
+    from nandoctor.probe.watcher import StepWatcher
+
+    fault_step = READ_ALL_STEPS + 2 * pinned_schedule + 5  # inside a quiet window, not on a read
+    data = {"zero_batch": fault_step, "zero_rows": [FAULT_ROW], "batches": fault_step + 30}
+    calls = []
+    quiet_steps = StepWatcher.quiet_steps
+    monkeypatch.setattr(StepWatcher, "quiet_steps", lambda self, steps, fields: (
+        calls.append(len(steps)), quiet_steps(self, steps, fields)))
+    (tmp_path / "quiet").mkdir()
+    (tmp_path / "loud").mkdir()
+    reports = [probe(tmp_path / "quiet", model="classifier", model_args={"kind": "dist"}, data_args=data,
+                     steps=fault_step + 30)]
+    assert sum(calls) > 2 * pinned_schedule  # most steps past READ_ALL_STEPS went quietly
+    monkeypatch.setattr(StepWatcher, "quiet_until", lambda self, step: step)
+    reports.append(probe(tmp_path / "loud", model="classifier", model_args={"kind": "dist"}, data_args=data,
+                         steps=fault_step + 30))
+    quiet, loud = ([(p.step, p.loss, p.grad_norm) for p in r.timeline] for r in reports)
+    assert quiet == loud and quiet[-1][0] == fault_step
+    assert reports[0].details["stats_every"] == reports[1].details["stats_every"]
+    for r in reports:
+        r.details["rollback"].pop("seconds", None)
+    assert reports[0].details["rollback"] == reports[1].details["rollback"]
+    assert reports[0].first_fault.to_dict() == reports[1].first_fault.to_dict()
+    assert _where(reports[0]) == (fault_step, Phase.BACKWARD, "dist", "sqrt_grad", [FAULT_ROW])

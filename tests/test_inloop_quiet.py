@@ -17,31 +17,7 @@ import nandoctor
 from nandoctor.findings import Phase
 from nandoctor.probe.watcher import READ_ALL_STEPS, StepWatcher
 
-EVERY = 16  # reads and snapshots
-STATS_EVERY = 40
 STEPS = READ_ALL_STEPS + 150
-
-
-@pytest.fixture
-def pinned(monkeypatch):
-    """Reads and snapshots every EVERY steps, stats every STATS_EVERY, whatever the machine's speed: the two
-    runs compared make the same decisions."""
-    from nandoctor.probe import snapshots, watcher
-
-    monkeypatch.setattr(watcher, "_READ_SHARE", 1e-9)
-    monkeypatch.setattr(watcher, "MAX_UNREAD", EVERY)
-    monkeypatch.setattr(snapshots.SnapshotRing, "_interval", lambda self, took: EVERY)
-
-    def fixed_k(self: Any) -> None:
-        self._fresh, self.k = 0, STATS_EVERY
-
-    monkeypatch.setattr(watcher.StatsSchedule, "_work_out_k", fixed_k)
-
-
-@pytest.fixture
-def loud(monkeypatch):
-    """Quiet steps off: every step goes through the watcher's stages (the reference)."""
-    monkeypatch.setattr(StepWatcher, "quiet_until", lambda self, step: step)
 
 
 def _step(model: Any, batch: Any) -> Any:
@@ -81,7 +57,7 @@ def _run_twice(tmp_path: Any, monkeypatch: Any, batches: list) -> tuple[Any, lis
     return quiet_doctor, quiet_seen, loud_doctor, loud_seen
 
 
-def test_quiet_steps_leave_the_same_record_as_the_stages_step_by_step(tmp_path, pinned, monkeypatch):
+def test_quiet_steps_leave_the_same_record_as_the_stages_step_by_step(tmp_path, pinned_schedule, monkeypatch):
     batches = pm.loader(batches=STEPS)
     quiet_doctor, quiet_seen, loud_doctor, loud_seen = _run_twice(tmp_path, monkeypatch, batches)
     assert sum(s["quiet"] for s in quiet_seen) > STEPS // 2  # most steps past the first READ_ALL_STEPS
@@ -91,7 +67,7 @@ def test_quiet_steps_leave_the_same_record_as_the_stages_step_by_step(tmp_path, 
     assert any(t[3] for t in _state(quiet_doctor)["timeline"][READ_ALL_STEPS:])  # stats steps came
 
 
-def test_a_stats_steps_hooks_are_off_before_the_next_quiet_step(tmp_path, pinned):
+def test_a_stats_steps_hooks_are_off_before_the_next_quiet_step(tmp_path, pinned_schedule):
     """The hooks a stats step attached come off at the next step's begin: quiet steps, which skip it, wait
     for that step. (They stayed on through a whole quiet window: per-layer reductions on every step and a
     list of layer maxima growing until the next read.)"""
@@ -100,8 +76,8 @@ def test_a_stats_steps_hooks_are_off_before_the_next_quiet_step(tmp_path, pinned
     assert not [i for i, s in enumerate(seen) if s["quiet"] and s["hooks"]]
 
 
-def test_a_nan_in_a_quiet_window_is_named_as_with_every_stage_run(tmp_path, pinned, monkeypatch):
-    fault_step = READ_ALL_STEPS + 2 * EVERY + 5  # inside a quiet window, not on a read
+def test_a_nan_in_a_quiet_window_is_named_as_with_every_stage_run(tmp_path, pinned_schedule, monkeypatch):
+    fault_step = READ_ALL_STEPS + 2 * pinned_schedule + 5  # inside a quiet window, not on a read
     batches = pm.loader(batches=fault_step + 30, zero_batch=fault_step, zero_rows=[2])
     quiet_doctor, quiet_seen, loud_doctor, loud_seen = _run_twice(tmp_path, monkeypatch, batches)
     assert quiet_seen[fault_step]["quiet"] and quiet_seen[fault_step]["ok"] is True
@@ -127,8 +103,8 @@ class _RaisesAt(paddle.nn.Layer):
         return self.inner(x)
 
 
-def test_the_users_code_raising_in_a_quiet_step_is_named_at_that_step(tmp_path, pinned, monkeypatch):
-    at = READ_ALL_STEPS + EVERY + 3
+def test_the_users_code_raising_in_a_quiet_step_is_named_at_that_step(tmp_path, pinned_schedule, monkeypatch):
+    at = READ_ALL_STEPS + pinned_schedule + 3
     import json
 
     reports = []

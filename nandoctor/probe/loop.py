@@ -10,13 +10,14 @@ so a bug of ours is never blamed on the user's optimizer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any, Callable
 
 from nandoctor.errors import NandoctorError, UserCodeError
 from nandoctor.findings import Phase
 from nandoctor.interrupt import reassert, stop_loader
 from nandoctor.probe.snapshots import MIN_EVERY
-from nandoctor.probe.watcher import Fault, FaultKind, StatsSchedule, StepRecord, StepWatcher
+from nandoctor.probe.watcher import Fault, FaultKind, StatsSchedule, StepRecord, StepWatcher, current_lr
 from nandoctor.training import StepEngine
 from nandoctor.workload import Workload
 
@@ -84,6 +85,8 @@ class ProbeLoop:
         return self.watcher.monitor
 
     def run(self) -> LoopResult:
+        import paddle
+
         res = LoopResult(start_step=self.start_step)
         watch = self.watcher
         engine = self.engine
@@ -94,13 +97,30 @@ class ProbeLoop:
         ring = self.snapshots
         # bound once: a 0.3 ms step pays for the calls, not for looking them up
         name_fields, progress, total, start = self.w.layout.fields, self.progress, self.steps, self.start_step
+        opt, tensor = self.opt, paddle.Tensor
+        # Quiet steps (StepWatcher.quiet_until): before `quiet_until` a step is unread, without stats and
+        # without a snapshot; the loop runs the user's calls and notes the step, and the watcher and the ring
+        # catch up at the window's end (`settle`). Only with one update per batch.
+        quiet: list[list[Any]] = []
+        quiet_fields: list[dict[str, Any]] = []
+        quiet_until, in_quiet = 0, False
+        can_quiet = False
         if ring is not None and ring.disabled is None:
             # a fault on a step whose gradients (or whole read) went unread can be replayed from the ring
             # (rollback.py), as long as no more steps go unread in a row than the ring's interval
             watch.defer_grads(DEFER_EVERY)
             watch.defer_reads(ring)
+            can_quiet = engine.accumulate == 1
             if ring.batches is not None:  # an update fault's batch is read back from the tape (read_batch)
                 watch.keep_update_batches = False
+
+        def settle() -> None:
+            if quiet:
+                ring.note_steps([q[5] for q in quiet])
+                watch.quiet_steps(quiet, quiet_fields)
+                quiet.clear()
+                quiet_fields.clear()
+
         try:
             if self.start_step:  # the loader past the batches trained before the checkpoint (workload.py)
                 epoch, batch_index, it = user_call(Phase.DATA, self.w.resume_at, self.start_step, self._on_epoch)
@@ -122,10 +142,32 @@ class ProbeLoop:
                     res.epochs = epoch + 1 - first_epoch
                     continue
                 fields = name_fields(batch, batch_index)
+                loss = None
+                if step < quiet_until:
+                    in_quiet, began = True, perf_counter()
+                    loss = engine.loss(fields)
+                    if type(loss) is tensor and not loss.stop_gradient and (not (shape := loss.shape) or shape == [1]):
+                        engine.backward(loss)
+                        engine.update()
+                        # detached: the loss would keep its step's autograd graph alive until the read
+                        quiet.append([step, batch_index, epoch, loss.detach(), current_lr(opt), began, perf_counter()])
+                        quiet_fields.append(fields)
+                        in_quiet = False
+                        step += 1
+                        batch_index += 1
+                        res.steps_run = step - start
+                        if step >= quiet_until:
+                            settle()
+                        progress(res.steps_run, total, "probe step")
+                        continue
+                    in_quiet = False
+                    settle()  # a loss that cannot train: the watcher's stages name it
+                    quiet_until = 0
                 if ring is not None:
                     ring.on_batch(step, epoch, batch_index)
                 watch.begin_step(step, fields, batch_index=batch_index, epoch=epoch)
-                loss = engine.loss(fields)
+                if loss is None:
+                    loss = engine.loss(fields)
                 res.fault = watch.observe_loss(loss)
                 if res.fault is not None:
                     break
@@ -139,11 +181,17 @@ class ProbeLoop:
                 watch.after_update(stepped=stepped)
                 step += 1
                 batch_index += 1
+                if can_quiet:
+                    quiet_until = min(watch.quiet_until(step), ring.next_due())
                 res.steps_run = step - start
                 progress(res.steps_run, total, "probe step")
+            settle()
             if res.fault is None:
                 res.fault = watch.finish()
         except UserRaised as raised:
+            settle()
+            if in_quiet:  # raised in a quiet step: the watcher begins it, as it would have before its forward
+                watch.begin_step(step, fields or {}, batch_index=batch_index, epoch=epoch)
             # a NaN in the batch that made the model's code raise is the data's fault, named as such; a
             # non-finite loss on an earlier, unread step came first
             bad_data = watch.data_fault(raised.exc) if fields is not None and raised.phase in _STEP_PHASES else None
@@ -151,6 +199,7 @@ class ProbeLoop:
                                           fields if raised.phase != Phase.DATA else None, exc=raised.exc,
                                           phase=raised.phase)
         except KeyboardInterrupt:
+            settle()
             res.interrupted = True
             # the unread steps' records for the partial report; a fault among them is not replayed after Ctrl-C
             watch.flush()
