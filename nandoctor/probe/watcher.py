@@ -369,6 +369,8 @@ class StepWatcher:
                       grads=self._read_grads, pending=[p[3] for p in pending] if pending else None)
         if not self._read_grads:
             self.unread.add(step)
+        if mon._hooks:  # a stats step's hooks off once read (not at the next step's begin), so it can be quiet
+            mon.begin_step(False)
         mon.active = False
         alert = False
         if pending:
@@ -571,7 +573,7 @@ class StepWatcher:
         schedule = self.schedule
         mon = self.monitor
         if (self._ring is None or self._next_stats is not False or self._next_read or schedule.alert
-                or mon.active or mon._hooks):  # (a stats step's hooks come off at the next begin_step)
+                or mon.active or mon._hooks):  # (hooks still on: a stats step that was not read)
             return step
         every = self.read_every
         return min(-(-(step + 1) // every) * every, schedule.next_stats(step))
