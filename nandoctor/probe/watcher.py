@@ -576,6 +576,9 @@ class StepWatcher:
                 or mon.active or mon._hooks):  # (hooks still on: a stats step that was not read)
             return step
         every = self.read_every
+        # the step before is over: its batch is not held through the window (issue 22; `quiet_steps` sets the
+        # newest quiet step's)
+        self._fields = None
         return min(-(-(step + 1) // every) * every, schedule.next_stats(step))
 
     def quiet_steps(self, steps: list[list[Any]], fields: list[Any]) -> None:
