@@ -121,3 +121,28 @@ def test_the_users_code_raising_in_a_quiet_step_is_named_at_that_step(tmp_path, 
     assert quiet["first_fault"] == loud["first_fault"]
     assert [f["code"] for f in quiet["findings"]] == [f["code"] for f in loud["findings"]]
     assert "user_code.error" in [f["code"] for f in quiet["findings"]]
+
+
+def test_a_summary_mid_run_reads_the_steps_still_unread(tmp_path, pinned_schedule):
+    """`doctor.summary()` before the loop ends: every step trained is on its timeline (the ones not yet read
+    are read for it), and a NaN among them is the run's fault, named at its step."""
+    model = pm.classifier("dist")
+    opt = paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters())
+    fault_step = READ_ALL_STEPS + pinned_schedule + 5  # between reads and stats steps (every 16 and 40)
+    steps = fault_step + 3  # the run's last steps wait on the device
+    batches = pm.loader(batches=steps + 10, zero_batch=fault_step, zero_rows=[2])
+    with nandoctor.watch(model, opt, step_fn=_step, report_dir=tmp_path / "report", fields=["x", "label"]) as doctor:
+        for i, batch in enumerate(batches[:steps]):
+            loss = _step(model, batch)
+            loss.backward()
+            assert doctor.check(loss, batch)
+            opt.step()
+            opt.clear_grad()
+            if i == fault_step - 1:
+                healthy = doctor.summary()
+                assert healthy.first_fault is None and doctor.report is None
+                assert [p.step for p in healthy.timeline] == list(range(fault_step))
+        report = doctor.summary()
+    assert report is doctor.report and report.first_fault.step == fault_step
+    assert (report.first_fault.op, report.first_fault.sample_indices) == ("sqrt_grad", [2])
+    assert (tmp_path / "report" / "report.json").is_file()

@@ -412,7 +412,8 @@ class Doctor:
 
     def summary(self) -> Report:
         """The report of this run, also when it is healthy (verdict `healthy`: timeline, per-layer details):
-        what `nandoctor run --json` writes for a script that trained clean. Neither logged nor written."""
+        what `nandoctor run --json` writes for a script that trained clean. Neither logged nor written, unless
+        the steps still unread (read here, one sync) hold a fault: that is reported as at any read."""
         if self.report is not None:
             return self.report
         import paddle
@@ -420,6 +421,12 @@ class Doctor:
         from nandoctor.inloop import outcome
 
         self._settle()
+        unread = self.watcher.flush() if self.history is not None and not self._closed else None
+        if unread is not None:  # (else the timeline would end at the last read, as if the rest never trained)
+            self.fault = unread
+            self._quiet_until = 0
+            self._report(unread, self._last_rebuild)
+            return self.report
         report = outcome.new_report(str(paddle.get_device()), self.mode)
         outcome.fill_report(report, self.watcher, None, self.step, target=self._target(None),
                             optimizer=self.optimizer, start_bad=self.start_bad)
