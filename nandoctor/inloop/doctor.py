@@ -111,7 +111,6 @@ class Doctor:
         self._quiet_start: float | None = None  # a quiet step's forward ran at this time
         self._quiet_room = 0  # bytes of batches the quiet steps may still keep (history.room)
         self._tensor = paddle.Tensor
-        self._holder_size = hasattr(paddle.Tensor, "_holder_size")  # (history.batch_nbytes says why)
         self.fault: Fault | None = None
         self.report: Report | None = None
         self.skipped: list[int] = []
@@ -169,9 +168,8 @@ class Doctor:
         self.watcher.after_update(stepped=stepped)
         self._open = self._checked = False
         history = self.history
-        if (history is not None and history.ring is not None and not history.closing and self.fault is None
-                and not self._check_before_backward):
-            self._quiet_until = min(self.watcher.quiet_until(self.step), history.ring.next_due())
+        if history is not None and self.fault is None and not self._check_before_backward:
+            self._quiet_until = self.watcher.quiet_until(self.step)  # (none once the ring is given up)
             self._quiet_room = history.room()
 
     def _settle(self) -> None:
@@ -184,7 +182,6 @@ class Doctor:
             history = self.history
             named = [self._name_fields(batch) for batch in self._quiet_batches]
             self._quiet, self._quiet_batches = [], []
-            history.ring.note_steps([q[5] for q in quiet])
             self.watcher.quiet_steps(quiet, [fields for fields, _ in named])
             for q, (fields, rebuild) in zip(quiet, named):
                 history.keep(q[0], fields, rebuild, q[7])
@@ -238,30 +235,22 @@ class Doctor:
         gradients, so training goes on without the faulty update.
         """
         step = self.step
-        if step < self._quiet_until and type(loss) is self._tensor and not loss.stop_gradient:
-            shape = loss.shape
-            if not shape or shape == [1]:
-                # a quiet step (see _settle): noted, its loss left on the device, detached (else it would
-                # keep its step's autograd graph alive until the read)
-                start, self._quiet_start = self._quiet_start, None
-                tensor, kind = self._tensor, type(batch)
-                if (kind is tuple and len(batch) == 2 and type(batch[0]) is tensor and type(batch[1]) is tensor
-                        and self._holder_size):
-                    size = batch[0]._holder_size() + batch[1]._holder_size()  # the usual (x, y): ~1 us less
-                else:  # its fields' values, as FieldNamer names them
-                    size = batch_nbytes(batch if isinstance(batch, (tuple, list)) else batch.values()
-                                        if isinstance(batch, Mapping) else (batch,), tensor)
-                lr = getattr(self.optimizer, "_learning_rate", None)  # (current_lr's fixed-rate case, inline)
-                self._quiet.append([step, step, 0, loss.detach(), lr if type(lr) is float else
-                                    current_lr(self.optimizer), perf_counter() if start is None else start, None,
-                                    size])
-                self._quiet_batches.append(batch)
-                self.step = step + 1
-                self._checked = True
-                self._quiet_room -= size
-                if self._quiet_room < 0:  # the batches outgrew what may be kept: settled at this step's end
-                    self._quiet_until = 0
-                return True
+        if step < self._quiet_until and self.watcher.usual_loss(loss):
+            # a quiet step (see _settle): noted, its loss left on the device, detached (else it would keep its
+            # step's autograd graph alive until the read); its batch sized by its fields' values, as FieldNamer
+            # names them
+            start, self._quiet_start = self._quiet_start, None
+            size = batch_nbytes(batch if isinstance(batch, (tuple, list)) else batch.values()
+                                if isinstance(batch, Mapping) else (batch,), self._tensor)
+            self._quiet.append([step, step, 0, loss.detach(), current_lr(self.optimizer),
+                                perf_counter() if start is None else start, None, size])
+            self._quiet_batches.append(batch)
+            self.step = step + 1
+            self._checked = True
+            self._quiet_room -= size
+            if self._quiet_room < 0:  # the batches outgrew what may be kept: settled at this step's end
+                self._quiet_until = 0
+            return True
         if self._closed:
             raise RuntimeError("this nandoctor watch is closed; call nandoctor.watch again for a new run")
         if self.fault is not None and self.on_fault == "stop":

@@ -85,8 +85,6 @@ class ProbeLoop:
         return self.watcher.monitor
 
     def run(self) -> LoopResult:
-        import paddle
-
         res = LoopResult(start_step=self.start_step)
         watch = self.watcher
         engine = self.engine
@@ -97,7 +95,7 @@ class ProbeLoop:
         ring = self.snapshots
         # bound once: a 0.3 ms step pays for the calls, not for looking them up
         name_fields, progress, total, start = self.w.layout.fields, self.progress, self.steps, self.start_step
-        opt, tensor = self.opt, paddle.Tensor
+        opt = self.opt
         # Quiet steps (StepWatcher.quiet_until): before `quiet_until` a step is unread, without stats and
         # without a snapshot; the loop runs the user's calls and notes the step, and the watcher and the ring
         # catch up at the window's end (`settle`). Only with one update per batch.
@@ -118,7 +116,6 @@ class ProbeLoop:
 
         def settle() -> None:
             if quiet:
-                ring.note_steps([q[5] for q in quiet])
                 watch.quiet_steps(quiet, quiet_fields)
                 quiet.clear()
                 quiet_fields.clear()
@@ -148,7 +145,7 @@ class ProbeLoop:
                 if step < quiet_until:
                     in_quiet, began = True, perf_counter()
                     loss = engine.loss(fields)
-                    if type(loss) is tensor and not loss.stop_gradient and (not (shape := loss.shape) or shape == [1]):
+                    if watch.usual_loss(loss):
                         engine.backward(loss)
                         engine.update()
                         # detached: the loss would keep its step's autograd graph alive until the read
@@ -186,7 +183,7 @@ class ProbeLoop:
                 step += 1
                 batch_index += 1
                 if can_quiet:
-                    quiet_until = min(watch.quiet_until(step), ring.next_due())
+                    quiet_until = watch.quiet_until(step)
                 res.steps_run = step - start
                 progress(res.steps_run, total, "probe step")
             settle()

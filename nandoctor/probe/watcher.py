@@ -322,12 +322,18 @@ class StepWatcher:
     def observe_loss(self, loss: Any) -> Fault | None:
         """Before backward: a loss that cannot train (metadata only, no device work, no sync); a non-finite
         loss on an earlier, unread step (read now) came first."""
-        if type(loss) is self._tensor and not loss.stop_gradient:
-            shape = loss.shape
-            if not shape or shape == [1]:  # the usual scalar loss (metadata only; every step)
-                return None
+        if self.usual_loss(loss):
+            return None
         fault = self._loss_fault(loss)
         return (self.flush() or fault) if fault is not None else None
+
+    def usual_loss(self, loss: Any) -> bool:
+        """A tensor that trains, of shape [] or [1]: a loss no stage has anything to say about before its read
+        (metadata only, every step; the drivers' quiet steps ask it too)."""
+        if type(loss) is self._tensor and not loss.stop_gradient:
+            shape = loss.shape
+            return not shape or shape == [1]
+        return False
 
     def _loss_fault(self, loss: Any) -> Fault | None:
         import paddle
@@ -566,10 +572,10 @@ class StepWatcher:
 
     # ---- quiet steps: most steps of a fast loop, without the stages ------------------------------------
     def quiet_until(self, step: int) -> int:
-        """The first step from `step` on that needs its stages (a read, stats, an alert), after `after_update`
-        of the step before: a driver may run the steps before it quietly, keeping only what `quiet_steps`
-        takes. On a 0.3 ms step the stages' Python of an unread step (~25 us in the watch) was most of what
-        detection cost; what they decide does not change until the next read or stats step."""
+        """The first step from `step` on that needs its stages (a read, stats, an alert, a snapshot of the
+        ring), after `after_update` of the step before: a driver may run the steps before it quietly,
+        keeping only what `quiet_steps` takes. On a 0.3 ms step the stages' Python of an unread step (~25 us
+        in the watch) was most of what detection cost; what they decide does not change until then."""
         schedule = self.schedule
         mon = self.monitor
         if (self._ring is None or self._next_stats is not False or self._next_read or schedule.alert
@@ -579,15 +585,17 @@ class StepWatcher:
         # the step before is over: its batch is not held through the window (issue 22; `quiet_steps` sets the
         # newest quiet step's)
         self._fields = None
-        return min(-(-(step + 1) // every) * every, schedule.next_stats(step))
+        return min(-(-(step + 1) // every) * every, schedule.next_stats(step), self._ring.next_due())
 
     def quiet_steps(self, steps: list[list[Any]], fields: list[Any]) -> None:
         """The bookkeeping of steps a driver ran quietly (before `quiet_until`), in one go, as begin_step,
         after_backward and after_update would have done it one step at a time: each
         `[step, batch_index, epoch, loss (detached), learning rate, start, end]`, `fields` their batches.
-        The last one may still be open (`end` None: checked, not yet updated), as after `after_backward`."""
+        The last one may still be open (`end` None: checked, not yet updated), as after `after_backward`.
+        The ring gets their step times, as its `on_batch` would have measured them."""
         if not steps:
             return
+        self._ring.note_steps([q[5] for q in steps])
         self._pending += [(q[0], q[1], q[2], q[3], q[4]) for q in steps]
         self.unread.update(q[0] for q in steps)
         last = steps[-1]
