@@ -136,8 +136,19 @@ def fmt(values: list[float]) -> str:
 def worker(mode: str, w: workloads.Workload, s: Setting, steps: int) -> dict:
     runs = s.step_runs if mode in ("steps", "inloop") else s.runs
     return procs.run_worker([PY, str(WORKER), mode, str(w.config), str(w.plain), "--steps", str(steps),
-                             "--runs", str(runs), "--warmup", str(s.warmup),
+                             "--runs", str(runs), "--warmup", str(warmup(w, s, mode)),
                              "--checker-steps", str(s.checker_steps)])
+
+
+def warmup(w: workloads.Workload, s: Setting, mode: str) -> int:
+    """Steps left out before a per-step row's steady state (rows 2 and 7: the workload's own, if it has one)."""
+    return (w.step_warmup or s.warmup) if mode in ("steps", "inloop") else s.warmup
+
+
+def steady(w: workloads.Workload, s: Setting, res: dict) -> str:
+    """Where the steady state began, and what the steps before it cost over the plain loop (its start-up)."""
+    n = warmup(w, s, "steps")
+    return f"; steps {n}+ (start-up, steps 0-{n - 1}: {median(res['startup_ms']):+.0f} ms)"
 
 
 def per_step(s: Setting, scratch: Path) -> list[Row]:
@@ -153,7 +164,7 @@ def per_step(s: Setting, scratch: Path) -> list[Row]:
             continue
         rows.append(Row("2 per step", name, setting, median(res["ratios"]), "x", "<= 1.05",
                         f"probe {median(res['probe_ms']):.1f} ms / plain {median(res['plain_ms']):.1f} ms, "
-                        f"pairs {fmt(res['ratios'])}; cpu {median(res['cpu_ratios']):.2f}x"))
+                        f"pairs {fmt(res['ratios'])}; cpu {median(res['cpu_ratios']):.2f}x{steady(w, s, res)}"))
     return rows
 
 
@@ -171,7 +182,7 @@ def inloop(s: Setting, scratch: Path) -> list[Row]:
             continue
         rows.append(Row("7 in-loop per step", name, setting, median(res["ratios"]), "x", "<= 1.05",
                         f"watched {median(res['inloop_ms']):.1f} ms / plain {median(res['plain_ms']):.1f} ms, "
-                        f"pairs {fmt(res['ratios'])}; cpu {median(res['cpu_ratios']):.2f}x"))
+                        f"pairs {fmt(res['ratios'])}; cpu {median(res['cpu_ratios']):.2f}x{steady(w, s, res)}"))
     return rows
 
 

@@ -133,16 +133,18 @@ class Interleaved:
         if description == "probe step":
             self.between()
 
-    def ratios(self, warmup: int) -> tuple[float, float, float, float]:
-        """(other ms, plain ms, wall ratio, cpu ratio) over the same steps, the first `warmup` left out.
+    def ratios(self, warmup: int) -> tuple[float, float, float, float, float]:
+        """(other ms, plain ms, wall ratio, cpu ratio) over the same steps, the first `warmup` left out, and
+        the ms the other loop took over the plain one in those first steps (its start-up).
 
         The mean, not the median: a loop that samples per-layer stats every k-th step must pay for those
         steps here, and a median would hide them."""
         skipped = len(self.plain) - len(self.other)  # between() times no other step before the first plain one
         other, plain = self.other[warmup:], self.plain[warmup + skipped:]
+        startup = sum(o - p for (o, _), (p, _) in zip(self.other[:warmup], self.plain[skipped:warmup + skipped]))
         ow, pw = statistics.fmean(w for w, _ in other), statistics.fmean(w for w, _ in plain)
         oc, pc = statistics.fmean(c for _, c in other), statistics.fmean(c for _, c in plain)
-        return 1000 * ow, 1000 * pw, ow / pw, oc / pc
+        return 1000 * ow, 1000 * pw, ow / pw, oc / pc, 1000 * startup
 
 
 def mode_steps(args: argparse.Namespace) -> dict[str, Any]:
@@ -155,14 +157,15 @@ def mode_steps(args: argparse.Namespace) -> dict[str, Any]:
     plain = load_plain(args.plain)
     settings = read_settings(args.config)
     spec = load_spec(args.config)
-    out: dict[str, list[float]] = {"probe_ms": [], "plain_ms": [], "ratios": [], "cpu_ratios": []}
+    out: dict[str, list[float]] = {"probe_ms": [], "plain_ms": [], "ratios": [], "cpu_ratios": [], "startup_ms": []}
     for _ in range(args.runs):
         gc.collect()
         steps = Interleaved(PlainTrainer(settings, plain.build_model, plain.build_loader, plain.loss_fn, 0))
         report = run_probe(spec, ProbeOptions(steps=args.steps, seed=0, device="cpu"), steps.on_progress)
         if [p.loss for p in report.timeline] != steps.plain_loss:
             return {"error": "the probe trained differently from the plain loop beside it"}
-        for key, value in zip(("probe_ms", "plain_ms", "ratios", "cpu_ratios"), steps.ratios(args.warmup)):
+        for key, value in zip(("probe_ms", "plain_ms", "ratios", "cpu_ratios", "startup_ms"),
+                              steps.ratios(args.warmup)):
             out[key].append(value)
     return out
 
@@ -299,7 +302,7 @@ def mode_inloop(args: argparse.Namespace) -> dict[str, Any]:
     def trainer() -> Any:
         return PlainTrainer(settings, plain.build_model, plain.build_loader, plain.loss_fn, 0)
 
-    out: dict[str, list[float]] = {"inloop_ms": [], "plain_ms": [], "ratios": [], "cpu_ratios": []}
+    out: dict[str, list[float]] = {"inloop_ms": [], "plain_ms": [], "ratios": [], "cpu_ratios": [], "startup_ms": []}
     for _ in range(args.runs):
         gc.collect()
         watched = WatchedTrainer(trainer())
@@ -312,7 +315,8 @@ def mode_inloop(args: argparse.Namespace) -> dict[str, Any]:
             watched.close()
         if losses != steps.plain_loss:
             return {"error": "the watched loop trained differently from the plain one"}
-        for key, value in zip(("inloop_ms", "plain_ms", "ratios", "cpu_ratios"), steps.ratios(args.warmup)):
+        for key, value in zip(("inloop_ms", "plain_ms", "ratios", "cpu_ratios", "startup_ms"),
+                              steps.ratios(args.warmup)):
             out[key].append(value)
     return out
 
