@@ -278,15 +278,18 @@ class WatchedTrainer:
         self.doctor = self.watch.__enter__()
 
     def step(self) -> float:
-        return self.trainer.step(after_backward=self._check)
+        # `doctor.check(loss, (x, y))` itself as the callback: the one call a user adds (a wrapper of the
+        # harness's own around it was ~0.3% of a 0.3 ms step); its answer is judged once, at the end
+        return self.trainer.step(after_backward=self.doctor.check)
 
     def _step_fn(self, model: Any, batch: tuple[Any, Any]) -> Any:
         x, y = batch
         return self.trainer.loss_fn(model(x), y)
 
-    def _check(self, loss: Any, batch: tuple[Any, Any]) -> None:
-        if not self.doctor.check(loss, batch):
-            raise RuntimeError("the in-loop check found a fault on a healthy workload")
+    @property
+    def healthy(self) -> bool:
+        """No check found a fault (every step's update went ahead)."""
+        return self.doctor.fault is None
 
     def close(self) -> None:
         self.watch.__exit__(None, None, None)
@@ -313,6 +316,8 @@ def mode_inloop(args: argparse.Namespace) -> dict[str, Any]:
                 losses.append(steps.pair(watched.step))
         finally:
             watched.close()
+        if not watched.healthy:
+            return {"error": "the in-loop check found a fault on a healthy workload"}
         if losses != steps.plain_loss:
             return {"error": "the watched loop trained differently from the plain one"}
         for key, value in zip(("inloop_ms", "plain_ms", "ratios", "cpu_ratios", "startup_ms"),
