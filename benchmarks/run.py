@@ -134,20 +134,22 @@ def fmt(values: list[float]) -> str:
 
 
 def worker(mode: str, w: workloads.Workload, s: Setting, steps: int) -> dict:
-    runs = s.step_runs if mode in ("steps", "inloop") else s.runs
+    per_step_row = mode in ("steps", "inloop")
+    runs = s.step_runs if per_step_row else s.runs
+    warmup = steady_from(w, s) if per_step_row else s.warmup
     return procs.run_worker([PY, str(WORKER), mode, str(w.config), str(w.plain), "--steps", str(steps),
-                             "--runs", str(runs), "--warmup", str(warmup(w, s, mode)),
+                             "--runs", str(runs), "--warmup", str(warmup),
                              "--checker-steps", str(s.checker_steps)])
 
 
-def warmup(w: workloads.Workload, s: Setting, mode: str) -> int:
-    """Steps left out before a per-step row's steady state (rows 2 and 7: the workload's own, if it has one)."""
-    return (w.step_warmup or s.warmup) if mode in ("steps", "inloop") else s.warmup
+def steady_from(w: workloads.Workload, s: Setting) -> int:
+    """The step a per-step row's steady state starts at (rows 2 and 7: the workload's own, if it has one)."""
+    return w.step_warmup or s.warmup
 
 
 def steady(w: workloads.Workload, s: Setting, res: dict) -> str:
     """Where the steady state began, and what the steps before it cost over the plain loop (its start-up)."""
-    n = warmup(w, s, "steps")
+    n = steady_from(w, s)
     return f"; steps {n}+ (start-up, steps 0-{n - 1}: {median(res['startup_ms']):+.0f} ms)"
 
 
