@@ -100,7 +100,7 @@ class Doctor:
         self.history: StepHistory | None = None
         if (defer_reads and step_fn is not None and optimizer is not None and on_fault != "skip_step"
                 and sync is None and scaler is None):
-            self.history = StepHistory(self.model, optimizer, self.watcher)
+            self.history = StepHistory(self.model, optimizer, self.watcher, self._name_fields)
         self.step = 0  # steps checked so far = the next step's index
         # Quiet steps (history.py): steps before `_quiet_until` are unread, without stats, and no snapshot is
         # due, so the seams only note them (`[step, batch_index, epoch, loss, lr, start, end, batch size]` and
@@ -179,13 +179,17 @@ class Doctor:
         self._quiet_until = 0
         quiet = self._quiet
         if quiet:
-            history = self.history
-            named = [self._name_fields(batch) for batch in self._quiet_batches]
+            batches = self._quiet_batches
             self._quiet, self._quiet_batches = [], []
-            self.watcher.quiet_steps(quiet, [fields for fields, _ in named])
-            for q, (fields, rebuild) in zip(quiet, named):
-                history.keep(q[0], fields, rebuild, q[7])
+            # named now: the batches the watcher may keep (its first update's, its newest update's and the
+            # open step's, `quiet_steps`); the others when a replay reads them (`StepHistory.keep_quiet`)
+            named: list[tuple[dict[str, Any], Callable[[dict], Any]] | None] = [None] * len(batches)
+            last = len(batches) - 1
+            for i in {0, max(last - 1, 0), last}:
+                named[i] = self._name_fields(batches[i])
             self._last_rebuild = named[-1][1]
+            self.watcher.quiet_steps(quiet, [n[0] if n is not None else None for n in named])
+            self.history.keep_quiet(quiet, batches, named)
             self._open = quiet[-1][6] is None  # checked, not yet updated: the optimizer's step ends it
         if self._quiet_start is not None:
             self._quiet_start = None

@@ -56,15 +56,18 @@ class WarningTracker:
             self._early = level
         return level
 
+    def note_lrs(self, records: list[Any]) -> None:
+        """Records with a loss alone (the unread steps, read together): all `update` takes of them."""
+        self.lrs.update((r.step, r.lr) for r in records)
+        self._trim()
+
     def update(self, record: Any) -> bool:
         """Take one step's numbers; True while something looks like trouble (stats on every step)."""
         alert = False
         self.lrs[record.step] = record.lr  # the watcher records the scheduler's value
         if record.grad_norm is not None and math.isfinite(record.grad_norm):
             self.norms.append((record.step, record.grad_norm))
-        if len(self.lrs) > 2 * _KEPT_STEPS:  # a long run: the early steps and the recent ones are what is read
-            self.lrs = dict(list(self.lrs.items())[-_KEPT_STEPS:])
-            del self.norms[_EARLY_STEPS:max(_EARLY_STEPS, len(self.norms) - _KEPT_STEPS)]
+        self._trim()
         if record.grad_norm is not None and math.isfinite(record.grad_norm):
             early = self.early_level()
             if early is not None and early > 0:
@@ -85,6 +88,12 @@ class WarningTracker:
             for i in tiny.tolist():
                 self.vanishing.setdefault(i, (record.step, float(norms[i])))
         return alert
+
+    def _trim(self) -> None:
+        """A long run: the early steps and the recent ones are what is read."""
+        if len(self.lrs) > 2 * _KEPT_STEPS:
+            self.lrs = dict(list(self.lrs.items())[-_KEPT_STEPS:])
+            del self.norms[_EARLY_STEPS:max(_EARLY_STEPS, len(self.norms) - _KEPT_STEPS)]
 
     def _explosion(self, step: int, early: float) -> Finding:
         """Reported where the growth began: the norm is walked back while it kept rising (the same rule as

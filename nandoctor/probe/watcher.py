@@ -31,10 +31,11 @@ from nandoctor.probe.monitors import StepMonitor, StepStats
 
 # What the probe may add to a plain step on average (the target is 5%; keep a margin): the every-step
 # detection's measured share first (~3% on a model of 300 tiny tensors), the sampled per-layer stats
-# get the rest, but never less than a quarter of a percent. 2%: the loop's own bookkeeping and the snapshot
+# get the rest, but never less than a quarter of a percent. 1%: the loop's own bookkeeping and the snapshot
 # ring (~1% of a 16 ms step) are not in the measured share, and the stats fill whatever is left (with
-# steps of the probe and of a plain loop taken in turn, 3% put a 4-layer Transformer at 1.04x a step).
-_TOTAL_BUDGET = 0.02
+# steps of the probe and of a plain loop taken in turn, 3% put a 4-layer Transformer at 1.04x a step; 2%
+# left a 0.3 ms step watched in its own loop at 1.05x, where the quiet steps' notes cost ~2% by themselves).
+_TOTAL_BUDGET = 0.01
 # A long run's records (the timeline): the most kept, and how many recent steps are always kept in full
 MAX_RECORDS = 4096
 RECENT_STEPS = 1024
@@ -45,8 +46,10 @@ MAX_MARKS = 32
 MAX_ARRAYS = 512  # older records keeping their per-tensor arrays (per-parameter norms, layer maxima)
 _MIN_STATS_BUDGET = 0.0025
 # With reads deferred: a read may cost this share of the step time on average (k = its cost / this share of a
-# step), and at most this many steps go unread in a row (their losses are kept as device tensors).
-_READ_SHARE = 0.005
+# step), and at most this many steps go unread in a row (their losses are kept as device tensors). Each read
+# also ends a quiet stretch (its catch-up) and widens the ring's interval to k: 0.5% put a 0.3 ms step's reads,
+# catch-ups and snapshots at ~2.5% of it, 0.25% at ~1.5% (reads one in 256 there).
+_READ_SHARE = 0.0025
 MAX_UNREAD = 256
 # Steps read in full before any is left unread: the early level of the gradient norm, and the whole of a short
 # probe (the samples run 10-60 steps), keep every step's norm, so a growth is placed at its exact step there
@@ -233,7 +236,8 @@ class StepWatcher:
         self._first_step: int | None = None
         self._read_seconds: list[float] = []
         # the unread steps since the last read: (step, batch_index, epoch, loss tensor, learning rate)
-        self._pending: list[tuple[int, int | None, int, Any, float | None]] = []
+        # (a driver's quiet steps are taken as they are: lists beginning with these five, `quiet_steps`)
+        self._pending: list[Any] = []
 
     def defer_grads(self, every: int) -> None:
         """Read the gradients only every `every`-th step (and on stats, alert and the first steps), for a
@@ -249,7 +253,7 @@ class StepWatcher:
         """Leave most steps without any host read: each unread step's loss stays on the device, and every
         `read_every`-th step reads them all at once with its own. `read_every` follows the measured cost of
         a read against the step's (a read may cost _READ_SHARE of the steps on average; a 0.3 ms step
-        reads ~1 in 100, a 40 ms one every step), at most the snapshot `ring`'s interval (the ring then
+        reads one in MAX_UNREAD, a 40 ms one every step), at most the snapshot `ring`'s interval (the ring then
         always holds a snapshot before the unread steps; `_pace` widens it to the reads' distance, up to
         MAX_UNREAD) from step READ_ALL_STEPS on (an unread step has no gradient norm in the timeline). A
         non-finite loss found at a read is an update fault naming the unread steps, which the rollback
@@ -378,12 +382,11 @@ class StepWatcher:
         if mon._hooks:  # a stats step's hooks off once read (not at the next step's begin), so it can be quiet
             mon.begin_step(False)
         mon.active = False
-        alert = False
         if pending:
-            fault, alert = self._take_pending(st.pending)
+            fault = self._take_pending(st.pending)
             if fault is not None:
                 return fault
-        # the read's cost includes the unread steps' records it made (~2 us each: a read of 256 steps' losses)
+        # the read's cost includes the unread steps' records it made (~1-2 us each: a read of 256 steps' losses)
         self._t_read = time.perf_counter() - t_read
         if self._ring is not None:
             self._pace()
@@ -415,33 +418,35 @@ class StepWatcher:
                     return fault
                 self._record(record)
                 return self._fault(FaultKind.NONFINITE, rng=self._rng, stats=st)
-        self.schedule.alert = self._keep(record, alert)
+        self.schedule.alert = self._keep(record)
         self._last_norm = st.grad_norm
         return None
 
-    def _keep(self, record: StepRecord, alert: bool) -> bool:
-        """A healthy step's record kept and given to the warnings' tracker; an alert that begins here marks
-        its step (kept in full however long the run). Returns whether an alert is on: `alert` or a new one."""
+    def _keep(self, record: StepRecord) -> bool:
+        """A read step's record kept and given to the warnings' tracker; an alert that begins here marks its
+        step (kept in full however long the run). Returns whether an alert is on."""
         self._record(record)
-        now = bool(self.tracker.update(record))
-        if now and not (alert or self.schedule.alert):
+        alert = bool(self.tracker.update(record))
+        if alert and not self.schedule.alert:
             self._mark(record.step)
-        return now or alert
+        return alert
 
-    def _take_pending(self, values: Any) -> tuple[Fault | None, bool]:
+    def _take_pending(self, values: Any) -> Fault | None:
         """The unread steps' losses, now read: their records (and warnings), up to the first non-finite one,
-        which is a fault the rollback names exactly (`_window_fault`). Returns (fault, alert)."""
+        which is a fault the rollback names exactly (`_window_fault`)."""
         pending, self._pending = self._pending, []
-        alert = False
         bad = ~np.isfinite(values)
         end = int(bad.argmax()) if bad.any() else len(pending)
-        for (step, _, _, _, lr), value in zip(pending[:end], values[:end].tolist()):
-            alert = self._keep(StepRecord(step, value, None, None, None, lr=lr), alert)
-        if end < len(pending):
-            return self._window_fault(pending[end][0], pending), alert
-        return None, alert
+        # A record with a loss alone gives the warnings nothing but its learning rate (WarningTracker.update
+        # would raise no alert for it): taken together, ~1 us a step less than one `_keep` each, on a read
+        # of up to 256 of them
+        records = [StepRecord(p[0], value, None, None, None, None, None, p[4])
+                   for p, value in zip(pending, values[:end].tolist())]
+        self.tracker.note_lrs(records)
+        self._record(*records)
+        return self._window_fault(pending[end][0], pending) if end < len(pending) else None
 
-    def _window_fault(self, bad: int, pending: list[tuple[int, int | None, int, Any, float | None]]) -> Fault:
+    def _window_fault(self, bad: int, pending: list[Any]) -> Fault:
         """Step `bad`, unread, had a non-finite loss: its cause is among the updates not yet checked and the
         unread steps up to it. An update fault over that range, naming them unread, so the rollback replays
         it from the ring with every check on and names the first step, and what went first, exactly."""
@@ -482,14 +487,14 @@ class StepWatcher:
         if self._pending:
             from nandoctor.probe.monitors import read_losses
 
-            fault, _ = self._take_pending(read_losses([p[3] for p in self._pending]))
+            fault = self._take_pending(read_losses([p[3] for p in self._pending]))
             if fault is not None:
                 return fault
         if self.history and any(s >= self.history[0][0] for s in self.unread):
             return self._update_fault(self._step)
         return None
 
-    def _record(self, record: StepRecord) -> None:
+    def _record(self, *new: StepRecord) -> None:
         """Keep the step's record, in memory that stays bounded over any run length: the last RECENT_STEPS in
         full, every step around where trouble began (`_marked`), and of the older steps an evenly spaced
         sample (those whose step is a multiple of a stride that doubles as the run grows; the steps whose
@@ -497,7 +502,7 @@ class StepWatcher:
         with per-tensor arrays on at most MAX_ARRAYS of them. Warnings and causes read the recent steps;
         the report's matrices show ~200 columns anyway."""
         records = self.records
-        records.append(record)
+        records += new
         if len(records) <= MAX_RECORDS:
             return
         older, recent = records[:-RECENT_STEPS], records[-RECENT_STEPS:]
@@ -596,7 +601,7 @@ class StepWatcher:
         if not steps:
             return
         self._ring.note_steps([q[5] for q in steps])
-        self._pending += [(q[0], q[1], q[2], q[3], q[4]) for q in steps]
+        self._pending += steps
         self.unread.update(q[0] for q in steps)
         last = steps[-1]
         done = steps if last[6] is not None else steps[:-1]
