@@ -135,7 +135,7 @@ class StepHistory:
         kept = self.kept
         for q, batch, name in zip(steps, batches, named):
             step, size = q[0], q[-1]
-            if self.ring is None or self.closing or size > 2 * KEPT_BYTES - self.kept_bytes:
+            if self.ring is None or self.closing or size > self.room():
                 self.keep(step, *(name or self.namer(batch)), size)  # (rare: `keep` decides what happens)
                 continue
             if name is not None:
