@@ -94,3 +94,16 @@ def test_fp16_headroom_warning_and_amp_inactive_on_cpu(tmp_path):
     assert all(a["max_abs"] >= b["max_abs"] > 65504 for a, b in zip(layers, layers[1:]))
     assert f"{len(layers) - 1} other layer(s) also exceed it" in info.message
     assert report.verdict.value == "healthy"
+
+
+def test_a_growth_begins_at_a_lone_jump_not_at_the_noise_before_it():
+    """Reads spaced out (one step in 256): two reads of different batches before a 1e4x jump differ by 1.4x.
+    That is the level's noise, not a growth (under 3x): the growth began at the read before the jump. A real
+    rise before the jump (4x, then 4x) still puts the start where it began."""
+    from nandoctor.probe.warnings import find_rise
+
+    noisy = [(0, 1.0), (256, 0.9), (512, 1.3), (768, 1.0e4)]
+    rise = find_rise(noisy)
+    assert (rise.start_step, rise.end_step) == (512, 768)
+    growing = [(0, 1.0), (1, 1.0), (2, 4.0), (3, 16.0), (4, 2000.0)]
+    assert find_rise(growing).start_step == 1

@@ -196,6 +196,7 @@ def test_grouped_gradient_norms_match_numpy():
 def test_stats_schedule_spends_what_detection_leaves_of_the_budget():
     """Fed made-up durations (no clock): stats every k-th step, k from the measured costs."""
     from nandoctor.probe.loop import StatsSchedule
+    from nandoctor.probe.watcher import _MIN_STATS_BUDGET, _TOTAL_BUDGET
 
     def k_for(detect: float) -> int:
         sched = StatsSchedule()
@@ -205,9 +206,12 @@ def test_stats_schedule_spends_what_detection_leaves_of_the_budget():
             sched.record(step, step == 2, 0.020 if step == 2 else 0.010, detect)
         return sched.k
 
-    assert k_for(0.0) == 50  # 10 ms extra per stats step, 2% of a 10 ms step to spend
-    assert k_for(0.0001) in (100, 101)  # detection takes 1%: 1% left for stats
-    assert k_for(0.005) in (400, 401)  # detection takes 50%: stats still get a quarter of a percent
+    step = 0.010  # the made-up plain step; a stats step costs one more of it
+    assert k_for(0.0) in (round(1 / _TOTAL_BUDGET), round(1 / _TOTAL_BUDGET) + 1)  # the whole budget for stats
+    half = round(2 / _TOTAL_BUDGET)
+    assert k_for(_TOTAL_BUDGET / 2 * step) in (half, half + 1)  # detection takes half: the other half for stats
+    floor = round(1 / _MIN_STATS_BUDGET)
+    assert k_for(0.5 * step) in (floor, floor + 1)  # detection takes 50% of the step: stats still get the floor
     sched = StatsSchedule()
     sched.alert = True
     assert sched.want(57)  # after a warning sign, stats on every step

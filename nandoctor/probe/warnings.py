@@ -231,7 +231,9 @@ def _rise_to(xs: list[tuple[int, float]], end: int, above: float) -> Rise | None
     big = (rise.growth >= _RISE_RATIO and rising >= _RISE_STEPS) or jump >= _JUMP_RATIO
     if not big or rise.end < above * level:
         return None
-    if rising >= _RISE_STEPS and rise.growth < _RISE_RATIO:  # only the last jump is big: it began there
+    # only the last jump is big: it began there. What rose before the jump by less than a growth (_RISE_RATIO)
+    # is the level's own noise, e.g. two reads of different batches before a jump when reads are spaced out
+    if rising >= _RISE_STEPS and jump >= _JUMP_RATIO and xs[end - 1][1] < _RISE_RATIO * xs[i][1]:
         rise.start_step, rise.start = xs[end - 1]
     return rise
 
