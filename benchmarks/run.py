@@ -98,6 +98,27 @@ def whole_process(s: Setting, scratch: Path) -> tuple[list[Row], list[Row], list
     return time_rows, rss_rows, long_rows
 
 
+def zero_change(s: Setting, scratch: Path) -> list[Row]:
+    """Row 9: `nandoctor run -- python plain_<name>.py` against the same script alone, paired processes as in
+    row 1. No target: `nandoctor run` reads every step (README, "Zero code changes"), and this row says what
+    that costs a script nobody changed."""
+    rows = []
+    for name in s.workloads:
+        w = workloads.load(name, s.quick, scratch)
+        steps = s.steps or w.steps
+        say(f"row 9: {name}: {s.runs} pair(s) of `nandoctor run` vs the plain script sharing a core, {steps} steps")
+        report = str(scratch / f"{name}_run_{{run}}.json")
+        plain = [PY, str(w.plain), str(w.config), "--steps", str(steps)]
+        paired = procs.run_paired([PY, "-m", "nandoctor", "run", "--json", report, "--", *plain], plain, s.runs)
+        ok, note = check_runs(paired, [Path(report.replace("{run}", str(i))) for i in range(s.runs)])
+        ratios = [a.cpu_seconds / b.cpu_seconds for a, b in zip(paired.a, paired.b)]
+        ta, tb = median([r.cpu_seconds for r in paired.a]), median([r.cpu_seconds for r in paired.b])
+        rows.append(Row("9 nandoctor run", name, f"{w.describe}, {steps} steps", median(ratios) if ok else None,
+                        "x", "", f"{note}run {ta:.1f} s / plain {tb:.1f} s CPU on a shared core, pairs "
+                        f"{fmt(ratios)}" if ok else note))
+    return rows
+
+
 def long_run(w: workloads.Workload, steps: int, paired: procs.Paired, report: str, markdown: str, ok: bool,
              note: str) -> list[Row]:
     """Rows 8: a long run's report sizes and its memory over the plain loop, from row 1's runs of it."""
@@ -262,7 +283,7 @@ def main() -> int:
                         "row runs, in well under a minute (numbers meaningless)")
     parser.add_argument("--runs", type=int, default=None,
                         help="pairs per row (default 4, and 6 in rows 2 and 7; 1 with --quick)")
-    parser.add_argument("--rows", default="1,2,3,4,5,6,7",
+    parser.add_argument("--rows", default="1,2,3,4,5,6,7,9",
                         help="comma-separated rows to run (6 comes with 1 and 5, 8 with 1)")
     parser.add_argument("--workloads", default=None, help="comma-separated training workloads for rows 1, 2, 6, 7 "
                         f"(default: all of {','.join(workloads.TRAINING)})")
@@ -298,10 +319,11 @@ def main() -> int:
             rss += [r for r in scan_rows if r.row.startswith("6")]
         if "7" in wanted:
             inloop_rows = inloop(s, scratch)
+        run_rows = zero_change(s, scratch) if "9" in wanted else []
     rows += rss
     if "7" in wanted:
         rows += inloop_rows
-    rows += long_rows
+    rows += long_rows + run_rows
     mode = "QUICK (tiny settings; numbers are not meaningful)" if s.quick else "full"
     header = (f"nandoctor benchmarks, {mode}: {s.runs} pair(s) per row ({s.step_runs} in rows 2 and 7), "
               f"median of paired ratios (probe/plain etc.), {time.perf_counter() - started:.0f} s in all\n"

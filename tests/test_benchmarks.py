@@ -25,6 +25,7 @@ EXPECTED_ROWS = (
     + [("6", w) for w in workloads.TRAINING] + [("6", "scan_data")]
     + [("7", w) for w in workloads.TRAINING]
     + [("8", workloads.LONG_RUN)] * 3
+    + [("9", w) for w in workloads.TRAINING]
 )
 
 
