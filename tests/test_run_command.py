@@ -63,6 +63,47 @@ def test_healthy_script_passes_through_and_still_writes_its_report(tmp_path: Pat
     assert "healthy" in proc.stderr
 
 
+MANY_TENSORS = """
+import numpy as np, paddle
+paddle.seed(0)
+model = paddle.nn.Sequential(*[paddle.nn.Linear(4, 4) for _ in range(60)])  # 120 tensors: the grouped sums
+opt = paddle.optimizer.SGD(learning_rate=0.01, parameters=model.parameters())
+rng = np.random.default_rng(0)
+for step in range(6):
+    loss = (model(paddle.to_tensor(rng.normal(size=(8, 4)).astype("float32"))) ** 2).mean()
+    loss.backward()
+    opt.step()
+    opt.clear_grad()
+print("training finished")
+"""
+
+
+def test_a_many_tensor_model_still_gets_its_report_when_the_script_ends(tmp_path: Path) -> None:
+    """The report is made at interpreter exit, and Paddle's own exit handlers clear its kernels: ours must
+    run before them. Before, a model of more than 96 tensors (its parameter check stacks them at the end)
+    ended with no report, no verdict line and no word why."""
+    script = tmp_path / "many.py"
+    script.write_text(MANY_TENSORS, encoding="utf-8")
+    proc = _run(tmp_path, "--json", "r.json", script=[sys.executable, str(script)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "training finished"
+    assert "healthy" in proc.stderr, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert data["verdict"] == "healthy" and [p["step"] for p in data["timeline"]] == list(range(6))
+
+
+def test_nandoctors_own_failure_at_the_end_is_said_and_not_blamed_on_the_script(tmp_path: Path) -> None:
+    """A report lost to a bug of ours at exit is said, as ours, with the script's own status kept."""
+    script = tmp_path / "sabotaged.py"
+    script.write_text(MANY_TENSORS + "from nandoctor.zero_change import runtime\n"
+                      "def broken():\n    raise RuntimeError('simulated bug in nandoctor')\n"
+                      "runtime.SESSION.at_exit = broken\n", encoding="utf-8")
+    proc = _run(tmp_path, "--json", "r.json", script=[sys.executable, str(script)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RuntimeError: simulated bug in nandoctor" in proc.stderr and "bug in nandoctor" in proc.stderr
+    assert "not in your script" in proc.stderr and not (tmp_path / "r.json").exists()
+
+
 def test_keep_going_lets_the_script_finish(tmp_path: Path) -> None:
     proc = _run(tmp_path, "--keep-going", "--json", "r.json")
     assert proc.returncode == 1

@@ -31,6 +31,7 @@ from nandoctor.findings import Report, Verdict
 from nandoctor.rank_progress import ENV as RANK_PROGRESS
 from nandoctor.rank_progress import LOOK_SECONDS, Ending, RankWatch
 from nandoctor.zero_change.processes import merge_children
+from nandoctor.zero_change.runtime import OWN_ERROR
 
 SITE = Path(__file__).resolve().parent / "site"
 
@@ -78,6 +79,13 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
                 return 128 + stopped_by
             if returncode is not None and returncode < 0:
                 return _killed(-returncode)
+            own_error = Path(tmp) / OWN_ERROR
+            if own_error.is_file():
+                _stderr().print(f"nandoctor run: nandoctor failed while writing the report at the script's end "
+                                f"({own_error.read_text(encoding='utf-8')[:300]}). This is a bug in nandoctor, "
+                                "not in your script; no report was written. The command's own exit status "
+                                "follows.", markup=False)
+                return returncode
             if not (Path(tmp) / "watched").exists():
                 _stderr().print(f"nandoctor run: nothing was watched: {' '.join(command[:3])} never stepped a "
                                 "Paddle optimizer on a model in training mode (or its Python cannot import "

@@ -387,6 +387,9 @@ def write_result(config: dict[str, Any], report: Any, process: dict[str, Any] | 
         path.write_text(json_report.render(report), encoding="utf-8")
 
 
+OWN_ERROR = "own_error"  # beside the result: nandoctor's own failure at the script's exit, as text
+
+
 def mark(config: dict[str, Any], what: str) -> None:
     """Tell the parent how far the watch got (`watched`: a model and optimizer were found), by a file."""
     try:
@@ -427,9 +430,6 @@ def install() -> None:
         if SESSION.process is not None and SESSION.process["start"] == "spawn":
             processes.watch_exceptions(SESSION)
     _quiet_logger()
-    import atexit
-
-    atexit.register(_at_exit)
     if config.get("recheck_step") is None:
         previous = sys.excepthook
 
@@ -456,6 +456,12 @@ def _on_paddle(session: Session) -> None:
     from nandoctor.zero_change.seams import patch_paddle
 
     patch_paddle(session)
+    # The report is made at exit, with Paddle's ops: registered after Paddle's own exit handlers (which clear
+    # its kernels), so it runs before them (atexit runs the latest first). Before, a model of more than 96
+    # tensors ended with no report: its parameter check at the end had no kernels left.
+    import atexit
+
+    atexit.register(_at_exit)
     if session.recheck is not None:
         recheck.restore_rng(session.config["rng"])
     else:
@@ -493,8 +499,12 @@ def _at_exit() -> None:
         return
     try:
         session.at_exit()
-    except Exception:  # noqa: BLE001 - never turn the user's exit into a traceback of ours
-        pass
+    except Exception as exc:  # noqa: BLE001 - never turn the user's exit into a traceback of ours, but say it
+        try:  # to the parent, which tells the user the report was lost and whose fault that is (runner.py)
+            Path(session.config["result"]).with_name(OWN_ERROR).write_text(f"{type(exc).__name__}: {exc}",
+                                                                          encoding="utf-8")
+        except OSError:
+            pass
 
 
 def _quiet_logger() -> None:
