@@ -80,14 +80,8 @@ def whole_process(s: Setting, scratch: Path) -> tuple[list[Row], list[Row], list
         paired = procs.run_paired([PY, "-m", "nandoctor", "probe", str(w.config), "--steps", str(steps),
                                    "--json", report, "--markdown", markdown],
                                   [PY, str(w.plain), str(w.config), "--steps", str(steps)], s.runs)
-        ok, note = check_runs(paired, [Path(report.replace("{run}", str(i))) for i in range(s.runs)])
-        ta, tb = median([r.cpu_seconds for r in paired.a]), median([r.cpu_seconds for r in paired.b])
-        ratios = [a.cpu_seconds / b.cpu_seconds for a, b in zip(paired.a, paired.b)]
-        wall = median([a.seconds / b.seconds for a, b in zip(paired.a, paired.b)])
-        time_rows.append(Row("1 whole process", name, f"{w.describe}, {steps} steps",
-                             median(ratios) if ok else None, "x", "<= 1.10",
-                             f"{note}probe {ta:.1f} s / plain {tb:.1f} s CPU on a shared core, pairs "
-                             f"{fmt(ratios)}; wall {wall:.2f}x" if ok else note))
+        ok, note = check_runs(paired, runs_of(report, s.runs))
+        time_rows.append(cpu_row("1 whole process", "probe", w, steps, paired, ok, note, "<= 1.10", wall=True))
         rss = [a.max_rss_mb / b.max_rss_mb for a, b in zip(paired.a, paired.b)]
         ra, rb = median([r.max_rss_mb for r in paired.a]), median([r.max_rss_mb for r in paired.b])
         rss_rows.append(Row("6 peak RSS probe", name, f"{w.describe}, {steps} steps",
@@ -110,13 +104,28 @@ def zero_change(s: Setting, scratch: Path) -> list[Row]:
         report = str(scratch / f"{name}_run_{{run}}.json")
         plain = [PY, str(w.plain), str(w.config), "--steps", str(steps)]
         paired = procs.run_paired([PY, "-m", "nandoctor", "run", "--json", report, "--", *plain], plain, s.runs)
-        ok, note = check_runs(paired, [Path(report.replace("{run}", str(i))) for i in range(s.runs)])
-        ratios = [a.cpu_seconds / b.cpu_seconds for a, b in zip(paired.a, paired.b)]
-        ta, tb = median([r.cpu_seconds for r in paired.a]), median([r.cpu_seconds for r in paired.b])
-        rows.append(Row("9 nandoctor run", name, f"{w.describe}, {steps} steps", median(ratios) if ok else None,
-                        "x", "", f"{note}run {ta:.1f} s / plain {tb:.1f} s CPU on a shared core, pairs "
-                        f"{fmt(ratios)}" if ok else note))
+        ok, note = check_runs(paired, runs_of(report, s.runs))
+        rows.append(cpu_row("9 nandoctor run", "run", w, steps, paired, ok, note, "", wall=False))
     return rows
+
+
+def runs_of(template: str, runs: int) -> list[Path]:
+    """The files the pairs wrote from one `{run}` template (pairs run side by side: one file each)."""
+    return [Path(template.replace("{run}", str(i))) for i in range(runs)]
+
+
+def cpu_row(row: str, side: str, w: workloads.Workload, steps: int, paired: procs.Paired, ok: bool, note: str,
+            target: str, *, wall: bool) -> Row:
+    """A whole-process row: the median of the pairs' CPU-time ratios, with the times behind it in the notes,
+    and (`wall`) the wall ratio, ~1.00x by construction when the pair shares a core. Not for `nandoctor
+    run`: its script runs in a session of its own, which the kernel schedules as a group of its own
+    (autogroup), so its share of the core, and its wall time, differ from a plain process's."""
+    ta, tb = median([r.cpu_seconds for r in paired.a]), median([r.cpu_seconds for r in paired.b])
+    ratios = [a.cpu_seconds / b.cpu_seconds for a, b in zip(paired.a, paired.b)]
+    walls = f"; wall {median([a.seconds / b.seconds for a, b in zip(paired.a, paired.b)]):.2f}x" if wall else ""
+    return Row(row, w.name, f"{w.describe}, {steps} steps", median(ratios) if ok else None, "x", target,
+               f"{note}{side} {ta:.1f} s / plain {tb:.1f} s CPU on a shared core, pairs {fmt(ratios)}{walls}"
+               if ok else note)
 
 
 def long_run(w: workloads.Workload, steps: int, paired: procs.Paired, report: str, markdown: str, ok: bool,
@@ -125,7 +134,7 @@ def long_run(w: workloads.Workload, steps: int, paired: procs.Paired, report: st
     setting = f"{w.describe}, {steps} steps"
     sizes = {}
     for kind, path in (("json", report), ("md", markdown)):
-        files = [Path(path.replace("{run}", str(i))) for i in range(len(paired.a))]
+        files = runs_of(path, len(paired.a))
         sizes[kind] = median([f.stat().st_size / 1024 for f in files if f.exists()]) if ok else None
     extra = [a.max_rss_mb - b.max_rss_mb for a, b in zip(paired.a, paired.b)]
     return [Row("8 long run report.json", w.name, setting, sizes["json"], "KB", "<= 2048", note),

@@ -76,10 +76,17 @@ class _Child:
                 self.err.close()
         return self.result
 
-    def kill(self) -> None:
+    def kill(self, grace: float = 40.0) -> None:
+        """End the child as a user's Ctrl-C would: SIGTERM, then SIGKILL after `grace` seconds. A
+        `nandoctor run` passes SIGTERM on to its script and removes its temporary folder (30 s grace of its
+        own); killed outright, it left the folder behind and its script running on the core, orphaned,
+        beside the next pair."""
         if self.poll() is None:
-            self.proc.kill()
+            self.proc.terminate()
+            end = time.perf_counter() + grace
             while self.poll() is None:
+                if time.perf_counter() > end:
+                    self.proc.kill()
                 time.sleep(0.01)
 
 
