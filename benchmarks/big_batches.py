@@ -124,8 +124,8 @@ def phases(config: Path, bundle: Path | None) -> None:
 
     from rich.console import Console
 
-    from nandoctor import run as run_module
-    from nandoctor.probe import loop as loop_module
+    from nandoctor import app as run_module
+    from nandoctor.engine import loop as loop_module
 
     phase = ["start (import, spec, model build)"]
     peaks: dict[str, float] = {}

@@ -9,13 +9,14 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from nandoctor.version import __version__
+
 # Paddle's import warns "No ccache found" (a build tool for C++ extensions) on every machine without one:
 # noise in the user's terminal that asks nothing of them. Every process that runs nandoctor imports this
 # package before Paddle (the CLI, and `nandoctor run`'s watched script through its sitecustomize), so the
 # filter is set here; it matches that one message only.
 warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
 
-__version__ = "0.1.0"
 __all__ = ["Doctor", "NonFiniteError", "__version__", "watch"]
 
 

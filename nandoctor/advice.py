@@ -130,7 +130,7 @@ def lr_edit(optimizer: Any, scale: float | None, rate: float | None) -> tuple[di
     if sched is not None and sched.entry:
         return None, f"scale the learning rates your optimizer.lr_scheduler.entry ({sched.entry}) returns{by}"
     if sched is not None and sched.name:
-        from nandoctor.schedulers import scheduler_classes
+        from nandoctor.workload.schedulers import scheduler_classes
 
         cls = scheduler_classes().get(sched.name)
         if cls is not None and "learning_rate" not in inspect.signature(cls).parameters:

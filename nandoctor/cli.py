@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from nandoctor import __version__, interrupt
+from nandoctor.engine import interrupt
 from nandoctor.errors import (
     INTERNAL_EXIT,
     NandoctorError,
@@ -31,6 +31,7 @@ from nandoctor.errors import (
     path_error,
     save_internal_error,
 )
+from nandoctor.version import __version__
 
 # Paddle's import warns about a missing ccache (a build tool for C++ extensions) on every machine without
 # one: noise under a diagnosis, and nothing the user needs to act on.
@@ -105,7 +106,7 @@ NoCodeOpt = Annotated[bool, typer.Option("--no-code", help="Leave your source fi
 
 def _console(*outputs: Path | None) -> Console:
     """Where the report for people goes: standard output, unless `--json -` (or `--markdown -`) took it."""
-    from nandoctor.run import is_stdout
+    from nandoctor.report.writer import is_stdout
 
     return Console(stderr=any(is_stdout(p) for p in outputs), highlight=False)
 
@@ -154,7 +155,7 @@ def _user_error(exc: Exception, paths: dict[str, Path | None]) -> NandoctorError
 
 def _run(command: str, config: Path, **options: Any) -> NoReturn:
     """One call into the core for scan and probe; its exit status, or 2 with one message for our errors."""
-    from nandoctor.run import run_command
+    from nandoctor.app import run_command
 
     paths = {"spec": config, "--json": options.get("json_path"), "--markdown": options.get("markdown_path"),
              "--bundle": options.get("bundle")}
@@ -264,7 +265,7 @@ def report(
     markdown_path: MarkdownOpt = None,
 ) -> None:
     """Re-render a saved JSON report in the terminal (or as Markdown with --markdown)."""
-    from nandoctor.run import rerender
+    from nandoctor.app import rerender
 
     try:
         code = rerender(report_json, _console(markdown_path), markdown_path=markdown_path)

@@ -7,7 +7,7 @@ import platform
 import sys
 from typing import Any
 
-import nandoctor
+from nandoctor.version import __version__
 
 # Flags that change numerics or NaN checking; worth a line in a bug ticket when set.
 _RELEVANT_FLAG_PREFIXES = ("FLAGS_check_nan_inf", "FLAGS_cudnn_deterministic", "FLAGS_embedding_deterministic",
@@ -17,7 +17,7 @@ _RELEVANT_FLAG_PREFIXES = ("FLAGS_check_nan_inf", "FLAGS_cudnn_deterministic", "
 def collect(device: str | None = None) -> dict[str, Any]:
     """What a maintainer needs to reproduce: nandoctor, Paddle, Python, OS, device, CUDA and GPUs."""
     info: dict[str, Any] = {
-        "nandoctor": nandoctor.__version__,
+        "nandoctor": __version__,
         "python": platform.python_version(),
         "os": f"{platform.system()} {platform.release()} ({platform.machine()})",
     }

@@ -141,7 +141,7 @@ def save_internal_error(exc: BaseException, folder: Path, argv: list[str]) -> Pa
     import time
     import traceback
 
-    from nandoctor import __version__
+    from nandoctor.version import __version__
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     text = (f"nandoctor {__version__}, Python {sys.version.split()[0]}, {platform.platform()}\n"

@@ -272,7 +272,7 @@ class Report:
     # In memory only, never in the JSON: what a bundle needs to reproduce the fault (the offending
     # batch as numpy arrays, the pre-step model state, the RNG state). See report/bundle.py.
     artifacts: dict[str, Any] = field(default_factory=dict, repr=False)
-    # Probe only: candidate fixes replayed after a fault, verified first (probe/remedies.py):
+    # Probe only: candidate fixes replayed after a fault, verified first (remedies/trial.py):
     # {remedy, change, outcome (fixed/not_fixed/not_applicable), steps_run, loss_before, loss_after, seconds}
     remedies: list[dict[str, Any]] = field(default_factory=list)
 
@@ -361,7 +361,7 @@ class Report:
 
 def _timings_back(details: Any) -> dict[str, Any]:
     """The JSON keeps clock-dependent figures under `details.timings`; in memory they sit where they were made."""
-    from nandoctor.report.json import join_timings
+    from nandoctor.findings import join_timings
 
     return join_timings(dict(details or {}))
 
@@ -387,3 +387,49 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (bool, int, str)) or value is None:
         return value
     return str(value)
+
+
+# Clock-dependent figures of `details`, kept apart so two identical runs give identical JSON apart from
+# `details.timings` (report/json.py writes the split form, `Report.from_dict` joins it back).
+# The clock-dependent figures of `details`: whole keys; some keys of an object; every key of an object but some.
+# The snapshot ring's schedule, budgets and spills follow measured step times, free memory and free disk.
+TIMED_KEYS = ("stats_every", "activation_max", "grad_norms", "localization_seconds")
+
+
+TIMED_PARTS = {"remedies": ("seconds", "budget_seconds", "probe_seconds"), "rollback": ("seconds",)}
+
+
+TIMED_BUT = {"snapshots": ("enabled", "note")}
+
+
+def split_timings(details: dict[str, Any]) -> dict[str, Any]:
+    """`details` with every clock-dependent figure moved under `details["timings"]`, nested as it was."""
+    out = dict(details)
+    timings: dict[str, Any] = dict(out["timings"]) if isinstance(out.get("timings"), dict) else {}
+    for key in TIMED_KEYS:
+        if key in out:
+            timings[key] = out.pop(key)
+    for name, holder in list(out.items()):
+        if not isinstance(holder, dict) or name not in {**TIMED_PARTS, **TIMED_BUT}:
+            continue
+        moved = [k for k in holder if k in TIMED_PARTS[name]] if name in TIMED_PARTS else \
+            [k for k in holder if k not in TIMED_BUT[name]]
+        if moved:
+            timings[name] = {**(timings.get(name) or {}), **{k: holder[k] for k in moved}}
+            out[name] = {k: v for k, v in holder.items() if k not in moved}  # a copy: the report keeps its own
+    if timings:
+        out["timings"] = timings
+    return out
+
+
+def join_timings(details: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `split_timings`, for a report read back from JSON."""
+    timings = details.pop("timings", None)
+    if not isinstance(timings, dict):
+        return details
+    for name, value in timings.items():
+        if isinstance(value, dict) and isinstance(details.get(name), dict):
+            details[name] = {**details[name], **value}
+        elif name not in details:
+            details[name] = value
+    return details

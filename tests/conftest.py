@@ -70,7 +70,7 @@ def tmpdir_left_clean():
 def no_stats_steps():
     """Per-layer stats (which also read the gradients) only at step 0, so later steps of a many-tensor
     model go unread but one in four (the rollback tests)."""
-    from nandoctor.probe.watcher import StatsSchedule
+    from nandoctor.engine.watcher import StatsSchedule
 
     orig = StatsSchedule.want, StatsSchedule.next_stats
     StatsSchedule.want = lambda self, step: step == 0  # type: ignore[method-assign]
@@ -87,7 +87,7 @@ def pinned_schedule(monkeypatch):
     """Reads and snapshots every PINNED_EVERY steps past the first READ_ALL_STEPS, stats every
     PINNED_STATS_EVERY, whatever the machine's speed: two runs compared make the same decisions (the quiet
     steps' tests)."""
-    from nandoctor.probe import snapshots, watcher
+    from nandoctor.engine import snapshots, watcher
 
     monkeypatch.setattr(watcher, "_READ_SHARE", 1e-9)
     monkeypatch.setattr(watcher, "MAX_UNREAD", PINNED_EVERY)

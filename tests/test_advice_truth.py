@@ -307,8 +307,8 @@ def _apply(raw: dict[str, Any], edit: dict[str, Any]) -> dict[str, Any]:
 
 def _validate(config: Path, edit: dict[str, Any]) -> Any:
     """The spec with the change applied, through the validator and the scheduler's construction."""
-    from nandoctor.schedulers import build_scheduler
     from nandoctor.spec import parse_spec
+    from nandoctor.workload.schedulers import build_scheduler
 
     raw = yaml.safe_load(config.read_text(encoding="utf-8"))
     spec = parse_spec(_apply(raw, edit), config)

@@ -238,7 +238,7 @@ def test_tracker_growth_starts_where_the_plain_loops_norms_start_rising() -> Non
     norm, sits inside the growth); "early" and "typical" are one figure, the norm the growth started from."""
     from types import SimpleNamespace
 
-    from nandoctor.probe.warnings import WarningTracker
+    from nandoctor.engine.warnings import WarningTracker
 
     _, _, _, norms = checked_run("whole_batch_overflow", 40)
     tracker = WarningTracker([], [], fp16=False, amp=False, learning_rate=0.0061)

@@ -10,8 +10,8 @@ from itertools import islice
 import numpy as np
 import paddle
 
-from nandoctor.probe import batch_tape
-from nandoctor.probe.batch_tape import END, BatchTape
+from nandoctor.engine import batch_tape
+from nandoctor.engine.batch_tape import END, BatchTape
 
 ROWS, FEATURES = 4, 8
 BATCH_BYTES = ROWS * FEATURES * 4 + ROWS * 8  # float32 features, int64 labels

@@ -175,7 +175,7 @@ def test_reproduce_refuses_a_planted_pickle_and_never_runs_it(tmp_path: Path, pl
 def test_rng_state_json_restores_paddles_generator(tmp_path: Path, capfd: pytest.CaptureFixture[str]):
     import paddle
 
-    from nandoctor.artifacts import rng_state_json
+    from nandoctor.engine.artifacts import rng_state_json
 
     paddle.seed(123)
     paddle.rand([5])

@@ -1,7 +1,7 @@
 """reproduce.py never contradicts the probe: the same guards, losses, output selection and learning rate.
 
-reproduce.py (nandoctor/report/reproduce_script.py) runs without nandoctor, so it cannot import the
-probe's tables. The op guards reach it as data (`op_guards.json`, written from nandoctor.probe.op_guards);
+reproduce.py (nandoctor/standalone/reproduce.py) runs without nandoctor, so it cannot import the
+probe's tables. The op guards reach it as data (`op_guards.json`, written from nandoctor.engine.op_guards);
 the losses, the output selection and the LR scheduler are code on both sides, held equal here on the
 same inputs. The end-to-end tests run the probe, then the bundle's reproduce.py in a fresh interpreter,
 and check that both say the same about the fault and about the op_guard remedy.
@@ -26,7 +26,7 @@ from nandoctor.cli import app
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_configs"
-SCRIPT = ROOT / "nandoctor" / "report" / "reproduce_script.py"
+SCRIPT = ROOT / "nandoctor" / "standalone" / "reproduce.py"
 FIXED_LINE = "no fault: with this remedy the step runs without NaN/Inf."
 
 
@@ -80,8 +80,8 @@ def _random_tensors(seed: int) -> list[Any]:
 def test_bundle_carries_the_probes_guard_table(script: dict[str, Any], tmp_path: Path):
     """op_guards.json is op_guards' own table, and reproduce.py resolves every op name (grad, alias) to the
     guard the probe's guard_for picks."""
+    from nandoctor.engine.op_guards import ALIASES, GUARDS, bundle_table, guard_for
     from nandoctor.findings import Report
-    from nandoctor.probe.op_guards import ALIASES, GUARDS, bundle_table, guard_for
     from nandoctor.report.bundle import write_bundle
     from nandoctor.spec import load_spec
 
@@ -108,7 +108,7 @@ def test_guard_rules_change_arguments_as_the_probe_does(script: dict[str, Any], 
     """The same epsilon/clamp on the same inputs, bit for bit; the same calls left alone."""
     import numpy as np
 
-    from nandoctor.probe.op_guards import _guarded_args, bundle_table
+    from nandoctor.engine.op_guards import _guarded_args, bundle_table
 
     rule = json.loads(json.dumps(bundle_table()))["guards"][op]
     for seed in range(3):
@@ -136,7 +136,7 @@ def test_guard_scopes_fire_where_the_probes_fire(script: dict[str, Any], tmp_pat
     import numpy as np
     import paddle
 
-    from nandoctor.probe.op_guards import GUARDS, bundle_table, guarded
+    from nandoctor.engine.op_guards import GUARDS, bundle_table, guarded
 
     (tmp_path / "guarded_mod_parity.py").write_text(GUARDED_CODE)
     sys.path.insert(0, str(tmp_path))
@@ -169,7 +169,7 @@ def test_guard_scopes_fire_where_the_probes_fire(script: dict[str, Any], tmp_pat
     {"aliases": {"elementwise_pow": "nothing"}},
 ])
 def test_reproduce_refuses_a_guard_table_nandoctor_did_not_write(tmp_path: Path, tamper: dict[str, Any]):
-    from nandoctor.probe.op_guards import bundle_table
+    from nandoctor.engine.op_guards import bundle_table
 
     shutil.copyfile(SCRIPT, tmp_path / "reproduce.py")
     (tmp_path / "op_guards.json").write_text(json.dumps(bundle_table() | tamper))
@@ -240,7 +240,7 @@ def test_spec_numbers_read_as_the_probe_reads_them(script: dict[str, Any], tmp_p
     """spec.yaml's numbers, exponent forms included, are the same values in reproduce.py as in the probe."""
     import yaml
 
-    from nandoctor.spec_yaml import read_yaml
+    from nandoctor.spec.yaml_file import read_yaml
 
     text = "a: [1e-4, 1.0e36, -1e5, 1.0e-4, .5, 3, 1_000, .inf, abc, '1e-4', 1e, v1e5, 1.2.3]\n"
     (tmp_path / "spec.yaml").write_text(text)
@@ -255,7 +255,7 @@ def test_output_selection_picks_what_the_probe_picks(script: dict[str, Any]):
     import paddle
 
     from nandoctor.errors import SpecError
-    from nandoctor.outputs import select
+    from nandoctor.workload.outputs import select
 
     rng = np.random.default_rng(1)
     a, b, c = (paddle.to_tensor(rng.normal(size=(4, 3)).astype("float32")) for _ in range(3))
@@ -299,9 +299,9 @@ def test_scheduler_is_the_one_the_probe_builds(case: str, tmp_path: Path):
     import paddle
     import yaml
 
-    from nandoctor.schedulers import build_scheduler
     from nandoctor.spec import load_spec
     from nandoctor.workload import build_optimizer
+    from nandoctor.workload.schedulers import build_scheduler
 
     bundle = tmp_path / "b"
     (bundle / "code").mkdir(parents=True)

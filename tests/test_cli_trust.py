@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from nandoctor import __version__
 from nandoctor.cli import app
-from nandoctor.probe.watcher import StepWatcher
+from nandoctor.engine.watcher import StepWatcher
 
 
 def _cli(*args: str):
@@ -68,7 +68,7 @@ def test_too_long_output_name_is_exit_2_before_the_run(tmp_path):
 
 
 def test_output_check_leaves_no_file_behind_and_keeps_an_existing_one(tmp_path):
-    from nandoctor.run import check_writable_file
+    from nandoctor.report.writer import check_writable_file
 
     fresh, old = tmp_path / "fresh.json", tmp_path / "old.json"
     old.write_text("keep me", encoding="utf-8")

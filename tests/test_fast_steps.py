@@ -12,9 +12,9 @@ import pytest
 from inloop_helpers import first_nonfinite_step
 from probe_spec import probe
 
+from nandoctor.engine.watcher import READ_ALL_STEPS
 from nandoctor.findings import Phase
 from nandoctor.probe import ProbeOptions, run_probe
-from nandoctor.probe.watcher import READ_ALL_STEPS
 from nandoctor.spec import load_spec
 
 FAULT_STEP, FAULT_ROW = READ_ALL_STEPS + 13, 2
@@ -25,7 +25,7 @@ BATCHES = FAULT_STEP + 20
 def reads_spaced(monkeypatch, no_stats_steps):
     """Reads as far apart as the ring allows (a read's measured cost against a millisecond step would
     already space them out; pinned here so the fault's step is surely unread)."""
-    from nandoctor.probe import watcher
+    from nandoctor.engine import watcher
 
     monkeypatch.setattr(watcher, "_READ_SHARE", 1e-9)
 
@@ -134,7 +134,7 @@ def test_a_crash_right_after_an_unread_fault_reads_it_first(tmp_path, reads_spac
 def test_the_probes_quiet_steps_give_the_report_of_every_stage_run(tmp_path, pinned_schedule, monkeypatch):
     """The probe's loop runs most steps quietly (StepWatcher.quiet_until) and the watcher catches up at each
     window's end: the same timeline, stats steps, rollback and first fault as with every stage run."""
-    from nandoctor.probe.watcher import StepWatcher
+    from nandoctor.engine.watcher import StepWatcher
 
     fault_step = READ_ALL_STEPS + 2 * pinned_schedule + 5  # inside a quiet window, not on a read
     data = {"zero_batch": fault_step, "zero_rows": [FAULT_ROW], "batches": fault_step + 30}

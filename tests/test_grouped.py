@@ -7,7 +7,7 @@ import numpy as np
 import paddle
 import pytest
 
-from nandoctor import grouped
+from nandoctor.tensors import grouped
 
 
 @pytest.mark.parametrize("cap", [grouped.STACK_MAX_NUMEL, 1])

@@ -20,7 +20,7 @@ import pytest
 from inloop_helpers import example_module, fault_of, probe_first_fault, sample_module
 
 import nandoctor
-from nandoctor.inloop import outcome
+from nandoctor.report.console import render_text
 
 # What tests/test_probe_samples.py established for these samples (tensor checker + float64 on the host).
 SQRT = {"step": 6, "phase": "backward", "layer": "head.distance", "op": "sqrt_grad", "batch_index": 6,
@@ -90,7 +90,7 @@ def test_plain_loop_names_the_same_first_fault_as_the_probe(tmp_path: Path) -> N
     assert "head.distance" in markdown
     # titled by what ran; no exit status, since nandoctor does not end the user's process
     assert markdown.startswith("# nandoctor.watch: ") and "exit status" not in markdown
-    text = outcome.render_text(doctor.report)
+    text = render_text(doctor.report)
     assert text.startswith("nandoctor.watch: ") and "Exit status" not in text and "--markdown" not in text
     batch = np.load(folder / "batch.npz", allow_pickle=False)
     assert sorted(batch.files) == ["a", "b", "target"]

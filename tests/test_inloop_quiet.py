@@ -14,8 +14,8 @@ import probe_models as pm
 import pytest
 
 import nandoctor
+from nandoctor.engine.watcher import READ_ALL_STEPS, StepWatcher
 from nandoctor.findings import Phase
-from nandoctor.probe.watcher import READ_ALL_STEPS, StepWatcher
 
 STEPS = READ_ALL_STEPS + 150
 

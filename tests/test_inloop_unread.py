@@ -20,8 +20,8 @@ from probe_spec import probe
 from run_truth import first_backward_fault
 
 import nandoctor
+from nandoctor.engine.watcher import READ_ALL_STEPS
 from nandoctor.findings import Phase
-from nandoctor.probe.watcher import READ_ALL_STEPS
 
 FAULT_STEP, FAULT_ROW = READ_ALL_STEPS + 13, 2  # unread: reads fall on multiples of READ_EVERY from then on
 READ_EVERY = 16
@@ -33,7 +33,7 @@ ZERO = {"zero_batch": FAULT_STEP, "zero_rows": [FAULT_ROW], "batches": BATCHES} 
 def reads_spaced(monkeypatch, no_stats_steps):
     """Reads and snapshots every READ_EVERY steps past READ_ALL_STEPS, whatever the machine's speed (the
     measured costs would space them out anyway; pinned so that the fault's step is surely unread)."""
-    from nandoctor.probe import snapshots, watcher
+    from nandoctor.engine import snapshots, watcher
 
     monkeypatch.setattr(watcher, "_READ_SHARE", 1e-9)
     monkeypatch.setattr(watcher, "MAX_UNREAD", READ_EVERY)  # (else the reads would widen the ring's interval)

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nandoctor.entrypoints import user_origin
-from nandoctor.loader import guard_loader, user_exception
+from nandoctor.workload.entrypoints import user_origin
+from nandoctor.workload.loader import guard_loader, user_exception
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_configs" / "loader_worker_crash" / "config.yaml"
 

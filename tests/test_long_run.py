@@ -14,7 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from nandoctor.cli import app
-from nandoctor.probe.watcher import AROUND_MARKS, MAX_MARKS, MAX_RECORDS, MAX_UNREAD, RECENT_STEPS
+from nandoctor.engine.watcher import AROUND_MARKS, MAX_MARKS, MAX_RECORDS, MAX_UNREAD, RECENT_STEPS
 
 STEPS = 20_000
 # batches scaled 1e4 for longer than the longest unread stretch: gradient norms ~1e4x their early level, read

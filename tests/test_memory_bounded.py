@@ -13,10 +13,11 @@ import paddle
 import pytest
 import yaml
 
-from nandoctor import batches
-from nandoctor.probe import ProbeOptions, batch_tape, run_probe
-from nandoctor.probe.monitors import StepMonitor
+from nandoctor.engine import batch_tape
+from nandoctor.engine.monitors import StepMonitor
+from nandoctor.probe import ProbeOptions, run_probe
 from nandoctor.spec import load_spec
+from nandoctor.workload import batches
 
 
 @pytest.mark.parametrize("tape", ["keeps none", "keeps one"])
@@ -101,8 +102,8 @@ def test_the_loop_holds_one_batch_beyond_its_own_and_none_after_it(tmp_path: Pat
     many steps back: the watcher keeps where those updates were, not their batches (the probe reads an update
     fault's batch back from its tape). While a batch is made, the loop holds only the one before it; after
     the loop, only the fault's own batch."""
-    from nandoctor.probe import monitors
-    from nandoctor.probe.loop import ProbeLoop
+    from nandoctor.engine import monitors
+    from nandoctor.engine.loop import ProbeLoop
 
     monkeypatch.setattr(batch_tape, "KEPT_BYTES", 1)  # the tape keeps none (100 MB batches)
     monkeypatch.setattr(monitors, "SMALL_MODEL_TENSORS", 0)  # the parameters checked on stats steps only
@@ -143,7 +144,7 @@ def test_an_update_fault_s_batch_is_read_back_for_the_bundle(tmp_path: Path, mon
     import probe_models as pm
     from probe_spec import probe
 
-    from nandoctor.probe.snapshots import SnapshotRing
+    from nandoctor.engine.snapshots import SnapshotRing
 
     if tape == "keeps none":
         monkeypatch.setattr(batch_tape, "KEPT_BYTES", 1)
@@ -167,7 +168,7 @@ def test_a_large_captured_batch_waits_for_the_bundle_on_disk(monkeypatch: pytest
     """The fault's batch is copied for the bundle at the fault and held until the bundle is written, through
     every replay: a large field is written out at once, without a copy in memory, and still reads back as
     the batch was at the fault (the loader may reuse its buffer afterwards)."""
-    from nandoctor import artifacts
+    from nandoctor.engine import artifacts
 
     monkeypatch.setattr(artifacts, "SPILL_BYTES", 1 << 20)
     x = np.random.default_rng(0).normal(size=(1024, 1024)).astype(np.float32)  # 4 MB: over the patched limit
@@ -188,7 +189,7 @@ def test_a_large_captured_batch_waits_for_the_bundle_on_disk(monkeypatch: pytest
 def test_the_captured_model_state_waits_for_the_bundle_on_disk(monkeypatch: pytest.MonkeyPatch) -> None:
     """The model state captured at the fault (for the bundle) is the weights as they were then, however the
     replays change the model; a large tensor's copy is on disk, not a model's size more in memory."""
-    from nandoctor import artifacts
+    from nandoctor.engine import artifacts
 
     monkeypatch.setattr(artifacts, "SPILL_BYTES", 1 << 20)
     paddle.seed(0)
@@ -209,7 +210,7 @@ def test_the_loop_holds_no_batch_of_a_quiet_stretch_but_the_steps_own(tmp_path: 
     """The probe's quiet steps (StepWatcher.quiet_until) note each step for the watcher's catch-up at the
     window's end: the batches of the window must not be kept for it (a window of 16 MB batches was +68 MB
     peak RSS on the benchmarks' wide_batch), nor the batch of the step before the window."""
-    from nandoctor.probe.watcher import READ_ALL_STEPS, StepWatcher
+    from nandoctor.engine.watcher import READ_ALL_STEPS, StepWatcher
 
     monkeypatch.setattr(batch_tape, "KEPT_BYTES", 1)  # the tape keeps none: what is alive is the loop's
     memory_models.ALIVE.clear()

@@ -18,7 +18,7 @@ from test_watcher import write_spec
 from typer.testing import CliRunner
 
 from nandoctor.cli import app
-from nandoctor.probe.watcher import StepWatcher
+from nandoctor.engine.watcher import StepWatcher
 
 ROOT = Path(__file__).resolve().parent.parent
 # A sitecustomize that makes `import paddle` fail as on a machine without it (find_spec raises, as a

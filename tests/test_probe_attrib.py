@@ -11,9 +11,10 @@ import paddle
 import pytest
 import yaml
 
+from nandoctor.diagnosis.diagnose import spec_target
+from nandoctor.diagnosis.localize import Replayer, localize
+from nandoctor.diagnosis.origin import INF, NAN, OpLine, pick
 from nandoctor.probe import ProbeOptions, run_probe
-from nandoctor.probe.localize import Replayer, localize
-from nandoctor.probe.origin import INF, NAN, OpLine, pick
 from nandoctor.spec import load_spec
 from nandoctor.workload import build_workload
 
@@ -93,7 +94,7 @@ def test_replayer_puts_rng_flags_and_buffers_back(tmp_path: Path) -> None:
     flags = paddle.get_flags(["FLAGS_check_nan_inf", "FLAGS_call_stack_level"])
     stats = {k: v.numpy().copy() for k, v in model.state_dict().items() if "_mean" in k or "_variance" in k}
     assert stats
-    with Replayer(workload.target(), before_pd) as rp:
+    with Replayer(spec_target(workload), before_pd) as rp:
         rp.forward_origin(fields, rp.trace(fields))
         rp.checked_backward(fields)
         rp.traced_backward(fields)
@@ -106,7 +107,7 @@ def test_replayer_puts_rng_flags_and_buffers_back(tmp_path: Path) -> None:
     paddle.set_rng_state(before_pd)
     np.testing.assert_array_equal(drawn, paddle.rand([4]).numpy())
     # localize() hands back a replayer whose restore() the caller still uses
-    loc, rp = localize(workload.target(), fields, before_pd, loss_finite=False)
+    loc, rp = localize(spec_target(workload), fields, before_pd, loss_finite=False)
     rp.restore()
     assert (loc.phase.value, loc.layer, loc.op) == ("forward", None, "divide")
     assert paddle.get_flags(list(flags)) == flags
@@ -156,7 +157,7 @@ def test_line_tracer_gives_back_a_running_tracer(tmp_path: Path) -> None:
     previous = sys.gettrace()
     sys.settrace(outer)
     try:
-        with Replayer(workload.target(), paddle.get_rng_state()) as rp:
+        with Replayer(spec_target(workload), paddle.get_rng_state()) as rp:
             loc = rp.forward_origin(fields, rp.trace(fields))
         assert sys.gettrace() is outer
     finally:
@@ -338,7 +339,7 @@ class _CountReplayer:
     (set(), {1, 4}, 0, [1, 4], "samples", None),
 ])
 def test_bisection_says_which_case_it_measured(together, alone, size, samples, scope, reason) -> None:
-    from nandoctor.probe.samples import find_samples
+    from nandoctor.diagnosis.samples import find_samples
 
     fields = {"id": np.arange(6, dtype="int64")}
     bis = find_samples(_CountReplayer(together, alone, size), fields, "loss")

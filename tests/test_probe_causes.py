@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from probe_spec import codes, probe
 
+from nandoctor.engine.loop import StepRecord
+from nandoctor.engine.warnings import growth_before_fault
 from nandoctor.findings import Phase
 from nandoctor.probe import ProbeOptions, run_probe
-from nandoctor.probe.loop import StepRecord
-from nandoctor.probe.warnings import growth_before_fault
 from nandoctor.spec import load_spec
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_configs"
@@ -259,7 +259,7 @@ def test_bad_init_overflow_carries_its_cause():
 def test_nan_row_in_a_many_tensor_model_is_not_blamed_on_an_update(tmp_path, monkeypatch):
     """Above the small-model limit the parameter check runs only on stats steps; the NaN row that was there
     before training must still be named as read at its step, not as written by an earlier update."""
-    from nandoctor.probe.loop import StatsSchedule
+    from nandoctor.engine.loop import StatsSchedule
 
     monkeypatch.setattr(StatsSchedule, "want", lambda self, step: step == 0)  # as if stats were costly
     report = probe(tmp_path, model="deep_token_model", model_args={"nan_row": 25}, data="token_loader",
@@ -271,7 +271,7 @@ def test_nan_row_in_a_many_tensor_model_is_not_blamed_on_an_update(tmp_path, mon
 
 
 def test_frozen_nan_parameter_in_a_many_tensor_model_is_not_blamed_on_an_update(tmp_path, monkeypatch):
-    from nandoctor.probe.loop import StatsSchedule
+    from nandoctor.engine.loop import StatsSchedule
 
     monkeypatch.setattr(StatsSchedule, "want", lambda self, step: step == 0)
     report = probe(tmp_path, model="deep_token_model", model_args={"nan_row": 25, "frozen": True},
@@ -283,7 +283,7 @@ def test_frozen_nan_parameter_in_a_many_tensor_model_is_not_blamed_on_an_update(
 def test_parameter_left_out_of_the_optimizer_groups_counts_as_frozen():
     import paddle
 
-    from nandoctor.probe.nan_params import inspect
+    from nandoctor.diagnosis.nan_params import inspect
 
     model = paddle.nn.Sequential(paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 2))
     model[1].bias.set_value(np.array([np.nan, 0.0], dtype="float32"))

@@ -100,7 +100,7 @@ def test_a_growth_begins_at_a_lone_jump_not_at_the_noise_before_it():
     """Reads spaced out (one step in 256): two reads of different batches before a 1e4x jump differ by 1.4x.
     That is the level's noise, not a growth (under 3x): the growth began at the read before the jump. A real
     rise before the jump (4x, then 4x) still puts the start where it began."""
-    from nandoctor.probe.warnings import find_rise
+    from nandoctor.engine.warnings import find_rise
 
     noisy = [(0, 1.0), (256, 0.9), (512, 1.3), (768, 1.0e4)]
     rise = find_rise(noisy)

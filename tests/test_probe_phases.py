@@ -176,7 +176,7 @@ def test_grouped_gradient_norms_match_numpy():
     import paddle
     import probe_models
 
-    from nandoctor.probe.monitors import StepMonitor
+    from nandoctor.engine.monitors import StepMonitor
 
     model = probe_models.deep_mlp(60, 8)  # 122 tensors: the grouped path
     mon = StepMonitor(model)
@@ -195,8 +195,8 @@ def test_grouped_gradient_norms_match_numpy():
 
 def test_stats_schedule_spends_what_detection_leaves_of_the_budget():
     """Fed made-up durations (no clock): stats every k-th step, k from the measured costs."""
-    from nandoctor.probe.loop import StatsSchedule
-    from nandoctor.probe.watcher import _MIN_STATS_BUDGET, _TOTAL_BUDGET
+    from nandoctor.engine.loop import StatsSchedule
+    from nandoctor.engine.watcher import _MIN_STATS_BUDGET, _TOTAL_BUDGET
 
     def k_for(detect: float) -> int:
         sched = StatsSchedule()
@@ -224,7 +224,7 @@ def test_many_tensor_model_checks_parameters_after_every_update():
     import paddle
     import probe_models
 
-    from nandoctor.probe.monitors import StepMonitor
+    from nandoctor.engine.monitors import StepMonitor
 
     model = probe_models.deep_mlp(60, 8)  # 122 tensors: the grouped path
     mon = StepMonitor(model)

@@ -63,7 +63,7 @@ def test_the_interpreters_own_files_and_nandoctors_console_script_are_not_the_us
     named as the user's source."""
     import sys
 
-    from nandoctor.entrypoints import is_user_file
+    from nandoctor.workload.entrypoints import is_user_file
 
     bin_dir = Path(sys.executable).parent
     assert not is_user_file(bin_dir / "nandoctor", None)

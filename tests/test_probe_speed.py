@@ -7,7 +7,7 @@ def test_stats_schedule_recovers_from_one_slow_plain_step():
     """A first plain step slowed by first-call costs makes stats look free (k = 1); with stats on every
     step no plain step would be measured again and k would stay 1 for the whole run (the probe costing
     up to 2x a plain step on a deep model). A plain step now and then lets k find its real value."""
-    from nandoctor.probe.loop import StatsSchedule
+    from nandoctor.engine.loop import StatsSchedule
 
     sched = StatsSchedule()
     assert sched.want(0)
@@ -19,7 +19,7 @@ def test_stats_schedule_recovers_from_one_slow_plain_step():
         stats = sched.want(step)
         plain_steps += not stats
         sched.record(step, stats, 0.020 if stats else 0.010)
-    from nandoctor.probe.watcher import _TOTAL_BUDGET
+    from nandoctor.engine.watcher import _TOTAL_BUDGET
 
     assert sched.k == round(0.010 / (_TOTAL_BUDGET * 0.010))  # 10 ms extra per stats step, the budget of a 10 ms step
     assert plain_steps > 150
@@ -48,7 +48,7 @@ def test_grouped_read_matches_float64_norms_and_sees_a_nan_in_any_gradient():
     import numpy as np
     import paddle
 
-    from nandoctor.probe.monitors import StepMonitor
+    from nandoctor.engine.monitors import StepMonitor
 
     paddle.seed(0)
     model = _narrow_mlp(60)

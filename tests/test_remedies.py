@@ -155,7 +155,9 @@ def test_user_files_are_never_modified(tmp_path):
 
 
 def test_time_budget_and_model_size_limit(monkeypatch):
-    from nandoctor.probe import ProbeOptions, remedies, run_probe, spill
+    from nandoctor.engine import spill
+    from nandoctor.probe import ProbeOptions, run_probe
+    from nandoctor.remedies import trial as remedies
     from nandoctor.spec import load_spec
 
     spec = load_spec(SAMPLES / "sqrt_at_zero" / "config.yaml")
@@ -177,7 +179,7 @@ def test_time_budget_and_model_size_limit(monkeypatch):
 def test_op_guard_acts_only_at_the_reported_line():
     import paddle
 
-    from nandoctor.probe.op_guards import guard_for, guarded
+    from nandoctor.engine.op_guards import guard_for, guarded
 
     x = paddle.zeros([3])
     line = sys._getframe().f_lineno + 3
@@ -284,7 +286,8 @@ def test_bundle_reproduce_with_remedy(tmp_path):
 
 def test_a_bug_in_the_replays_keeps_the_diagnosis(monkeypatch):
     """nandoctor's own failure while replaying is reported as ours, and the first fault is still there."""
-    from nandoctor.probe import ProbeOptions, remedies, run_probe
+    from nandoctor.probe import ProbeOptions, run_probe
+    from nandoctor.remedies import trial as remedies
     from nandoctor.report import markdown as markdown_report
     from nandoctor.spec import load_spec
 
@@ -328,7 +331,7 @@ def test_op_guard_widens_to_calls_inside_the_reported_line():
     """A guard at a line that only calls the op's maker (a helper, a library) fires once widened to "within"."""
     import paddle
 
-    from nandoctor.probe.op_guards import guard_for, guarded
+    from nandoctor.engine.op_guards import guard_for, guarded
 
     def helper(x: paddle.Tensor) -> paddle.Tensor:
         return paddle.log(x)  # the op is made here, not at the reported line
@@ -348,10 +351,10 @@ def test_op_guard_widens_to_calls_inside_the_reported_line():
 
 def test_a_guard_that_never_fired_is_not_applicable():
     """Never reached at the line, within it or anywhere: not_applicable with a note, never not_fixed."""
-    from nandoctor.probe.op_guards import guard_for
-    from nandoctor.probe.remedies import NOT_APPLICABLE, Candidate, _judge
-    from nandoctor.probe.remedy_guard import replay_guard
-    from nandoctor.probe.remedy_replay import Change, Replay
+    from nandoctor.engine.op_guards import guard_for
+    from nandoctor.engine.replay import Change, Replay
+    from nandoctor.remedies.guard import replay_guard
+    from nandoctor.remedies.trial import NOT_APPLICABLE, Candidate, _judge
 
     scopes: list[str] = []
 

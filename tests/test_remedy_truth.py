@@ -68,7 +68,7 @@ def test_a_stream_loaders_faulty_batch_is_replayed_from_the_kept_batches():
 def test_no_remedy_is_verified_when_the_no_change_replay_never_met_the_fault(monkeypatch):
     """With no batch kept, the replays re-read the stream and see other records: the replay without any change
     stays finite, so no remedy is verified (nor failed): not applicable, saying why."""
-    import nandoctor.probe.remedies as remedies
+    import nandoctor.remedies.trial as remedies
 
     real = remedies.try_remedies
 

@@ -182,7 +182,7 @@ def test_two_identical_probes_write_the_same_json_apart_from_the_timings(monkeyp
     """What the clock chose (the per-layer statistics' schedule: one step in k, k from measured step times)
     is held the same for both runs here, as the clock would on an idle machine; everything the clock
     measured must then sit in `details.timings` or a remedy row's `seconds`."""
-    from nandoctor.probe.watcher import StatsSchedule
+    from nandoctor.engine.watcher import StatsSchedule
 
     monkeypatch.setattr(StatsSchedule, "record", lambda self, *a, **k: None)  # k stays 1: every step read
     first = _probe_json(SAMPLES / "log_of_zero" / "config.yaml", 14)

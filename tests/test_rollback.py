@@ -88,7 +88,7 @@ def test_without_a_snapshot_to_replay_the_update_fault_says_which_gradients_went
         tmp_path, no_stats_steps, monkeypatch):
     """Never the claim that the gradients were finite when they were not read: the message names the
     unread steps and the flag that checks every step."""
-    from nandoctor.probe.snapshots import SnapshotRing
+    from nandoctor.engine.snapshots import SnapshotRing
 
     monkeypatch.setattr(SnapshotRing, "latest", lambda self, at_most: None)
     report = probe(tmp_path, model="deep_dist", data_args=DATA, steps=12)
@@ -101,7 +101,7 @@ def test_without_a_snapshot_to_replay_the_update_fault_says_which_gradients_went
 
 def test_a_signal_during_the_rollback_keeps_the_update_fault_in_a_partial_report(
         tmp_path, no_stats_steps, monkeypatch):
-    from nandoctor.probe import rollback
+    from nandoctor.engine import rollback
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

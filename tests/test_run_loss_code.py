@@ -111,7 +111,7 @@ def test_sandbox_keeps_the_users_files_and_still_reads_its_own_writes(tmp_path: 
 import os, sys
 sys.path.insert(0, {str(ROOT)!r})
 from pathlib import Path
-from nandoctor.sandbox import redirect_writes
+from nandoctor.engine.sandbox import redirect_writes
 redirect_writes(Path({str(tmp_path / 'own' / 'mirror')!r}), exempt=Path({str(tmp_path / 'own')!r}))
 with open("log.txt", "a") as f:
     f.write("replay\\n")
@@ -149,7 +149,7 @@ def test_the_in_process_sandbox_puts_every_function_back() -> None:
     import builtins
     import io
 
-    from nandoctor.sandbox import redirected
+    from nandoctor.engine.sandbox import redirected
 
     names = ("open", "remove", "unlink", "rename", "replace", "mkdir", "makedirs", "rmdir")
     before = (builtins.open, io.open, *(getattr(os, n) for n in names))

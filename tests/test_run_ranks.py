@@ -128,9 +128,9 @@ def test_a_hang_that_gloo_timed_out_first_names_the_rank_behind() -> None:
     (its log ends in a gloo error), then the launcher stops the hung rank 1. What the parent saw in such a
     run of ranks.py (hang 1 3, 36 s: too slow for a test) names rank 1 as hung, not rank 0 as killed (as
     probe --nproc did before)."""
-    from nandoctor.distributed import rank_failure
     from nandoctor.findings import Mode, Phase
-    from nandoctor.rank_progress import Ending, Position
+    from nandoctor.parallel.distributed import rank_failure
+    from nandoctor.parallel.rank_progress import Ending, Position
 
     ending = Ending(2, died=[0, 1], in_collective={0},
                     positions={0: Position(3, Phase.BACKWARD, 11), 1: Position(3, Phase.DATA, 12)})
@@ -149,7 +149,7 @@ def test_a_hang_that_gloo_timed_out_first_names_the_rank_behind() -> None:
 _RANK = '''
 import os, subprocess, sys
 from nandoctor.findings import Phase
-from nandoctor.rank_progress import launched_rank
+from nandoctor.parallel.rank_progress import launched_rank
 
 writer = launched_rank()
 writer.at(5, Phase.FORWARD)
@@ -158,11 +158,11 @@ if pid == 0:  # a DataLoader worker, say: shares the mapping, must not move the 
     launched_rank().at(99, Phase.BACKWARD)
     os._exit(0)
 os.waitpid(pid, 0)
-from nandoctor.rank_progress import read_positions
+from nandoctor.parallel.rank_progress import read_positions
 where = read_positions(os.environ["NANDOCTOR_RANK_PROGRESS"])[1]
 print(where.step, where.phase.value, flush=True)
 # a program the rank starts inherits the variables: it finds the rank's file held and writes nothing
-child = subprocess.run([sys.executable, "-c", "from nandoctor.rank_progress import launched_rank; "
+child = subprocess.run([sys.executable, "-c", "from nandoctor.parallel.rank_progress import launched_rank; "
                         "print(launched_rank() is None)"], capture_output=True, text=True)
 print(child.stdout.strip(), flush=True)
 '''
@@ -172,7 +172,7 @@ def test_only_the_rank_itself_moves_its_position(tmp_path: Path) -> None:
     """A rank's forked child (a DataLoader worker) and a program it starts (both inherit the launcher's
     variables) never write the rank's position: the parent would take a worker's pid for the rank's, or
     its step for the rank's. The rank's own exit marks it out of its loop (not a death)."""
-    from nandoctor.rank_progress import ENV, read_positions
+    from nandoctor.parallel.rank_progress import ENV, read_positions
 
     folder = tmp_path / "progress"
     folder.mkdir()

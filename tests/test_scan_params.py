@@ -8,8 +8,8 @@ import paddle
 import paddle.nn as nn
 import pytest
 
+from nandoctor.diagnosis.params import scan_params
 from nandoctor.findings import Code, Phase, Severity
-from nandoctor.scan.params import scan_params
 
 
 def normal(std: float) -> paddle.ParamAttr:

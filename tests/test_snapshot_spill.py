@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from test_watcher import write_spec
 
-from nandoctor.probe import ProbeOptions, run_probe, snapshots, spill
+from nandoctor.engine import snapshots, spill
+from nandoctor.probe import ProbeOptions, run_probe
 from nandoctor.spec import load_spec
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_configs"

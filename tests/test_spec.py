@@ -13,9 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from nandoctor.cli import app
-from nandoctor.entrypoints import load_entry
 from nandoctor.errors import SpecError
 from nandoctor.spec import load_spec
+from nandoctor.workload.entrypoints import load_entry
 
 GOOD = """\
 version: 1

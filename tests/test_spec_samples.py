@@ -23,7 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from nandoctor.cli import app
-from nandoctor.probe.loop import StepRecord
+from nandoctor.engine.loop import StepRecord
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_configs"
 # Sample folders tested here and in test_loader_workers.py (test_probe_samples checks every folder is tested)

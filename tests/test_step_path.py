@@ -16,10 +16,10 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
+from nandoctor.engine.step import StepEngine
 from nandoctor.errors import SpecError
 from nandoctor.findings import Phase
 from nandoctor.spec import load_spec
-from nandoctor.training import StepEngine
 from nandoctor.workload import build_optimizer, build_workload
 
 MODELS = '''\

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nandoctor.userlogs import capture_library_logs
+from nandoctor.engine.userlogs import capture_library_logs
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import paddle
 import pytest
 import yaml
 
+from nandoctor.engine.watcher import FaultKind, StepWatcher
 from nandoctor.findings import Code, Phase
 from nandoctor.probe import ProbeOptions, run_probe
-from nandoctor.probe.watcher import FaultKind, StepWatcher
 from nandoctor.spec import load_spec
 
 MODELS = Path(__file__).resolve().parent / "watcher_models.py"
@@ -314,7 +314,7 @@ def test_a_long_run_keeps_bounded_records_and_every_recent_step(monkeypatch) -> 
     """Memory constant per step: over many steps the records are thinned (old ones evenly spaced over the
     run, per-tensor arrays on a bounded number of them), the recent ones kept in full; the report says so."""
     import nandoctor
-    from nandoctor.probe import watcher as watcher_module
+    from nandoctor.engine import watcher as watcher_module
 
     monkeypatch.setattr(watcher_module, "MAX_RECORDS", 64)
     monkeypatch.setattr(watcher_module, "RECENT_STEPS", 16)

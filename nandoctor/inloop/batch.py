@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nandoctor.batches import default_field_names
+from nandoctor.workload.batches import default_field_names
 
 
 def to_fields(batch: Any, names: Sequence[str] | None = None) -> tuple[dict[str, Any], Callable[[dict], Any]]:

@@ -27,13 +27,13 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any, Callable
 
+from nandoctor.diagnosis.diagnose import StepTarget, note_replay_writes
+from nandoctor.engine.sandbox import redirected
+from nandoctor.engine.watcher import Fault, FaultKind, StepWatcher, current_lr
 from nandoctor.findings import Mode, Report
 from nandoctor.inloop.batch import FieldNamer
 from nandoctor.inloop.forward import ForwardSeam
 from nandoctor.inloop.history import StepHistory, batch_nbytes
-from nandoctor.probe.diagnose import StepTarget, note_replay_writes
-from nandoctor.probe.watcher import Fault, FaultKind, StepWatcher, current_lr
-from nandoctor.sandbox import redirected
 
 log = logging.getLogger("nandoctor")
 
@@ -82,14 +82,14 @@ class Doctor:
         self.described = target
         # `nandoctor run`: a fault that began in loss code it cannot replay (runtime.py), else None
         self.loss_code_fault: Callable[[Fault], Any] | None = None
-        self.sync = sync  # nandoctor.distributed.RankSync under a multi-process launch, else None
+        self.sync = sync  # nandoctor.parallel.distributed.RankSync under a multi-process launch, else None
         # A GradScaler Paddle left disabled (CPU: no float16 kernels) skips nothing: the probe has none there either
         if scaler is not None and not _enabled(scaler):
             scaler = None
         # Parameters already NaN/Inf (a bad checkpoint): the cause a later fault is tied to, as in the probe
         # (one reduction on the device; not the probe's init-scale read, a host copy of every weight)
-        from nandoctor.probe import nan_params
-        from nandoctor.probe.monitors import param_nonfinite
+        from nandoctor.diagnosis import nan_params
+        from nandoctor.engine.monitors import param_nonfinite
 
         bad = param_nonfinite(self.model)
         self.start_bad = nan_params.inspect(self.model, optimizer, bad) if bad else []
@@ -374,8 +374,8 @@ class Doctor:
             return None
 
     def _crashed(self, exc: BaseException, fields: dict[str, Any] | None) -> Report | None:
+        from nandoctor.diagnosis.crash import in_backward, in_data_loading, label_in_traceback
         from nandoctor.findings import Phase
-        from nandoctor.probe.crash import in_backward, in_data_loading, label_in_traceback
 
         self._settle()
         unread = self.watcher.flush() if self.history is not None else None
@@ -411,7 +411,7 @@ class Doctor:
             return self.report
         import paddle
 
-        from nandoctor.inloop import outcome
+        from nandoctor.diagnosis import assemble as outcome
 
         self._settle()
         unread = self.watcher.flush() if self.history is not None and not self._closed else None
@@ -437,7 +437,9 @@ class Doctor:
     def _report(self, fault: Fault | None, rebuild: Callable[[dict], Any]) -> None:
         import paddle
 
-        from nandoctor.inloop import outcome
+        from nandoctor.diagnosis import assemble as outcome
+        from nandoctor.report.console import render_text
+        from nandoctor.report.writer import write_folder
 
         self.watcher.monitor.begin_step(False)  # stats hooks off before any replay
         device = str(paddle.get_device())
@@ -480,11 +482,11 @@ class Doctor:
         elif self.sync is not None:
             report = self.sync.finish(self, report)
         self.report = report
-        text = outcome.render_text(report)
+        text = render_text(report)
         (log.error if report.exit_code else log.warning)("nandoctor report\n%s", text)
         if self.report_dir is not None and not alone and (self.sync is None or self.sync.writes_report):
             try:
-                written = outcome.write_report(report, self.report_dir)
+                written = write_folder(report, self.report_dir)
                 log.error("nandoctor: report written to %s", written)
             except OSError as exc:  # the loop trains on; the report stays in doctor.report
                 log.error("nandoctor: could not write the report to %s (%s); it is in doctor.report, and the "
@@ -544,7 +546,7 @@ def watch(model: Any, optimizer: Any = None, step_fn: Callable[[Any, Any], Any] 
     `distributed=True`), every rank must call `check` every step: the ranks agree on a fault with one
     collective per step. Processes that joined no group are each watched alone.
     """
-    from nandoctor.distributed import RankSync, joined_ranks
+    from nandoctor.parallel.distributed import RankSync, joined_ranks
 
     sync = None
     if distributed or (distributed is None and joined_ranks() > 1):
@@ -555,7 +557,7 @@ def watch(model: Any, optimizer: Any = None, step_fn: Callable[[Any, Any], Any] 
 
 def _replay_failure(exc: BaseException) -> str:
     """Why a replay failed, and whose it is: the user's step_fn (their file and line) or nandoctor."""
-    from nandoctor.entrypoints import user_origin
+    from nandoctor.workload.entrypoints import user_origin
 
     if isinstance(exc, ReplayError):
         return str(exc)
@@ -571,7 +573,7 @@ def _base_dir(fn: Any, model: Any) -> Path:
     folder, or the model class's when step_fn is nandoctor's own (the hapi callback's replay), unless that
     is an installed library's (a paddleformers model): everything under this folder counts as the user's
     code, so a library's folder would have its lines named as theirs. Else the working folder."""
-    from nandoctor.entrypoints import is_user_file
+    from nandoctor.workload.entrypoints import is_user_file
 
     own = Path(__file__).resolve().parent.parent
     for obj in (fn, type(model)):

@@ -8,7 +8,7 @@ the step: past the first READ_ALL_STEPS steps most steps are not read at all, th
 device until a later read takes them together (`StepWatcher.defer_reads`); `check()` returns True for
 such a step without knowing its loss. Either way a NaN on a step that was not read goes into the weights
 and shows at a later read, as a NaN loss or NaN weights. The probe then restores a snapshot and replays
-the steps from its loader (probe/rollback.py); a user's loop has no loader nandoctor could remake, so
+the steps from its loader (engine/rollback.py); a user's loop has no loader nandoctor could remake, so
 this keeps the checked batches since the ring's older snapshot (host references, no copies) and replays
 them through the user's `step_fn`, naming the first faulty step as if caught live. It is only switched
 on where such a replay can stand in for the live check: a `step_fn` to replay with, one optimizer step
@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from nandoctor.probe.loop import DEFER_EVERY, LoopResult
-from nandoctor.probe.snapshots import MIN_EVERY, SnapshotRing, tensor_nbytes
-from nandoctor.probe.watcher import Fault, StepWatcher
-from nandoctor.schedulers import lr_scheduler
-from nandoctor.training import StepPlan
+from nandoctor.engine.loop import DEFER_EVERY, LoopResult
+from nandoctor.engine.snapshots import MIN_EVERY, SnapshotRing, tensor_nbytes
+from nandoctor.engine.watcher import Fault, StepWatcher
+from nandoctor.workload import StepPlan
+from nandoctor.workload.schedulers import lr_scheduler
 
 log = logging.getLogger("nandoctor")
 
@@ -162,7 +162,7 @@ class StepHistory:
                  steps_run: int) -> tuple[Fault, dict[str, Any] | None]:
         """The fault the replay of the kept steps finds first, and what the report's details say about it;
         `fault` itself when there is nothing to replay (the watcher's records are trimmed to match)."""
-        from nandoctor.probe import rollback
+        from nandoctor.engine import rollback
 
         if not rollback.needs_rollback(fault, self.ring):
             return fault, None
@@ -211,7 +211,7 @@ class _KeptLayout:
 
 @dataclass
 class KeptBatches:
-    """A user's loop as the probe's rollback replays it (probe/rollback.py reads these and nothing more):
+    """A user's loop as the probe's rollback replays it (engine/rollback.py reads these and nothing more):
     the kept batches as a loader, the user's step_fn as the loss, one update per batch (StepPlan)."""
 
     model: Any

@@ -16,22 +16,22 @@ import numpy as np
 
 from nandoctor import env
 from nandoctor.advice import advice_for
-from nandoctor.artifacts import WANTED, capture
-from nandoctor.device import resolve_device, use_device
+from nandoctor.diagnosis import causes, faults
+from nandoctor.diagnosis.crash import CrashContext, crash_findings
+from nandoctor.diagnosis.diagnose import diagnose, record_run, replaying, spec_target
+from nandoctor.diagnosis.trainability import no_trainable_finding
+from nandoctor.engine.artifacts import WANTED, capture
+from nandoctor.engine.interrupt import interrupted_finding, reassert
+from nandoctor.engine.loop import LoopResult, ProbeLoop
+from nandoctor.engine.step import StepEngine
+from nandoctor.engine.watcher import FaultKind, current_lr, trainable_names
 from nandoctor.errors import UserCodeError
 from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity
-from nandoctor.interrupt import interrupted_finding, reassert
-from nandoctor.probe import causes, faults
-from nandoctor.probe.crash import CrashContext, crash_findings
-from nandoctor.probe.diagnose import diagnose, record_run, replaying
-from nandoctor.probe.loop import LoopResult, ProbeLoop
-from nandoctor.probe.trainability import no_trainable_finding
-from nandoctor.probe.watcher import FaultKind, current_lr, trainable_names
 from nandoctor.progress import ProgressFn, no_progress
-from nandoctor.resume import resume_probe
 from nandoctor.spec import Spec
-from nandoctor.training import StepEngine
+from nandoctor.tensors.device import resolve_device, use_device
 from nandoctor.workload import build_optimizer, build_workload
+from nandoctor.workload.resume import resume_probe
 
 __all__ = ["ProbeOptions", "run_probe"]
 
@@ -41,7 +41,7 @@ class ProbeOptions:
     steps: int = 200
     seed: int = 0
     device: str = "auto"
-    try_fixes: bool = True  # after a fault, replay candidate remedies (probe/remedies.py)
+    try_fixes: bool = True  # after a fault, replay candidate remedies (remedies/trial.py)
     fix_steps: int = 20  # remedies replay to the fault step + this many steps
     bundle: bool = True  # a bundle will be written: keep a copy of the fault's batch and state (artifacts.py)
 
@@ -124,7 +124,7 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
         loop = ProbeLoop(workload, engine, options.steps, progress, fp16=fp16, amp=spec.amp.enabled,
                          start_nonfinite=found_causes.nonfinite, start_step=start_step)
         if options.try_fixes:
-            from nandoctor.probe.snapshots import SnapshotRing
+            from nandoctor.engine.snapshots import SnapshotRing
 
             loop.snapshots = SnapshotRing.for_model(model, optimizer)
             _keep_batches(loop)
@@ -132,20 +132,20 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
         if loop.snapshots is not None:
             report.details["snapshots"] = loop.snapshots.summary()
         if res.fault is not None and res.fault.unread:  # gradients went unread where the fault began
-            from nandoctor.probe import rollback
+            from nandoctor.engine import rollback
 
             if rollback.needs_rollback(res.fault, loop.snapshots):
                 with replaying(report, spec.base_dir, "the rollback's replay of the unread steps"):
                     report.details["rollback"] = rollback.rollback(res, workload, optimizer, loop.snapshots)
         if _bundle_needs_batch(report, res):  # the watcher kept the update's position, not its batch
-            from nandoctor.probe import rollback
+            from nandoctor.engine import rollback
 
             with replaying(report, spec.base_dir, "the re-read of the update fault's batch for the bundle"):
                 res.fault.fields = rollback.read_batch(workload, loop.snapshots, res.fault.epoch,
                                                        res.fault.batch_index)
         record_run(report, res.records, loop.monitor, steps_run=res.steps_run, epochs=res.epochs,
                    stats_every=res.stats_every)
-        diagnose(report, res.fault, workload.target(), optimizer)
+        diagnose(report, res.fault, spec_target(workload), optimizer)
         report.findings += loop.watcher.warnings(res.fault)
         causes.after_run(report, found_causes, res, workload, current_lr(optimizer))
         if scaler is not None:
@@ -183,10 +183,10 @@ def _bundle_needs_batch(report: Report, res: LoopResult) -> bool:
 
 def _keep_batches(loop: ProbeLoop) -> None:
     """The loop reads through a tape that keeps its batches, so the replays (rollback, remedies) run on them
-    rather than re-reading the user's loader (probe/batch_tape.py)."""
+    rather than re-reading the user's loader (engine/batch_tape.py)."""
     import dataclasses
 
-    from nandoctor.probe.batch_tape import BatchTape
+    from nandoctor.engine.batch_tape import BatchTape
 
     if getattr(loop, "start_step", 0):  # a resumed loop is positioned by its own loader: replays re-read it
         return
@@ -197,7 +197,7 @@ def _keep_batches(loop: ProbeLoop) -> None:
 def _remedies(report: Report, res: LoopResult, workload: Any, optimizer: Any, loop: ProbeLoop,
               options: ProbeOptions, device: str, probe_seconds: float, progress: ProgressFn = no_progress) -> None:
     """Replay the candidate fixes (hooks detached, the checker off first: replays are plain training)."""
-    from nandoctor.probe.remedies import try_remedies
+    from nandoctor.remedies.trial import try_remedies
 
     loop.close()
     _disable_checker()

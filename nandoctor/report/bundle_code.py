@@ -15,9 +15,8 @@ import os
 import shutil
 from pathlib import Path
 
-import nandoctor
-from nandoctor.entrypoints import entry_files, module_files, modules_imported_from
 from nandoctor.spec import Spec
+from nandoctor.workload.entrypoints import entry_files, module_files, modules_imported_from
 
 MAX_CODE_FILE = 1_000_000  # bytes; bigger .py files are data in disguise, not code a maintainer reads
 MAX_CODE_TOTAL = 5_000_000  # bytes for all of code/
@@ -25,7 +24,7 @@ MAX_CODE_TOTAL = 5_000_000  # bytes for all of code/
 SECRET_PATTERNS = (".env", ".env.*", "*.env", "*.pem", "*.key", "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*",
                    ".netrc", "_netrc", ".pypirc", "credentials*", "*credential*", "*secret*", "*.p12", "*.pfx",
                    "*.jks", "*.keystore", "*token*", "*password*", "*passwd*", ".htpasswd", "*.kdbx")
-_OWN_DIR = Path(nandoctor.__file__).resolve().parent
+_OWN_DIR = Path(__file__).resolve().parent.parent  # the nandoctor package
 
 
 def is_secret_name(name: str) -> bool:

@@ -5,7 +5,7 @@ Data files are written in formats that cannot run code when opened: arrays as `.
 opening an image; only `reproduce.py` and `code/` are code, and the README says so.
 
 reproduce.py runs without nandoctor, so what it must agree on with the probe and can hold as data goes
-in as data: `op_guards.json` is the probe's own guard table (nandoctor.probe.op_guards.bundle_table), so
+in as data: `op_guards.json` is the probe's own guard table (nandoctor.engine.op_guards.bundle_table), so
 `reproduce.py --with-remedy op_guard` applies the guard the probe verified, never a copy of it.
 """
 
@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from nandoctor.artifacts import rng_state_json
+from nandoctor.engine.artifacts import rng_state_json
 from nandoctor.findings import Report
 from nandoctor.report.bundle_code import copy_code
 from nandoctor.report.common import project_dir, public_paths
 from nandoctor.spec import Spec
 
-REPRODUCE_SOURCE = Path(__file__).with_name("reproduce_script.py")
+REPRODUCE_SOURCE = Path(__file__).resolve().parent.parent / "standalone" / "reproduce.py"
 OP_GUARDS = "op_guards.json"  # the name reproduce_script.py reads
 
 
@@ -58,7 +58,7 @@ def fill(report: Report, spec: Spec, folder: Path, *, include_code: bool = True)
         notes.append("code/: left out (--no-code); reproduce.py needs the model's code importable to replay")
     shutil.copyfile(REPRODUCE_SOURCE, folder / "reproduce.py")
     if any(row.get("remedy") == "op_guard" for row in report.remedies or []):
-        from nandoctor.probe.op_guards import bundle_table
+        from nandoctor.engine.op_guards import bundle_table
 
         _write(folder / OP_GUARDS, json.dumps(bundle_table(), indent=2, sort_keys=True) + "\n")
     _write(folder / "README.txt", _readme(report, notes, folder, copied))

@@ -10,6 +10,7 @@ screen, retitle the window, hide a hyperlink or the cursor, and no string prints
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 from rich import box
@@ -312,3 +313,10 @@ def _next_steps(report: Report) -> Text:
     elif not command:
         text.append("report.md in the report folder is the one to attach to a bug ticket.")
     return text
+
+
+def render_text(report: Report) -> str:
+    """The console report as plain text, for `logging`."""
+    buf = io.StringIO()
+    render(report, Console(file=buf, width=110, force_terminal=False, color_system=None))
+    return buf.getvalue()

@@ -18,17 +18,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from nandoctor.findings import Report
+from nandoctor.findings import Report, split_timings
 from nandoctor.report.common import project_dir, public_paths
 
 SCHEMA_FILE = "nandoctor.report-1.schema.json"  # the schema of `"schema": "nandoctor.report/1"`
-
-# The clock-dependent figures of `details`: whole keys; some keys of an object; every key of an object but some.
-# The snapshot ring's schedule, budgets and spills follow measured step times, free memory and free disk.
-TIMED_KEYS = ("stats_every", "activation_max", "grad_norms", "localization_seconds")
-TIMED_PARTS = {"remedies": ("seconds", "budget_seconds", "probe_seconds"), "rollback": ("seconds",)}
-TIMED_BUT = {"snapshots": ("enabled", "note")}
-
 
 def render(report: Report) -> str:
     """The report as JSON text ending in a newline; `allow_nan=False` makes a stray NaN a bug, not output."""
@@ -36,39 +29,6 @@ def render(report: Report) -> str:
     if isinstance(document.get("details"), dict):
         document["details"] = split_timings(document["details"])
     return json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-
-
-def split_timings(details: dict[str, Any]) -> dict[str, Any]:
-    """`details` with every clock-dependent figure moved under `details["timings"]`, nested as it was."""
-    out = dict(details)
-    timings: dict[str, Any] = dict(out["timings"]) if isinstance(out.get("timings"), dict) else {}
-    for key in TIMED_KEYS:
-        if key in out:
-            timings[key] = out.pop(key)
-    for name, holder in list(out.items()):
-        if not isinstance(holder, dict) or name not in {**TIMED_PARTS, **TIMED_BUT}:
-            continue
-        moved = [k for k in holder if k in TIMED_PARTS[name]] if name in TIMED_PARTS else \
-            [k for k in holder if k not in TIMED_BUT[name]]
-        if moved:
-            timings[name] = {**(timings.get(name) or {}), **{k: holder[k] for k in moved}}
-            out[name] = {k: v for k, v in holder.items() if k not in moved}  # a copy: the report keeps its own
-    if timings:
-        out["timings"] = timings
-    return out
-
-
-def join_timings(details: dict[str, Any]) -> dict[str, Any]:
-    """The inverse of `split_timings`, for a report read back from JSON."""
-    timings = details.pop("timings", None)
-    if not isinstance(timings, dict):
-        return details
-    for name, value in timings.items():
-        if isinstance(value, dict) and isinstance(details.get(name), dict):
-            details[name] = {**details[name], **value}
-        elif name not in details:
-            details[name] = value
-    return details
 
 
 def schema_path() -> Path:

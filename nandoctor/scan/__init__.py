@@ -16,17 +16,18 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from nandoctor import env
 from nandoctor.advice import advice_for
-from nandoctor.artifacts import capture
-from nandoctor.batches import BatchLayout, batch_size
-from nandoctor.entrypoints import call_user, user_import_path, user_origin
+from nandoctor.diagnosis.params import scan_params
+from nandoctor.engine.artifacts import capture
+from nandoctor.engine.interrupt import interrupted_finding, reassert, stop_loader
 from nandoctor.errors import UserCodeError
 from nandoctor.findings import Code, Finding, FirstFault, Location, Phase, Report, Severity
-from nandoctor.interrupt import interrupted_finding, reassert, stop_loader
 from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.scan.model_facts import infer_num_classes, position_tables
-from nandoctor.scan.params import scan_params
 from nandoctor.spec import Spec
+from nandoctor.tensors.sizes import batch_size
 from nandoctor.workload import build_workload, loader_factory, scan_outputs
+from nandoctor.workload.batches import BatchLayout
+from nandoctor.workload.entrypoints import call_user, user_import_path, user_origin
 
 if TYPE_CHECKING:  # the data checks load when a scan runs, not when the probe imports scan.params (5 ms)
     from nandoctor.scan.data import DataLimits, DataScanner
@@ -84,7 +85,7 @@ def _scan(spec: Spec, options: ScanOptions, progress: ProgressFn, report: Report
         make_loader = loader_factory(spec)
     reassert()  # the user's imports (paddleformers) may have reset SIGTERM in C: a signal must still report
     if model is not None and spec.resume is not None:  # the checkpoint's weights are what gets checked
-        from nandoctor.resume import load_model_state
+        from nandoctor.workload.resume import load_model_state
 
         load_model_state(spec.resume, model)
         report.details["resumed"] = {"from": spec.resume.source, "model": str(spec.resume.model)}

@@ -24,11 +24,12 @@ from typing import Any
 import numpy as np
 
 from nandoctor.advice import advice_for
-from nandoctor.batches import batch_size as common_batch_size
-from nandoctor.batches import harmful_values, not_a_tensor, to_numpy
 from nandoctor.findings import Code, Finding, Location, Phase, Severity
 from nandoctor.scan.chunks import MAX_BYTES, MAX_ROWS, Chunk, ChunkBuffer, lone_chunk
 from nandoctor.scan.stats import MAX_SAMPLES, FieldStats, LogHistogram, Occurrences, TopK
+from nandoctor.tensors.convert import not_a_tensor, to_numpy
+from nandoctor.tensors.finite import harmful_values
+from nandoctor.tensors.sizes import batch_size as common_batch_size
 
 OUTLIER_DECADES = 3.0  # 1000x
 OUTLIER_MADS = 6.0

@@ -33,7 +33,7 @@ def infer_num_classes(model: Any, inputs: list[Any], label: Any,
     """
     import paddle
 
-    from nandoctor.batches import to_numpy, to_tensor
+    from nandoctor.tensors.convert import to_numpy, to_tensor
 
     label_arr = to_numpy(label)
     if label_arr is None or label_arr.dtype.kind not in "iu":

@@ -6,32 +6,13 @@ positional inputs and the batch size. No state: runtime.py keeps it.
 from __future__ import annotations
 
 import inspect
-import sys
 from typing import Any
+
+from nandoctor.tensors.convert import leaves
 
 ROW = "nandoctor_row"  # a field of sample positions, so a replay of a subset takes the same rows
 
 
-def leaves(value: Any, depth: int = 0) -> list[Any]:
-    """The float tensors of a model's output, in a fixed order: a tensor, a tuple/list, a dict, or an
-    output object (a dataclass or any object with attributes, as paddleformers' outputs are)."""
-    paddle = sys.modules["paddle"]
-    if isinstance(value, paddle.Tensor):
-        return [value] if value.dtype in (paddle.float32, paddle.float16, paddle.bfloat16, paddle.float64) else []
-    if depth > 3 or value is None or isinstance(value, (str, bytes, int, float, bool)):
-        return []
-    if isinstance(value, (tuple, list)):
-        items = list(value)
-    elif isinstance(value, dict):
-        items = list(value.values())
-    elif hasattr(value, "__dict__"):
-        items = list(vars(value).values())
-    else:
-        return []
-    out: list[Any] = []
-    for item in items:
-        out += leaves(item, depth + 1)
-    return out
 
 
 def keep_grads(out: Any, into: dict[int, Any]) -> None:

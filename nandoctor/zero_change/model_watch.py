@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nandoctor.zero_change.capture import ROW, batch_rows, input_names, keep_grads, leaves
+from nandoctor.tensors.convert import leaves
+from nandoctor.zero_change.capture import ROW, batch_rows, input_names, keep_grads
 
 
 class ModelWatch:
@@ -160,9 +161,9 @@ class ModelWatch:
 
         import numpy as np
 
-        from nandoctor.batches import to_numpy
+        from nandoctor.diagnosis.diagnose import LossCodeFault
         from nandoctor.findings import Phase
-        from nandoctor.probe.diagnose import LossCodeFault
+        from nandoctor.tensors.convert import to_numpy
 
         outs = leaves(self.output)
         if self.loss_layer is not None or not outs or self._own_loss(outs) is not None:

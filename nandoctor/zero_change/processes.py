@@ -52,7 +52,7 @@ def child_info() -> dict[str, Any] | None:
     if os.environ.get("PADDLE_TRAINER_ID") is not None:
         # a launcher's ranks are watched as ranks (report.rankN.json), and each keeps its position for the
         # parent from its start on, so one that dies or hangs before its first step is seen too
-        from nandoctor.rank_progress import launched_rank
+        from nandoctor.parallel.rank_progress import launched_rank
 
         launched_rank()
         return None

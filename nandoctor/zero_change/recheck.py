@@ -70,7 +70,7 @@ def run_checked_pass(config: dict[str, Any], step: int, model: Any, started: flo
     argv = list(getattr(sys, "orig_argv", []) or [])
     if not argv:
         return {"error": "the command line of this Python process is not known (Python < 3.10)"}
-    from nandoctor.sandbox import changed_files, file_states
+    from nandoctor.engine.sandbox import changed_files, file_states
 
     with tempfile.TemporaryDirectory(prefix="nandoctor-recheck-") as tmp:
         result = Path(tmp) / "recheck.json"
@@ -121,7 +121,7 @@ class CheckedPass:
             return
         import paddle
 
-        from nandoctor.probe.checker import enable_checker
+        from nandoctor.engine.checker import enable_checker
 
         self.armed = True
         sys.excepthook = self._excepthook
@@ -132,7 +132,7 @@ class CheckedPass:
         """`loss.backward()` of the checked step: an abort there names a backward op of the loss code."""
         if not self.armed:
             return run()
-        from nandoctor.probe.native import FRAME_RE, capture_native_output
+        from nandoctor.engine.native import FRAME_RE, capture_native_output
 
         with capture_native_output() as native:
             try:
@@ -149,7 +149,7 @@ class CheckedPass:
     def answer(self, exc: BaseException, source: str | None, phase: str) -> None:
         """The checker's abort: its op, the user's line, and whether the loss code's forward (`loss`) or its
         backward (`backward`) made the first NaN/Inf."""
-        from nandoctor.probe.checker import aborted_op
+        from nandoctor.engine.checker import aborted_op
 
         op = aborted_op(exc)
         if op is None:
@@ -163,7 +163,7 @@ class CheckedPass:
     def _innermost(self, frames: list[tuple[str, Any, str]]) -> str | None:
         """'loss.py:12 in bce' (relative to the working folder): the innermost frame of the user's own code.
         No folder counts as the user's by location alone: a venv inside the project is not their code."""
-        from nandoctor.entrypoints import is_user_file, short_path
+        from nandoctor.workload.entrypoints import is_user_file, short_path
 
         found = None
         for file, line, func in frames:

@@ -28,8 +28,8 @@ from rich.console import Console
 
 from nandoctor.errors import OutputError, SpecError
 from nandoctor.findings import Report, Verdict
-from nandoctor.rank_progress import ENV as RANK_PROGRESS
-from nandoctor.rank_progress import LOOK_SECONDS, Ending, RankWatch
+from nandoctor.parallel.rank_progress import ENV as RANK_PROGRESS
+from nandoctor.parallel.rank_progress import LOOK_SECONDS, Ending, RankWatch
 from nandoctor.zero_change.processes import merge_children
 from nandoctor.zero_change.runtime import OWN_ERROR
 
@@ -45,7 +45,7 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
                quiet: bool = False, force: bool = False) -> int:
     """Run `command` watched; the exit status `nandoctor run` returns."""
     from nandoctor.report.bundle import check_bundle_target
-    from nandoctor.run import check_writable_file, is_stdout, write_outputs
+    from nandoctor.report.writer import check_writable_file, is_stdout, write_outputs
 
     if not command:
         raise SpecError("nothing to run: give the command after --, e.g. `nandoctor run -- python train.py`.")
@@ -96,16 +96,16 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise OutputError(f"the watched run's report could not be read ({exc}).") from None
         if stopped_by is not None and not report.first_fault:
-            from nandoctor.interrupt import interrupted_finding
+            from nandoctor.engine.interrupt import interrupted_finding
 
             report.partial = True
             steps = f"{report.run.get('steps_run', 0)} step(s)"
             report.findings.append(interrupted_finding("nandoctor run", steps, signum=stopped_by))
     report.run["command_line"] = shlex.join(command)
     if bundle is not None and ranks.ending.seen and report.exit_code and not (bundle / "report.json").is_file():
-        from nandoctor.inloop.outcome import write_report
+        from nandoctor.report.writer import write_folder
 
-        write_report(report, bundle)  # the job's report, beside the ones ranks wrote alone (rank-N/)
+        write_folder(report, bundle)  # the job's report, beside the ones ranks wrote alone (rank-N/)
     # A clean run's output stays the script's own: one line on stderr; the files are written all the same
     write_outputs(report, _stderr() if report.verdict == Verdict.HEALTHY else console, json_path=json_path,
                   markdown_path=markdown_path, quiet=quiet or report.verdict == Verdict.HEALTHY)
@@ -190,8 +190,8 @@ def _merge_ranks(result: Path, ending: Ending, *, failed: bool) -> None:
     inside one of the script's), and where each rank stood says which one was killed or hung (`failed`: the
     launch did not end well on its own; a rank gone without a word from a launch that exited 0 ended its
     own way). The result is written where rank 0's goes, unless the ranks agreed on a fault."""
-    from nandoctor.distributed import rank_failure
     from nandoctor.findings import Mode
+    from nandoctor.parallel.distributed import rank_failure
     from nandoctor.report import json as json_report
 
     own = _load_report(result)

@@ -179,7 +179,7 @@ class Session:
     # ---- finding the model and the loss ------------------------------------------------------------------
     def _attach(self, optimizer: Any) -> ModelWatch | None:
         """An optimizer's first update: its model is the outermost layer whose parameters it trains."""
-        from nandoctor.probe.nan_params import optimizer_params
+        from nandoctor.diagnosis.nan_params import optimizer_params
 
         trained = {id(p) for p in optimizer_params(optimizer)}
         found = self._model_call(lambda layer: sum(1 for p in layer.parameters() if id(p) in trained), trained)
@@ -399,7 +399,7 @@ def mark(config: dict[str, Any], what: str) -> None:
 
 
 def _sync() -> Any:
-    from nandoctor.distributed import RankSync, joined_ranks
+    from nandoctor.parallel.distributed import RankSync, joined_ranks
 
     return RankSync() if joined_ranks() > 1 else None
 
@@ -418,7 +418,7 @@ def install() -> None:
     except ValueError:
         return
     if config.get("recheck_step") is not None:  # the checked pass: the user's files stay as the real run left them
-        from nandoctor.sandbox import redirect_writes
+        from nandoctor.engine.sandbox import redirect_writes
 
         redirect_writes(Path(config["mirror"]), exempt=Path(config["result"]).parent)
     from nandoctor.zero_change import processes

@@ -8,7 +8,7 @@ imported, so what `run` sees is an ordinary user script) and in `--watch` mode (
 compares the first fault each names with the probe's on the same config. So it must train exactly as the
 probe does, step for step, and it must know nothing of nandoctor's internals: it reads the YAML itself and
 repeats the spec's contract (README, "The spec") with plain Paddle calls. The order of work is the
-probe's (nandoctor/probe/__init__.py, nandoctor/workload.py, nandoctor/probe/loop.py):
+probe's (nandoctor/probe/__init__.py, nandoctor/workload.py, nandoctor/engine/loop.py):
 
 1. device cpu, then paddle.seed / np.random.seed / random.seed, before anything of the user's runs;
 2. import the data entry's file, then the loss's (or step's), then the model's; call the model factory;
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(model: Any, optimizer: Any, scheduler: Any, by: str, accumulate: int, steps: int,
           make_loader: Callable[..., Any], data: Mapping[str, Any], step_fn: Callable[[Any, Any], Any],
           doctor: Any) -> bool:
-    """The probe's loop (nandoctor/probe/loop.py) without its checks; False when a loss was not finite."""
+    """The probe's loop (nandoctor/engine/loop.py) without its checks; False when a loss was not finite."""
     finite = True
     step, batch_index, it = 0, 0, None
     while step < steps:

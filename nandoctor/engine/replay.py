@@ -1,0 +1,406 @@
+"""One remedy replay: restore a snapshot, apply the change, train on and watch for NaN/Inf.
+
+The replay drives the user's own loader, loss, backward and optimizer like the probe's loop, but from a
+snapshot's step and loader position and with one change applied (a clip threshold, a learning-rate
+factor or warmup, samples dropped from one batch, an op guard, re-initialised weights). It checks the
+loss and the gradient norm every step (two host syncs: replays are not the probe's hot path) and stops
+at the first non-finite value, at `end_step` or at its deadline. The optimizer's clip and learning rate
+are put back afterwards; the caller restores the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from nandoctor.engine.batch_tape import END
+from nandoctor.engine.interrupt import stop_loader
+from nandoctor.engine.op_guards import Guard, guarded
+from nandoctor.engine.snapshots import Snapshot, SnapshotRing, restore
+from nandoctor.tensors.sizes import subset
+
+
+@dataclass
+class Change:
+    """What a remedy changes for its replay (all optional; the default is the unchanged run)."""
+
+    lr_scale: float = 1.0
+    warmup_steps: int = 0  # the learning rate ramps linearly from 0 over steps 0..warmup_steps-1
+    clip_norm: float | None = None
+    drop: tuple[int, int, list[int]] | None = None  # (epoch, batch_index, rows) left out of that batch
+    drop_nonfinite: bool = False  # leave out every sample holding NaN/Inf, in every batch (a loader filter)
+    drop_records: frozenset[int] = frozenset()  # dataset indices left out wherever the sampler yields them
+    guard: Guard | None = None
+    source: str | None = None  # where the guarded op was created ("model.py:13 in forward")
+    guard_scope: str = "line"  # op_guards.guarded: "line", "within" (the line's call) or "any"
+    guard_limit: float | None = None  # the clamp's bound when searched (exp: 60, then tighter), else the rule's
+    reinit_rows: dict[str, list[int]] = field(default_factory=dict)  # parameter -> rows drawn afresh (NaN rows)
+    reinit: dict[str, float] = field(default_factory=dict)  # parameter name -> std to draw it from
+
+
+@dataclass
+class FailedStep:
+    """The step a replay stopped at, as the probe's loop would have seen it (kept with `record=True`):
+    what went non-finite first (`loss`, `grad` or `update`), the batch and the RNG state before its forward."""
+
+    kind: str
+    step: int
+    epoch: int
+    batch_index: int
+    fields: dict[str, Any]
+    rng: Any
+    loss: float
+    params: list[str] = field(default_factory=list)  # update: the parameters it turned non-finite
+
+
+@dataclass
+class Replay:
+    start_step: int
+    steps_run: int = 0
+    finite: bool = True
+    failed_at: int | None = None
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    cut: bool = False  # stopped by the deadline before end_step
+    error: str | None = None  # the user's code raised during the replay
+    guard_calls: int | None = None
+    guard_sites: dict[str, int] = field(default_factory=dict)  # line that made the op -> firings that mattered
+    still_nonfinite: dict[str, int] = field(default_factory=dict)  # parameter -> NaN/Inf values at the end
+    ended: bool = False  # the data ran out (a loader that cannot be re-made)
+    dropped: list[tuple[int, int | None, int, list[int]]] = field(default_factory=list)  # (epoch, batch, step, rows)
+    dropped_records: list[list[int]] = field(default_factory=list)  # with drop_records: the records of each drop
+    failed: FailedStep | None = None  # with record=True: the step it stopped at
+    data_note: str | None = None  # why the replay's data ended early (a loader that cannot be re-read the same way)
+    not_applicable: str | None = None  # the change cannot be made on this optimizer (in `.error` too), and why
+    observed: list[tuple[int, float]] = field(default_factory=list)  # (step, largest input) of a watched op
+
+
+class NotApplicable(Exception):
+    """The replay cannot make this change (or drive this optimizer): not the user's error, and not a verdict."""
+
+
+def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change,
+           deadline: float, record: bool = False, watch: tuple[Guard, str | None] | None = None) -> Replay:
+    """Train from `snap` to `end_step` with `change`; never raises for the user's errors (they go in `.error`).
+    `record`: keep the failing step's batch and RNG state (`.failed`) and check the weights after every
+    update too, so the step that went non-finite first is named exactly (the rollback's replay). `watch`
+    (a guard's op and source line): record each step's largest input to that op, changing nothing."""
+    t0 = time.perf_counter()
+    out = Replay(snap.step)
+    now = [snap.step]  # the step running, for what `watch` records
+    restore(snap, workload.model, optimizer)
+    _reinit(workload.model, change.reinit)
+    _reinit_rows(workload.model, change.reinit_rows)
+    try:
+        with _optimizer_changed(optimizer, change) as set_factor, _guard(change) as hits, \
+                _watched(watch, lambda v: out.observed.append((now[0], v))):
+            _run(workload, optimizer, ring, snap, end_step, change, deadline, set_factor, out, record, now)
+            if hits is not None:
+                out.guard_calls, out.guard_sites = hits["calls"], dict(hits["sites"])
+        out.still_nonfinite = _held(workload.model)
+    except KeyboardInterrupt:
+        raise
+    except NotApplicable as exc:
+        out.not_applicable = out.error = str(exc)
+        out.finite = False
+    except Exception as exc:  # noqa: BLE001 - the user's code (or a subset it cannot take) raised
+        out.error = f"{type(exc).__name__}: {exc}"[:300]
+        out.finite = False
+        out.failed_at = snap.step + out.steps_run
+    finally:
+        with contextlib.suppress(Exception):
+            optimizer.clear_grad()
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change, deadline: float,
+         set_factor: Any, out: Replay, record: bool = False, now: list[int] | None = None) -> None:
+    import paddle
+
+    from nandoctor.engine.step import StepEngine
+
+    # the loop's own step (engine/loop.py); a fresh GradScaler: a snapshot does not hold the live loss scale
+    engine = StepEngine.for_workload(w, opt, device=str(paddle.get_device())).fresh_scaler()
+    named = [(n, p) for n, p in w.model.named_parameters() if not p.stop_gradient]
+    params = [p for _, p in named]
+    epoch, batch_index, step = snap.epoch, snap.batch_index, snap.step
+    before = _nonfinite_counts(params)  # NaN the weights already held (a corrupt checkpoint) is not new
+    feed = _batches(w, ring, snap)
+    opt.clear_grad()
+    try:
+        while step < end_step:
+            if time.perf_counter() > deadline:
+                out.cut = True
+                break
+            # the last step's batch (a subset: a copy), its loss and gradients let go before the next batch is
+            # drawn: a plain loop holds one batch then, and a 100 MB batch or a large model's gradients count
+            item = batch = fields = here = loss = grads = engine.fields = None
+            item = next(feed, None)
+            if item is None:  # the kept batches ended and the loader cannot give the same ones again
+                out.ended = True
+                out.data_note = getattr(ring.batches, "stream", None)
+                break
+            epoch, batch_index, batch = item
+            if now is not None:
+                now[0] = step
+            if batch is END:
+                if batch_index == 0:
+                    out.ended = True
+                    break
+                engine.end_epoch()
+                continue
+            records = ring.batches.records.get((epoch, batch_index)) if ring.batches is not None else None
+            fields = _changed_fields(w.layout.fields(batch, batch_index), change, epoch, batch_index, step, out,
+                                     records)
+            set_factor(step)
+            here = (step, epoch, batch_index, fields, paddle.get_rng_state()) if record else None
+            loss = engine.loss(fields)
+            value = float(loss.detach().astype("float32").reshape([]))
+            if not math.isfinite(value):
+                _failed(out, step, "loss", here, value)
+                return
+            engine.backward(loss)
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads and _any_nonfinite(grads):
+                _failed(out, step, "grad", here, value)  # (not a norm: a finite 1e24 gradient squares to inf)
+                return
+            out.losses.append(value)
+            if engine.updates_after(step):
+                engine.update()
+                if record:
+                    now = _nonfinite_counts(params)
+                    if any(n > b for n, b in zip(now, before)):
+                        _failed(out, step, "update", here, value,
+                                [n for (n, _), c, b in zip(named, now, before) if c > b])
+                        return
+            step += 1
+            batch_index += 1
+            out.steps_run += 1
+        after = _nonfinite_counts(params)
+        if out.steps_run and any(n > b for n, b in zip(after, before)):
+            out.finite, out.failed_at = False, step  # the last update wrote (more) NaN/Inf
+    finally:
+        feed.close()  # a DataLoader's worker processes end with the replay
+
+
+def _failed(out: Replay, step: int, kind: str, here: tuple[Any, ...] | None, loss: float,
+            params: list[str] | None = None) -> None:
+    """The replay stops at `step`; `here` (step, epoch, batch, fields, RNG state) when it records the failure."""
+    out.finite, out.failed_at = False, step
+    if here is not None:
+        out.failed = FailedStep(kind, *here, loss, params or [])
+
+
+def _changed_fields(fields: dict[str, Any], change: Change, epoch: int, batch_index: int, step: int,
+                    out: Replay, records: list[int] | None = None) -> dict[str, Any]:
+    """The batch as the remedy sees it: the offending records left out wherever they come (by dataset
+    index), the offending samples left out of their batch, or every sample holding NaN/Inf left out of
+    every batch (a loader filter); what was dropped is recorded."""
+    if change.drop_records and records is not None:
+        drop = {i for i, r in enumerate(records) if r in change.drop_records}
+        if drop:
+            fields = subset(fields, [i for i in range(_rows(fields)) if i not in drop])
+            out.dropped.append((epoch, batch_index, step, sorted(drop)))
+            out.dropped_records.append(sorted(records[i] for i in drop))
+    elif change.drop is not None and (epoch, batch_index) == change.drop[:2]:
+        drop = set(change.drop[2])
+        fields = subset(fields, [i for i in range(_rows(fields)) if i not in drop])
+        out.dropped.append((epoch, batch_index, step, sorted(drop)))
+    if change.drop_nonfinite:
+        bad = _nonfinite_rows(fields)
+        if bad:
+            fields = subset(fields, [i for i in range(_rows(fields)) if i not in bad])
+            out.dropped.append((epoch, batch_index, step, sorted(bad)))
+    return fields
+
+
+def _batches(w: Any, ring: SnapshotRing, snap: Snapshot) -> Iterator[tuple[int, int, Any]]:
+    """(epoch, batch_index, batch) from the snapshot's position, `END` where an epoch ended: the batches
+    the probe kept (batch_tape.py) where there are any, else a fresh loader at the position."""
+    tape = ring.batches
+    if tape is not None:
+        snap.rng.restore()
+        yield from tape.read(snap.epoch, snap.batch_index, ring.epoch_rng)
+        return
+    it = _loader_at(w, ring, snap)
+    epoch, batch_index = snap.epoch, snap.batch_index
+    try:
+        while True:
+            batch = next(it, _END)
+            if batch is _END:
+                yield epoch, batch_index, END
+                stop_loader(it)
+                epoch, batch_index, it = epoch + 1, 0, iter(w.make_loader())
+                continue
+            yield epoch, batch_index, batch
+            batch_index += 1
+    finally:
+        stop_loader(it)
+
+
+def _loader_at(w: Any, ring: SnapshotRing, snap: Snapshot) -> Iterator[Any]:
+    """A fresh loader at the snapshot's position: the epoch's RNG restored before it is made (its shuffle
+    order), the batches before the position skipped, then the step's own RNG restored."""
+    rng = ring.epoch_rng.get(snap.epoch)
+    if rng is not None:
+        rng.restore()
+    it = iter(w.make_loader())
+    for _ in range(snap.batch_index):
+        if next(it, _END) is _END:
+            break
+    snap.rng.restore()
+    return it
+
+
+@contextlib.contextmanager
+def _optimizer_changed(opt: Any, change: Change) -> Iterator[Any]:
+    """The clip threshold and a learning-rate factor for the replay; both put back on exit. Yields
+    `set_factor(step)`, to call before each step (warmup ramps with the step)."""
+    import paddle
+
+    from nandoctor.workload.schedulers import lr_scheduler
+
+    name = type(opt).__name__
+    sched = lr_scheduler(opt)
+    changes_lr = change.lr_scale != 1.0 or bool(change.warmup_steps)
+    if changes_lr and sched is None and not (callable(getattr(opt, "get_lr", None))
+                                             and callable(getattr(opt, "set_lr", None))):
+        raise NotApplicable(f"the optimizer ({name}) has no get_lr/set_lr to change its learning rate through (not "
+                            "a paddle.optimizer.Optimizer): change the rate in your own optimizer")
+    missing = object()
+    clip = getattr(opt, "_grad_clip", missing)
+    if change.clip_norm is not None and clip is missing:
+        raise NotApplicable(f"the optimizer ({name}) has no gradient clip to set (not a paddle.optimizer.Optimizer): "
+                            "clip in your own step, e.g. paddle.nn.ClipGradByGlobalNorm on the (param, grad) pairs")
+    base = float(opt.get_lr()) if changes_lr and sched is None else None
+    if change.clip_norm is not None:
+        opt._grad_clip = paddle.nn.ClipGradByGlobalNorm(float(change.clip_norm))
+
+    def factor(step: int) -> float:
+        f = change.lr_scale
+        if change.warmup_steps and step < change.warmup_steps:  # as paddle.optimizer.lr.LinearWarmup from 0
+            f *= step / change.warmup_steps
+        return f
+
+    def set_factor(step: int) -> None:
+        f = factor(step)
+        if sched is None:
+            if base is not None:
+                opt.set_lr(base * f)
+        elif f != 1.0:  # the scheduler's own value for this step, scaled (its next step recomputes it)
+            sched.last_lr = float(sched.get_lr()) * f
+
+    try:
+        yield set_factor
+    finally:
+        if clip is not missing:
+            opt._grad_clip = clip
+        if base is not None:
+            opt.set_lr(base)
+
+
+@contextlib.contextmanager
+def _guard(change: Change) -> Iterator[dict[str, int] | None]:
+    if change.guard is None:
+        yield None
+        return
+    with guarded(change.guard, change.source, change.guard_scope, change.guard_limit) as hits:
+        yield hits
+
+
+@contextlib.contextmanager
+def _watched(watch: tuple[Guard, str | None] | None, observe: Any) -> Iterator[None]:
+    if watch is None:
+        yield
+        return
+    guard, source = watch
+    with guarded(guard, source, "line" if source else "any", observe=observe):
+        yield
+
+
+def _reinit(model: Any, stds: dict[str, float]) -> None:
+    """Draw the named weights afresh from N(0, std) (a seeded generator of our own, not the user's RNG)."""
+    if not stds:
+        return
+    gen = np.random.default_rng(0)
+    for name, p in model.named_parameters():
+        if name in stds:
+            arr = gen.normal(0.0, stds[name], size=[int(d) for d in p.shape])
+            p.set_value(arr.astype(str(p.dtype).replace("paddle.", "")))
+
+
+def _any_nonfinite(tensors: list[Any]) -> bool:
+    """One finiteness value per tensor, reduced per shape (grouped.py): a replay of a many-tensor model
+    checks every step's gradients, and two ops per tensor cost ~600 ops a step on 300 tensors."""
+    import paddle
+
+    from nandoctor.tensors.grouped import all_finite_rows, per_tensor
+
+    with paddle.no_grad():
+        return bool((per_tensor(tensors, all_finite_rows) < 0.5).any())
+
+
+def _nonfinite_counts(params: list[Any]) -> list[int]:
+    """How many NaN/Inf values each tensor holds. One finiteness flag per tensor on the device (one sync; a
+    boolean temporary a quarter of one tensor at a time), and a count only for a tensor that has any, read
+    a chunk at a time: counting on the device casts to int64, a temporary twice each float32 tensor's size
+    (+128 MB for a 4096 x 4096 weight, at the start and end of every replay)."""
+    import paddle
+
+    from nandoctor.tensors.finite import nonfinite_count
+
+    if not params:
+        return []
+    with paddle.no_grad():
+        finite = paddle.stack([paddle.isfinite(p).all() for p in params]).numpy()
+    return [0 if ok else nonfinite_count(p) for p, ok in zip(params, finite)]
+
+
+def _held(model: Any) -> dict[str, int]:
+    """Trainable weights still holding NaN/Inf after the replay -> how many values."""
+    named = [(n, p) for n, p in model.named_parameters() if not p.stop_gradient]
+    return {n: c for (n, _), c in zip(named, _nonfinite_counts([p for _, p in named])) if c}
+
+
+def _reinit_rows(model: Any, rows: dict[str, list[int]]) -> None:
+    """Draw the named rows of a weight afresh from N(mean, std) of its finite values (what a practitioner
+    does for a NaN row of an embedding table); a seeded generator of our own, not the user's RNG."""
+    if not rows:
+        return
+    gen = np.random.default_rng(0)
+    for name, p in model.named_parameters():
+        if name in rows:
+            arr = p.numpy().copy()
+            good = arr[np.isfinite(arr)]
+            mean, std = (float(good.mean()), float(good.std())) if good.size else (0.0, 0.02)
+            idx = np.asarray(rows[name], dtype=np.int64)
+            arr[idx] = gen.normal(mean, std or 0.02, size=arr[idx].shape).astype(arr.dtype)
+            p.set_value(arr)
+
+
+def _nonfinite_rows(fields: dict[str, Any]) -> set[int]:
+    """The samples a loader filter would drop: those holding a harmful NaN/Inf (a mask's -inf is kept).
+    Each field is read a chunk of rows at a time (batches.harmful_rows), never copied whole."""
+    from nandoctor.tensors.convert import to_numpy
+    from nandoctor.tensors.finite import harmful_rows
+
+    n = _rows(fields)
+    arrays = [v if hasattr(v, "shape") else to_numpy(v) for v in fields.values()]  # (a list: as numpy)
+    return {i for arr in arrays if arr is not None and len(arr.shape) > 0 and int(arr.shape[0]) == n
+            for i in harmful_rows(arr)}
+
+
+def _rows(fields: dict[str, Any]) -> int:
+    from nandoctor.tensors.sizes import batch_size
+
+    return batch_size(fields) or 0
+
+
+_END = object()
