@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # cpu by default; GPU users: make install EXTRA=gpu (after installing CUDA)
 EXTRA ?= cpu
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test coverage bench lint clean
 
 install: $(STAMP)
 
@@ -24,14 +24,21 @@ demo: install
 	$(BIN)/nandoctor scan sample_configs/nan_in_data/config.yaml || echo "(scan exit status $$?: a fault was found, as this sample intends)"
 	$(BIN)/nandoctor probe sample_configs/log_of_zero/config.yaml --steps 40 || echo "(probe exit status $$?: a fault was found, as this sample intends)"
 
+# One worker per core (pytest-xdist); a test file's tests stay together on one worker, so the fixtures a file
+# trains once are trained once.
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadfile
+
+coverage: install
+	$(BIN)/python -m pytest -n auto --dist loadfile --cov=nandoctor --cov-report=term:skip-covered
 
 bench: install
 	$(BIN)/python benchmarks/run.py
 
+# ruff, then the layers and the import rules of pyproject.toml's [tool.importlinter] (docs/architecture.md)
 lint: install
 	$(BIN)/ruff check nandoctor tests benchmarks
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
