@@ -19,40 +19,43 @@ import numpy as np
 
 from nandoctor.advice import advice_for, fit_mode
 from nandoctor.diagnosis import nan_params
-from nandoctor.diagnosis.diagnose import spec_target
 from nandoctor.diagnosis.params import init_scale_findings
 from nandoctor.engine.monitors import param_nonfinite
 from nandoctor.engine.warnings import growth_before_fault
 from nandoctor.engine.watcher import FaultKind
-from nandoctor.findings import Code, Report, Severity
+from nandoctor.findings import Code, Finding, Report, Severity
 
 
 @dataclass
 class Causes:
-    """What before_training learnt, for after_run."""
+    """What the starting parameters say, read once before training (`check_start`), for `assemble`."""
 
     bad: list[nan_params.BadParam] = field(default_factory=list)
     stop: bool = False
     nonfinite: list[str] = field(default_factory=list)  # parameters and buffers holding NaN/Inf at the start
+    init_findings: list[Finding] = field(default_factory=list)  # weights far from their fan-in's scale
+    reported: bool = False  # these findings are in the report already (the probe's `before_training`)
 
 
-def before_training(report: Report, model: Any, optimizer: Any) -> Causes:
-    """Findings about the starting parameters; `.stop` when the probe must not train at all."""
-    out = Causes()
-    report.findings += init_scale_findings(model)
+def check_start(model: Any, optimizer: Any) -> Causes:
+    """The starting parameters' causes: weights initialised far from their fan-in's scale (one host sync for
+    every weight, grouped.py) and parameters holding NaN/Inf (one reduction on the device)."""
+    out = Causes(init_findings=init_scale_findings(model))
     names = out.nonfinite = param_nonfinite(model)
     if names:
         out.bad = nan_params.inspect(model, optimizer, names)
-        out.stop = nan_params.before_training(report, out.bad)
     return out
 
 
-def after_run(report: Report, causes: Causes, res: Any, workload: Any, lr: float | None) -> None:
-    """After the loop and the fault's own findings: tie the fault to its causes."""
-    fault = res.fault
-    if causes.bad:
-        nan_params.after_run(report, causes.bad, fault, spec_target(workload), res.steps_run, res.records)
-    explain(report, fault, res.records, lr, label=workload.spec.data.label, optimizer=workload.spec.optimizer)
+def before_training(report: Report, model: Any, optimizer: Any) -> Causes:
+    """The probe's: the starting parameters' findings in the report before it trains; `.stop` when it must
+    not train at all (every step would be NaN)."""
+    out = check_start(model, optimizer)
+    report.findings += out.init_findings
+    if out.nonfinite:
+        out.stop = nan_params.before_training(report, out.bad)
+    out.reported = True
+    return out
 
 
 def explain(report: Report, fault: Any, records: list[Any] | None, lr: float | None, *,

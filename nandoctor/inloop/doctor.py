@@ -86,15 +86,13 @@ class Doctor:
         # A GradScaler Paddle left disabled (CPU: no float16 kernels) skips nothing: the probe has none there either
         if scaler is not None and not _enabled(scaler):
             scaler = None
-        # Parameters already NaN/Inf (a bad checkpoint): the cause a later fault is tied to, as in the probe
-        # (one reduction on the device; not the probe's init-scale read, a host copy of every weight)
-        from nandoctor.diagnosis import nan_params
-        from nandoctor.engine.monitors import param_nonfinite
+        # The starting parameters, as the probe reads them: weights far from their fan-in's scale, and NaN/Inf
+        # ones (a bad checkpoint), the cause a later fault is tied to (one host sync each, grouped)
+        from nandoctor.diagnosis.causes import check_start
 
-        bad = param_nonfinite(self.model)
-        self.start_bad = nan_params.inspect(self.model, optimizer, bad) if bad else []
+        self.causes = check_start(self.model, optimizer)
         self.watcher = StepWatcher(self.model, optimizer, scaler=scaler, fp16=fp16, amp=scaler is not None,
-                                   start_nonfinite=bad or None)
+                                   start_nonfinite=self.causes.nonfinite or None)
         # Where a rollback can replay (history.py): most steps' losses left on the device, and a many-tensor
         # model's gradients read one step in four
         self.history: StepHistory | None = None
@@ -411,7 +409,7 @@ class Doctor:
             return self.report
         import paddle
 
-        from nandoctor.diagnosis import assemble as outcome
+        from nandoctor.diagnosis.assemble import new_report
 
         self._settle()
         unread = self.watcher.flush() if self.history is not None and not self._closed else None
@@ -420,9 +418,8 @@ class Doctor:
             self._quiet_until = 0
             self._report(unread, self._last_rebuild)
             return self.report
-        report = outcome.new_report(str(paddle.get_device()), self.mode)
-        outcome.fill_report(report, self.watcher, None, self.step, target=self._target(None),
-                            optimizer=self.optimizer, start_bad=self.start_bad)
+        report = new_report(str(paddle.get_device()), self.mode)
+        self.assemble_into(report, None, self._target(None))
         return report
 
     def __enter__(self) -> Doctor:
@@ -432,6 +429,16 @@ class Doctor:
         if isinstance(exc, Exception):  # the user's loop raised: their error is the finding (it still propagates)
             self.crashed(exc, {})
         self.close()
+
+    def assemble_into(self, report: Report, fault: Fault | None, target: StepTarget) -> None:
+        """The run so far as findings (diagnosis/assemble.py, the probe's own sequence)."""
+        from nandoctor.diagnosis.assemble import RunFacts, assemble, target_label
+
+        scaler = self.watcher.scaler
+        init_scale = getattr(scaler, "_init_loss_scaling", None) if scaler is not None else None
+        assemble(report, RunFacts(self.watcher, self.step, fault, target, self.optimizer, self.causes,
+                                  lr=current_lr(self.optimizer), label=target_label(target, fault),
+                                  init_loss_scale=float(init_scale) if init_scale is not None else None))
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _report(self, fault: Fault | None, rebuild: Callable[[dict], Any]) -> None:
@@ -456,16 +463,13 @@ class Doctor:
                     self.fault = fault
                 target = self._target(self._replay_loss(fault, rebuild))
                 try:
-                    outcome.fill_report(report, self.watcher, None if peer else fault, self.step,
-                                        target=target, optimizer=self.optimizer, start_bad=self.start_bad)
+                    self.assemble_into(report, None if peer else fault, target)
                 except Exception as exc:  # noqa: BLE001 - inside the user's loop nothing of ours may raise
                     # the replay could not run (step_fn raised, or our replay failed): what the step's numbers say
                     why = _replay_failure(exc)
                     log.warning("nandoctor: the failing step could not be replayed: %s", why)
                     report = outcome.new_report(device, self.mode)
-                    outcome.fill_report(report, self.watcher, None if peer else fault, self.step,
-                                        target=dataclasses.replace(target, replay_loss=None),
-                                        optimizer=self.optimizer, start_bad=self.start_bad)
+                    self.assemble_into(report, None if peer else fault, dataclasses.replace(target, replay_loss=None))
                     report.details["replay_failed"] = why
                 if rolled is not None:
                     report.details["rollback"] = rolled

@@ -17,8 +17,9 @@ import numpy as np
 from nandoctor import env
 from nandoctor.advice import advice_for
 from nandoctor.diagnosis import causes, faults
+from nandoctor.diagnosis.assemble import RunFacts, assemble
 from nandoctor.diagnosis.crash import CrashContext, crash_findings
-from nandoctor.diagnosis.diagnose import diagnose, record_run, replaying, spec_target
+from nandoctor.diagnosis.diagnose import replaying, spec_target
 from nandoctor.diagnosis.trainability import no_trainable_finding
 from nandoctor.engine.artifacts import WANTED, capture
 from nandoctor.engine.interrupt import interrupted_finding, reassert
@@ -143,13 +144,11 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
             with replaying(report, spec.base_dir, "the re-read of the update fault's batch for the bundle"):
                 res.fault.fields = rollback.read_batch(workload, loop.snapshots, res.fault.epoch,
                                                        res.fault.batch_index)
-        record_run(report, res.records, loop.monitor, steps_run=res.steps_run, epochs=res.epochs,
-                   stats_every=res.stats_every)
-        diagnose(report, res.fault, spec_target(workload), optimizer)
-        report.findings += loop.watcher.warnings(res.fault)
-        causes.after_run(report, found_causes, res, workload, current_lr(optimizer))
-        if scaler is not None:
-            _scale_collapse(report, res, spec.amp.init_loss_scaling)
+        assemble(report, RunFacts(
+            loop.watcher, res.steps_run, res.fault, spec_target(workload), optimizer, found_causes,
+            records=res.records, epochs=res.epochs, stats_every=res.stats_every, lr=current_lr(optimizer),
+            label=spec.data.label, optimizer_spec=spec.optimizer,
+            init_loss_scale=spec.amp.init_loss_scaling if scaler is not None else None))
         if res.steps_run == 0 and res.fault is None and not res.interrupted:
             report.findings.append(Finding(
                 Code.DATA_EMPTY, Severity.ERROR,
@@ -210,23 +209,6 @@ def _remedies(report: Report, res: LoopResult, workload: Any, optimizer: Any, lo
         report.remedies = []
         report.details["remedies"] = {"error": f"nandoctor's own remedy replay failed (a nandoctor bug, not "
                                                f"yours; please report it): {type(exc).__name__}: {exc}"[:400]}
-
-
-def _scale_collapse(report: Report, res: LoopResult, init_scale: float) -> None:
-    """AMP's loss scale keeps halving (an overflow on most steps): a warning with the numbers."""
-    scales = [(r.step, r.loss_scale) for r in res.records if r.loss_scale is not None]
-    skipped = [r.step for r in res.records if r.skipped]
-    if len(scales) < 5:
-        return
-    last = scales[-1][1]
-    if last < init_scale / 2**10 or len(skipped) > len(scales) / 2:
-        report.findings.append(Finding(
-            Code.AMP_SCALE_COLLAPSE, Severity.WARNING,
-            f"The AMP loss scale fell from {init_scale:g} to {last:g} over {len(scales)} steps, and {len(skipped)} "
-            f"step(s) were skipped for overflowing gradients (first at step {skipped[0] if skipped else '-'}).",
-            Location(step=skipped[0] if skipped else scales[-1][0], phase=Phase.BACKWARD),
-            {"init_scale": init_scale, "final_scale": last, "skipped_steps": skipped[:50]},
-            advice_for(Code.AMP_SCALE_COLLAPSE.value)))
 
 
 def _clip(spec: Spec) -> float | None:

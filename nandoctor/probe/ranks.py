@@ -192,11 +192,10 @@ def rank_main(config: Path, steps: int, seed: int, out: Path, device: str = "aut
     report = doctor.report
     if rank == 0:
         if report is None:
-            from nandoctor.diagnosis import assemble as outcome
+            from nandoctor.diagnosis.assemble import new_report
 
-            report = outcome.new_report(str(paddle.get_device()), Mode.PROBE)
-            outcome.fill_report(report, doctor.watcher, None, doctor.step, target=spec_target(workload),
-                                optimizer=optimizer)
+            report = new_report(str(paddle.get_device()), Mode.PROBE)
+            doctor.assemble_into(report, None, spec_target(workload))
         report.run.update({"steps": steps, "seed": seed, "world_size": world, "steps_run": doctor.step})
         from nandoctor.report import json as json_report
 
