@@ -1,5 +1,5 @@
-"""Peak memory of `nandoctor probe` against a plain Paddle loop on a large model with a fault (the README's
-large-model figures; not a `make bench` row: one pair takes minutes and gigabytes).
+"""Peak memory of `nandoctor probe` against a plain Paddle loop on a large model with a fault (the
+large-model figures of docs/how-it-works.md; not a `make bench` row: one pair takes minutes and gigabytes).
 
 The workload: an MLP of `--layers` Linear(H, H) layers and a linear head (H = `--hidden`; 2 x 4096 is 34M
 parameters, 6 x 4096 is 101M), trained with Adam on a regression whose input features grow 10x every two

@@ -94,7 +94,7 @@ def whole_process(s: Setting, scratch: Path) -> tuple[list[Row], list[Row], list
 
 def zero_change(s: Setting, scratch: Path) -> list[Row]:
     """Row 9: `nandoctor run -- python plain_<name>.py` against the same script alone, paired processes as in
-    row 1. No target: `nandoctor run` reads every step (README, "Zero code changes"), and this row says what
+    row 1. No target: `nandoctor run` reads every step (docs/ways-in.md, "No code change"), and this row says what
     that costs a script nobody changed."""
     rows = []
     for name in s.workloads:

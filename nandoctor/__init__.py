@@ -1,6 +1,6 @@
 """nandoctor: finds where a PaddlePaddle training run first goes NaN or Inf, and says what to change.
 
-`nandoctor.watch(model, optimizer, step_fn)` watches a training loop of your own (see README); the
+`nandoctor.watch(model, optimizer, step_fn)` watches a training loop of your own (see docs/ways-in.md); the
 import of Paddle waits until it is first used, so `import nandoctor` stays cheap for the CLI.
 """
 

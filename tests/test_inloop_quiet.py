@@ -26,7 +26,7 @@ def _step(model: Any, batch: Any) -> Any:
 
 
 def _train(batches: list, tmp_path: Any, model: Any = None) -> tuple[Any, list[dict[str, Any]]]:
-    """The README's loop; per step: the check's answer, whether it was quiet, whether stats hooks were on."""
+    """docs/ways-in.md's loop; per step: the check's answer, whether it was quiet, whether stats hooks were on."""
     model = model or pm.classifier("dist")
     opt = paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters())
     seen = []

@@ -2,7 +2,7 @@
 steps, `check()` returns True without reading the step's loss, which waits on the device for a later read.
 A fault found there is traced back to its exact first step, phase, layer, op and samples: the same answer
 as `nandoctor probe` and as a plain Paddle loop with the tensor checker; and the user's model and
-optimizer are left as the README promises (as they were before the faulty step's update)."""
+optimizer are left as docs/ways-in.md promises (as they were before the faulty step's update)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def _step(model: Any, batch: Any) -> Any:
 
 def _loop(tmp_path: Path, batches: list, *, model: Any = None, on_fault: str = "stop",
           raise_at: int | None = None) -> tuple[Any, dict[int, bool], Any, Any]:
-    """The user's loop as the README shows it (Adam, lr 0.01, as the probe's spec); returns the doctor,
+    """The user's loop as docs/ways-in.md shows it (Adam, lr 0.01, as the probe's spec); returns the doctor,
     each step's check() answer, the model and the optimizer."""
     model = model or pm.classifier("dist")
     opt = paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters())
@@ -121,7 +121,7 @@ def test_a_nan_on_an_unread_step_is_named_as_the_probe_and_the_tensor_checker_na
 
 
 def test_the_users_model_and_optimizer_are_left_as_before_the_faulty_update(tmp_path, reads_spaced):
-    """README: "The weights are left as they were before that step's update": the updates after the
+    """docs/ways-in.md: "The weights are left as they were before that step's update": the updates after the
     faulty step, made before any read could refuse them, are undone, the optimizer's moments too."""
     batches = pm.loader(**ZERO)
     doctor, _, model, opt = _loop(tmp_path, batches)

@@ -166,7 +166,7 @@ print("finite", all(bool(paddle.isfinite(p).all()) for p in model.parameters()))
 
 
 def test_keep_going_drops_every_faulty_update_not_only_the_first(tmp_path: Path) -> None:
-    """The README's promise: with --keep-going the script finishes, and the updates of the faulty steps 3, 5
+    """docs/ways-in.md's promise: with --keep-going the script finishes, and the updates of the faulty steps 3, 5
     and 7 are all dropped (before, only step 3's was, and the weights ended NaN)."""
     script = tmp_path / "recurring.py"
     script.write_text(RECURRING, encoding="utf-8")

@@ -271,7 +271,7 @@ class WatchedTrainer:
         import nandoctor
 
         self.trainer = trainer
-        # with step_fn and the batch, as the README shows it: a fault is replayed, most steps' losses stay
+        # with step_fn and the batch, as docs/ways-in.md shows it: a fault is replayed, most steps' losses stay
         # on the device until a later read, and a many-tensor model's gradients are read one step in four
         # (inloop/history.py)
         self.watch = nandoctor.watch(trainer.model, trainer.optimizer, step_fn=self._step_fn, report_dir=None)

@@ -23,7 +23,7 @@ MAX_YAML_DEPTH = 32
 def read_yaml(path: Path) -> Any:
     """The parsed YAML document in `path` (a SafeLoader: nothing in it runs as code)."""
     if not path.exists():
-        raise SpecError(f"{path}: no such file. Pass the path of your nandoctor YAML spec (see README, 'The spec').")
+        raise SpecError(f"{path}: no such file. Pass the path of your nandoctor YAML spec (see docs/spec.md).")
     if path.is_dir():
         raise SpecError(f"{path} is a folder; pass the YAML spec file inside it (for example {path}/config.yaml).")
     try:

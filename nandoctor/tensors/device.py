@@ -18,7 +18,7 @@ def resolve_device(requested: str) -> str:
     index = int(requested.split(":", 1)[1]) if ":" in requested else 0
     if not has_cuda:
         raise UsageError(f"device {requested!r} asked for, but this Paddle build has no CUDA (it is the CPU wheel). "
-                         "Use --device cpu, or install paddlepaddle-gpu (see README, 'GPU').")
+                         "Use --device cpu, or install paddlepaddle-gpu (see docs/gpu.md).")
     if index >= count:
         raise UsageError(f"device {requested!r} asked for, but only {count} GPU(s) are visible. "
                          f"Use --device gpu:0{'' if count == 1 else f'..gpu:{count - 1}'} or --device cpu.")

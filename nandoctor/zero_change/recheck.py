@@ -8,7 +8,7 @@ its type and the user's line that called it (or, for a backward op, the line tha
 from the stack Paddle prints) are the answer. Everything before that step runs as in the first pass,
 watched the same way so steps count the same; the RNG states the first pass had when Paddle was imported
 are restored at the same point, so an unseeded script draws the same numbers. The cost is a second run of
-the script up to the faulting step (README: "What nandoctor run costs").
+the script up to the faulting step (docs/ways-in.md, "No code change": "What it costs").
 
 The pass's stdout and stderr are discarded and its standard input is closed; its file writes go to a
 private mirror folder (sandbox.py), and any file of the working folder that changed all the same is named

@@ -7,8 +7,8 @@ The parity suite (tests/test_parity.py) runs it under `nandoctor run` (plain mod
 imported, so what `run` sees is an ordinary user script) and in `--watch` mode (the in-loop API), and
 compares the first fault each names with the probe's on the same config. So it must train exactly as the
 probe does, step for step, and it must know nothing of nandoctor's internals: it reads the YAML itself and
-repeats the spec's contract (README, "The spec") with plain Paddle calls. The order of work is the
-probe's (nandoctor/probe/__init__.py, nandoctor/workload.py, nandoctor/engine/loop.py):
+repeats the spec's contract (docs/spec.md) with plain Paddle calls. The order of work is the
+probe's (nandoctor/probe/__init__.py, nandoctor/workload/__init__.py, nandoctor/engine/loop.py):
 
 1. device cpu, then paddle.seed / np.random.seed / random.seed, before anything of the user's runs;
 2. import the data entry's file, then the loss's (or step's), then the model's; call the model factory;
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     def step_fn(model: Any, batch: Any) -> Any:  # the forward and loss of one step, from the batch as it came
         return compute_loss(model, name_fields(batch, data))
 
-    if opts.watch:  # as the README shows it: a `with` block, whose exit also reports an exception of the loop
+    if opts.watch:  # as docs/ways-in.md shows it: a `with` block, whose exit also reports an exception of the loop
         import nandoctor
 
         names = data.get("fields")
