@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, Optional
+from typing import Annotated, Any, Callable, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -36,7 +36,6 @@ from nandoctor.version import __version__
 # Paddle's import warns about a missing ccache (a build tool for C++ extensions) on every machine without
 # one: noise under a diagnosis, and nothing the user needs to act on.
 warnings.filterwarnings("ignore", message=".*ccache.*")
-
 
 
 def _plain_params(params: list[Any]) -> list[Any]:
@@ -153,24 +152,33 @@ def _user_error(exc: Exception, paths: dict[str, Path | None]) -> NandoctorError
     return None
 
 
-def _run(command: str, config: Path, **options: Any) -> NoReturn:
-    """One call into the core for scan and probe; its exit status, or 2 with one message for our errors."""
-    from nandoctor.app import run_command
-
-    paths = {"spec": config, "--json": options.get("json_path"), "--markdown": options.get("markdown_path"),
-             "--bundle": options.get("bundle")}
+def _exit_with(call: Callable[[], int], paths: dict[str, Path | None], near: Path | None) -> NoReturn:
+    """The one error funnel of every command: `call()`'s exit status; our own errors (NandoctorError) as one
+    message and their status; a signal as its status; a path or a missing Paddle as the user's set-up
+    (exit 2); anything else as nandoctor's bug (exit 3, the traceback saved near `near`). The user's own
+    errors never get here: they became findings, or the script's exit status."""
     try:
-        code = run_command(command, config, _console(options.get("json_path"), options.get("markdown_path")), **options)
+        code = call()
     except NandoctorError as err:
         raise _fail(err) from None
     except KeyboardInterrupt as exc:
         raise _interrupted(exc) from None
-    except Exception as exc:  # noqa: BLE001 - the user's errors became findings or NandoctorError: this is ours
+    except Exception as exc:  # noqa: BLE001 - what reaches the CLI and is not the user's set-up is ours
         mistake = _user_error(exc, paths)
         if mistake is not None:
             raise _fail(mistake) from None
-        raise _internal(exc, options.get("json_path") or options.get("markdown_path")) from None
+        raise _internal(exc, near) from None
     raise typer.Exit(code)
+
+
+def _run(command: str, config: Path, **options: Any) -> NoReturn:
+    """One call into the core for scan and probe."""
+    from nandoctor.app import run_command
+
+    json_path, markdown_path = options.get("json_path"), options.get("markdown_path")
+    _exit_with(lambda: run_command(command, config, _console(json_path, markdown_path), **options),
+               {"spec": config, "--json": json_path, "--markdown": markdown_path, "--bundle": options.get("bundle")},
+               json_path or markdown_path)
 
 
 @app.command(cls=_Command)
@@ -241,21 +249,13 @@ def run(
     """Run your unmodified training script with the probe's watcher attached; report the first NaN/Inf step."""
     from nandoctor.zero_change.runner import run_script
 
-    try:
+    def call() -> int:
         if not paddle_installed():  # the script would fail at its `import paddle`, or train unwatched
             raise PaddleMissing()
-        code = run_script(list(command), _console(json_path, markdown_path), json_path=json_path,
+        return run_script(list(command), _console(json_path, markdown_path), json_path=json_path,
                           markdown_path=markdown_path, bundle=bundle, keep_going=keep_going, quiet=quiet, force=force)
-    except NandoctorError as err:
-        raise _fail(err) from None
-    except KeyboardInterrupt as exc:
-        raise _interrupted(exc) from None
-    except Exception as exc:  # noqa: BLE001 - the script's own errors are its exit status: this is ours
-        mistake = _user_error(exc, {"--json": json_path, "--markdown": markdown_path, "--bundle": bundle})
-        if mistake is not None:
-            raise _fail(mistake) from None
-        raise _internal(exc, json_path or markdown_path) from None
-    raise typer.Exit(code)
+
+    _exit_with(call, {"--json": json_path, "--markdown": markdown_path, "--bundle": bundle}, json_path or markdown_path)
 
 
 @app.command(cls=_Command)
@@ -267,18 +267,9 @@ def report(
     """Re-render a saved JSON report in the terminal (or as Markdown with --markdown)."""
     from nandoctor.app import rerender
 
-    try:
-        code = rerender(report_json, _console(markdown_path), markdown_path=markdown_path)
-    except NandoctorError as err:
-        raise _fail(err) from None
-    except KeyboardInterrupt as exc:
-        raise _interrupted(exc) from None
-    except Exception as exc:  # noqa: BLE001 - a report that loads but breaks a renderer is our bug
-        mistake = _user_error(exc, {"report": report_json, "--markdown": markdown_path})
-        if mistake is not None:
-            raise _fail(mistake) from None
-        raise _internal(exc, markdown_path) from None
-    raise typer.Exit(code)
+    # (a report that loads but breaks a renderer is our bug)
+    _exit_with(lambda: rerender(report_json, _console(markdown_path), markdown_path=markdown_path),
+               {"report": report_json, "--markdown": markdown_path}, markdown_path)
 
 
 @app.command(cls=_Command)
