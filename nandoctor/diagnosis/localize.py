@@ -31,12 +31,10 @@ import numpy as np
 
 from nandoctor.diagnosis import frames, origin
 from nandoctor.engine.checker import FLAGS as _FLAGS
-from nandoctor.engine.checker import aborted_op, enable_checker, get_flags
+from nandoctor.engine.checker import aborted_op, checking, disable_checker, enable_checker, get_flags
 from nandoctor.engine.native import capture_native_output, user_frame
 from nandoctor.findings import Phase
 from nandoctor.tensors.convert import float_dtypes
-
-_enable_checker = enable_checker  # the name it had here before checker.py
 
 
 @dataclass
@@ -128,9 +126,8 @@ class Replayer:
         import random
 
         import paddle
-        from paddle.amp import debugging
 
-        debugging.disable_tensor_checker()
+        disable_checker()
         with paddle.no_grad():
             state = self.model.state_dict()
             for k, v in self._buffers.items():
@@ -209,7 +206,6 @@ class Replayer:
         """The op the checker names when only backward is checked, and the sublayer(s) whose forward
         created it (frames.py; several when the stack cannot tell instances apart)."""
         import paddle
-        from paddle.amp import debugging
 
         self.reset_rng()
         # With the call-stack flag on while the forward runs, each op keeps the Python stack that created
@@ -242,22 +238,19 @@ class Replayer:
                 layers = frames.layers_on_stack(stack, self.sublayers, sites)
                 self.model_forward = not layers and frames.in_forward_of(stack, self.model)
         finally:
-            debugging.disable_tensor_checker()
+            disable_checker()
             self.clear()
         return op, layers
 
     def first_nan_backward_op(self, fields: dict[str, Any]) -> str | None:
         """The first backward op whose output holds a NaN, from the checker in log mode."""
-        from paddle.amp import debugging
 
         self.reset_rng()
         loss = self.loss(fields)
         try:
-            enable_checker(log_only=True)
-            with capture_native_output() as native:
+            with checking(log_only=True), capture_native_output() as native:
                 loss.backward()
         finally:
-            debugging.disable_tensor_checker()
             self.clear()
         return next((line.op for line in origin.logged_ops(native.text) if line.nan), None)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nandoctor.engine.checker import enable_checker
+from nandoctor.engine.checker import disable_checker, enable_checker
 from nandoctor.engine.native import capture_native_output
 from nandoctor.workload.entrypoints import is_user_file, short_path
 
@@ -288,7 +288,7 @@ def scoped_ops(model: Any, layers: dict[str, Any], target: LayerCall | None, run
 
     def off() -> None:
         state["tracer"].stop()
-        paddle.amp.debugging.disable_tensor_checker()
+        disable_checker()
 
     name = target.name if target is not None else ""
     layer = layers[name] if name else model

@@ -2,11 +2,14 @@
 
 Enabling it prints a seed line and reseeds Paddle, NumPy and `random`; the replays need it on for one
 span at a time (one layer call, the loss, a backward pass) and the flags it sets restored afterwards.
+Every switch of nandoctor's goes through here: `enable_checker`/`disable_checker`, or `checking()` for a span.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -51,3 +54,22 @@ def enable_checker(log_only: bool = False) -> None:
     np.random.set_state(states[0])
     random.setstate(states[1])
 
+
+def disable_checker() -> None:
+    """The checker off, whatever was on (a replay that raised, the user's Ctrl-C); a no-op when it was off."""
+    try:
+        from paddle.amp import debugging
+
+        debugging.disable_tensor_checker()
+    except Exception:  # noqa: BLE001 - nothing to undo
+        pass
+
+
+@contextlib.contextmanager
+def checking(log_only: bool = False) -> Iterator[None]:
+    """The checker on for one span (a loss, a backward pass), and off after it, also when the span raised."""
+    enable_checker(log_only)
+    try:
+        yield
+    finally:
+        disable_checker()

@@ -28,6 +28,7 @@ from time import perf_counter
 from typing import Any, Callable
 
 from nandoctor.diagnosis.diagnose import StepTarget, note_replay_writes
+from nandoctor.engine.checker import disable_checker
 from nandoctor.engine.sandbox import redirected
 from nandoctor.engine.watcher import Fault, FaultKind, StepWatcher, current_lr
 from nandoctor.findings import Mode, Report
@@ -478,7 +479,7 @@ class Doctor:
             self._busy = False
             if not was_training:
                 self.model.eval()
-            _disable_checker()
+            disable_checker()
         # A rank whose own code raised goes alone: the others are in a collective of the user's it never reaches
         alone = self.sync is not None and fault is not None and fault.kind == FaultKind.CRASH
         if alone:
@@ -607,11 +608,3 @@ def _no_sync(wrapper: Any) -> Any:
         return wrapper.no_sync()
     return contextlib.nullcontext()
 
-
-def _disable_checker() -> None:
-    try:
-        from paddle.amp import debugging
-
-        debugging.disable_tensor_checker()
-    except Exception:  # noqa: BLE001 - nothing to undo
-        pass

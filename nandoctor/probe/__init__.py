@@ -22,6 +22,7 @@ from nandoctor.diagnosis.crash import CrashContext, crash_findings
 from nandoctor.diagnosis.diagnose import replaying, spec_target
 from nandoctor.diagnosis.trainability import no_trainable_finding
 from nandoctor.engine.artifacts import WANTED, capture
+from nandoctor.engine.checker import disable_checker
 from nandoctor.engine.interrupt import interrupted_finding, reassert
 from nandoctor.engine.loop import LoopResult, ProbeLoop
 from nandoctor.engine.step import StepEngine
@@ -167,7 +168,7 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
                 loop.snapshots.batches.close()  # the loaders the replays left open for each other
             if loop.snapshots is not None:
                 loop.snapshots.close()  # the spilled snapshots' folder, whatever stopped the run
-        _disable_checker()
+        disable_checker()
         if not was_training:
             model.eval()
 
@@ -199,7 +200,7 @@ def _remedies(report: Report, res: LoopResult, workload: Any, optimizer: Any, lo
     from nandoctor.remedies.trial import try_remedies
 
     loop.close()
-    _disable_checker()
+    disable_checker()
     try:
         with replaying(report, workload.spec.base_dir, "the remedy replays"):
             try_remedies(report, res, workload, optimizer, loop.snapshots, fix_steps=options.fix_steps,
@@ -215,11 +216,3 @@ def _clip(spec: Spec) -> float | None:
     clip = spec.optimizer.grad_clip
     return float(clip.value) if clip is not None and clip.kind in ("global_norm", "norm") else None
 
-
-def _disable_checker() -> None:
-    try:
-        from paddle.amp import debugging
-
-        debugging.disable_tensor_checker()
-    except Exception:  # noqa: BLE001 - nothing to undo
-        pass
