@@ -129,23 +129,41 @@ def lr_edit(optimizer: Any, scale: float | None, rate: float | None) -> tuple[di
     by = f" by {scale:.2g}" if scale else ""
     if sched is not None and sched.entry:
         return None, f"scale the learning rates your optimizer.lr_scheduler.entry ({sched.entry}) returns{by}"
-    if sched is not None and sched.name:
-        from nandoctor.workload.schedulers import scheduler_classes
+    if sched is not None and sched.name and _rates_are_arguments(sched.name):
+        return _scheduler_rates_edit(sched, scale, by)
+    return _base_rate_edit(base, rate, scale, scheduled=sched is not None)
 
-        cls = scheduler_classes().get(sched.name)
-        if cls is not None and "learning_rate" not in inspect.signature(cls).parameters:
-            rates = {k: v for k, v in sched.args.items() if "learning_rate" in k or k == "values"}
-            if not all(_numbers(v) for v in rates.values()):  # YAML's `1.0e36` (no exponent sign) is text
-                rates = {}
-            if not rates or not scale:
-                return None, f"scale the rates of optimizer.lr_scheduler ({sched.name}){by}"
-            scaled = {k: [num3(x * scale) for x in v] if isinstance(v, list) else num3(v * scale)
-                      for k, v in rates.items()}
-            return {SCHED_ARGS_KEY: {**sched.args, **scaled}}, f"the scheduler's rates x{scale:.2g}"
+
+def _rates_are_arguments(name: str) -> bool:
+    """A scheduler class of paddle.optimizer.lr that takes no base `learning_rate`: its rates are its own
+    arguments (PiecewiseDecay's `values`, OneCycleLR's `max_learning_rate`)."""
+    from nandoctor.workload.schedulers import scheduler_classes
+
+    cls = scheduler_classes().get(name)
+    return cls is not None and "learning_rate" not in inspect.signature(cls).parameters
+
+
+def _scheduler_rates_edit(sched: Any, scale: float | None, by: str) -> tuple[dict[str, Any] | None, str]:
+    """The scheduler's own rate arguments times `scale`, the others kept; none to scale (or text where a
+    number belongs): only a note."""
+    rates = {k: v for k, v in sched.args.items() if "learning_rate" in k or k == "values"}
+    if not all(_numbers(v) for v in rates.values()):  # YAML's `1.0e36` (no exponent sign) is text
+        rates = {}
+    if not rates or not scale:
+        return None, f"scale the rates of optimizer.lr_scheduler ({sched.name}){by}"
+    scaled = {k: [num3(x * scale) for x in v] if isinstance(v, list) else num3(v * scale)
+              for k, v in rates.items()}
+    return {SCHED_ARGS_KEY: {**sched.args, **scaled}}, f"the scheduler's rates x{scale:.2g}"
+
+
+def _base_rate_edit(base: Any, rate: float | None, scale: float | None, *,
+                    scheduled: bool) -> tuple[dict[str, Any] | None, str]:
+    """`optimizer.args.learning_rate` times `scale`, from the spec's rate (else the one in use); with no
+    number to start from, only a note."""
     start = base if isinstance(base, (int, float)) else rate
     if not isinstance(start, (int, float)) or not scale:
         return None, f"the learning rate{' x' + format(scale, '.2g') if scale else ''}"
-    what = "the scheduler's base rate" if sched is not None else "was"
+    what = "the scheduler's base rate" if scheduled else "was"
     return {LR_KEY: num3(start * scale)}, f"{what} {start:g}"
 
 
@@ -289,46 +307,69 @@ def advice_for(code: str, op: str | None = None, **facts: Any) -> list[str]:
     `lr_step`, `parameter`, `expected_std`, `arch`.
     """
     cause = facts.pop("cause", None)
-    mode = facts.get("mode")
     if cause:
-        out = cause_advice(cause, **facts)
+        out = _cause_first(cause, op, facts)
         if out:
-            if cause in ("grad.explosion", "loss.jump"):  # the op overflowed; its input was not singular
-                out += [a for a in _op_advice(op) if op in _OVERFLOW_OPS]
-            elif cause != "param.nonfinite":
-                out += _op_advice(op)
-            return list(dict.fromkeys(out))
+            return out
     out: list[str] = _op_advice(op)
     if code == "grad.explosion":
-        lr = facts.get("learning_rate")
-        at = f"at step {facts['lr_step']}" if facts.get("lr_step") is not None else "now"
-        lr_text = f" ({lr:g} {at})" if isinstance(lr, (int, float)) else ""
-        typical, clip_norm = facts.get("typical_norm"), facts.get("clip_norm")
-        seen = (f" at about {clip_norm:.3g}, {clip_norm / typical:.2g}x the typical norm before the growth began "
-                f"({typical:.3g})" if clip_norm and typical else
-                f" at about {clip_norm:.3g}, from the norm seen before the growth began" if clip_norm else "")
-        clip = [clip_advice(clip_norm, mode, seen)]
-        lower = lower_lr_advice(lr, at if lr_text else "", mode, facts.get("optimizer"))
-        # a learning rate beyond any usual value is the thing to fix first; clipping would only hide it
-        out += [lower, *clip] if isinstance(lr, (int, float)) and lr > 1.0 else [*clip, lower]
-        return out
+        return out + _explosion_advice(facts)
     if code == "data.nonfinite" and facts.get("shapes"):
         return [nonfinite_filter_advice(facts["shapes"]), *_BY_CODE[code]]
     if code == "param.nonfinite" and facts.get("frozen"):
         return ["The parameter is frozen, so training will never repair it: load it from a finite checkpoint, "
                 "or drop it from the model if nothing reads it."]
     if code == "param.nonfinite" and facts.get("rows"):
-        rows = ", ".join(str(r) for r in facts["rows"][:10])
-        what = "token id(s)" if facts.get("token_ids") else "row(s)"
-        return [f"Only {what} {rows} of {facts.get('name', 'the parameter')} are bad: load them from an earlier, "
-                f"finite checkpoint, or re-initialise just those rows (e.g. with the mean of the finite rows).",
-                _BY_CODE[code][0]]
+        return [_bad_rows_advice(facts), _BY_CODE[code][0]]
     if code == "param.init_scale" and facts.get("expected_std") is not None:
         out.append(f"Its standard deviation should be about {facts['expected_std']:.3g} for its fan-in; "
                    + _BY_CODE[code][0])
         return out
     out += _BY_CODE.get(code, [])
     return list(dict.fromkeys(out))  # op and code advice may overlap; keep the first of each
+
+
+def _cause_first(cause: str, op: str | None, facts: dict[str, Any]) -> list[str]:
+    """The cause's advice, then the op's where it still fits: an overflowing op's after a divergence (the
+    op overflowed; its input was not singular), none after a NaN parameter (the op only read it). Empty for
+    a cause with no advice of its own."""
+    out = cause_advice(cause, **facts)
+    if not out:
+        return []
+    if cause in ("grad.explosion", "loss.jump"):
+        out += [a for a in _op_advice(op) if op in _OVERFLOW_OPS]
+    elif cause != "param.nonfinite":
+        out += _op_advice(op)
+    return list(dict.fromkeys(out))
+
+
+def _explosion_advice(facts: dict[str, Any]) -> list[str]:
+    """Clip at the threshold the norms before the growth give, and lower the learning rate: the rate first
+    when it is beyond any usual value (clipping would only hide it)."""
+    mode = facts.get("mode")
+    lr = facts.get("learning_rate")
+    at = f"at step {facts['lr_step']}" if facts.get("lr_step") is not None else "now"
+    lr_text = f" ({lr:g} {at})" if isinstance(lr, (int, float)) else ""
+    clip_norm = facts.get("clip_norm")
+    clip = [clip_advice(clip_norm, mode, _clip_seen(clip_norm, facts.get("typical_norm")))]
+    lower = lower_lr_advice(lr, at if lr_text else "", mode, facts.get("optimizer"))
+    return [lower, *clip] if isinstance(lr, (int, float)) and lr > 1.0 else [*clip, lower]
+
+
+def _clip_seen(clip_norm: float | None, typical: float | None) -> str:
+    """Where the clipping threshold comes from: a multiple of the typical norm before the growth began."""
+    if clip_norm and typical:
+        return (f" at about {clip_norm:.3g}, {clip_norm / typical:.2g}x the typical norm before the growth began "
+                f"({typical:.3g})")
+    return f" at about {clip_norm:.3g}, from the norm seen before the growth began" if clip_norm else ""
+
+
+def _bad_rows_advice(facts: dict[str, Any]) -> str:
+    """Only some rows of a parameter hold NaN/Inf (an embedding's token ids): repair those rows alone."""
+    rows = ", ".join(str(r) for r in facts["rows"][:10])
+    what = "token id(s)" if facts.get("token_ids") else "row(s)"
+    return (f"Only {what} {rows} of {facts.get('name', 'the parameter')} are bad: load them from an earlier, "
+            f"finite checkpoint, or re-initialise just those rows (e.g. with the mean of the finite rows).")
 
 
 def finite_rows_expr(name: str, ndim: int) -> str:

@@ -348,14 +348,33 @@ def _optimizer(raw: dict[str, Any], v: Validator) -> OptimizerSpec:
                          accumulate_steps=accumulate)
 
 
+_SCHED_KEY = "optimizer.lr_scheduler"
+
+
 def _scheduler(opt_raw: dict[str, Any], v: Validator) -> SchedulerSpec | None:
     """`optimizer.lr_scheduler`; the class name is checked against paddle.optimizer.lr when it is built."""
-    key = "optimizer.lr_scheduler"
+    key = _SCHED_KEY
     s_raw = v.mapping(opt_raw, key, required=False)
     if s_raw is None:
         return None
     v.keys(s_raw, key)
     name, entry = s_raw.get("name"), s_raw.get("entry")
+    _check_scheduler_kind(s_raw, name, entry, v)
+    sched = SchedulerSpec(name=name, args=v.args(s_raw, f"{key}.args"))
+    if entry is not None:
+        sched.entry = v.entry_string(s_raw, f"{key}.entry")
+    _check_scheduler_args(sched.args, name, entry, v)
+    if s_raw.get("by") is not None:
+        sched.by = _scheduler_by(s_raw["by"], v)
+    w_raw = v.mapping(s_raw, f"{key}.warmup", required=False)
+    if w_raw is not None:
+        sched.warmup = _warmup(w_raw, v)
+    return sched
+
+
+def _check_scheduler_kind(s_raw: dict[str, Any], name: Any, entry: Any, v: Validator) -> None:
+    """Which scheduler: one of `name` (a paddle.optimizer.lr class) or `entry`, or a warmup alone."""
+    key = _SCHED_KEY
     if name is not None and entry is not None:
         v.fail(key, "has both `name` and `entry`; keep one: `name` (a class in paddle.optimizer.lr) or `entry` "
                "(your function returning an LRScheduler)")
@@ -365,30 +384,37 @@ def _scheduler(opt_raw: dict[str, Any], v: Validator) -> SchedulerSpec | None:
     if name is not None and (not isinstance(name, str) or not name.isidentifier()):
         v.fail(f"{key}.name", f"is {short(name)}; give a class name from paddle.optimizer.lr such as "
                "CosineAnnealingDecay, StepDecay or LinearWarmup")
-    sched = SchedulerSpec(name=name, args=v.args(s_raw, f"{key}.args"))
-    if entry is not None:
-        sched.entry = v.entry_string(s_raw, f"{key}.entry")
-    if name is None and entry is None and sched.args:
+
+
+def _check_scheduler_args(args: dict[str, Any], name: Any, entry: Any, v: Validator) -> None:
+    """`args` belong to a named or entry scheduler, and the base rate is set once, in optimizer.args."""
+    key = _SCHED_KEY
+    if name is None and entry is None and args:
         v.fail(f"{key}.args", "is given without `name` or `entry`; say which scheduler the arguments are for")
-    if "learning_rate" in sched.args and name is not None:
+    if "learning_rate" in args and name is not None:
         v.fail(f"{key}.args.learning_rate", "is taken from `optimizer.args.learning_rate` (the scheduler's base "
                "rate); set it there and remove it here")
-    if s_raw.get("by") is not None:
-        if s_raw["by"] not in SCHEDULER_BY:
-            v.fail(f"{key}.by", f"is {short(s_raw['by'])}; write `step` (scheduler.step() after every optimizer "
-                   "step) or `epoch` (after every pass over the data)")
-        sched.by = s_raw["by"]
-    w_raw = v.mapping(s_raw, f"{key}.warmup", required=False)
-    if w_raw is not None:
-        v.keys(w_raw, f"{key}.warmup")
-        if w_raw.get("steps") is None:
-            v.fail(f"{key}.warmup.steps", "is missing; write e.g. `warmup: {steps: 100, start_lr: 0.0}`")
-        steps = v.positive_int(w_raw["steps"], f"{key}.warmup.steps")
-        start = w_raw.get("start_lr", 0.0)
-        if not isinstance(start, (int, float)) or isinstance(start, bool) or start < 0:
-            v.fail(f"{key}.warmup.start_lr", f"is {short(start)}; give a number >= 0 such as 0.0 or 1.0e-6")
-        sched.warmup = WarmupSpec(steps=steps, start_lr=float(start))
-    return sched
+
+
+def _scheduler_by(by: Any, v: Validator) -> str:
+    """`by`: when the scheduler steps, after every optimizer step or every epoch."""
+    if by not in SCHEDULER_BY:
+        v.fail(f"{_SCHED_KEY}.by", f"is {short(by)}; write `step` (scheduler.step() after every optimizer "
+               "step) or `epoch` (after every pass over the data)")
+    return by
+
+
+def _warmup(w_raw: dict[str, Any], v: Validator) -> WarmupSpec:
+    """`warmup`: a linear warmup over `steps` from `start_lr` (>= 0), wrapped around the scheduler."""
+    key = f"{_SCHED_KEY}.warmup"
+    v.keys(w_raw, key)
+    if w_raw.get("steps") is None:
+        v.fail(f"{key}.steps", "is missing; write e.g. `warmup: {steps: 100, start_lr: 0.0}`")
+    steps = v.positive_int(w_raw["steps"], f"{key}.steps")
+    start = w_raw.get("start_lr", 0.0)
+    if not isinstance(start, (int, float)) or isinstance(start, bool) or start < 0:
+        v.fail(f"{key}.start_lr", f"is {short(start)}; give a number >= 0 such as 0.0 or 1.0e-6")
+    return WarmupSpec(steps=steps, start_lr=float(start))
 
 
 def _amp(raw: dict[str, Any], v: Validator) -> AmpSpec:

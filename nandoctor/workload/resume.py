@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -152,15 +153,37 @@ def load_model_state(resume: ResumeSpec, model: Any) -> dict[str, str]:
     state = read_state(file, source)
     state.pop(_NAMES_KEY, None)
     expected = model.state_dict()
+    state = _unwrapped(state, expected)
+    _check_flat(state, source, file)
+    _check_model_keys(state, expected, model, source, file)
+    _check_model_shapes(state, expected, source, file)
+    names = {getattr(v, "name", None): k for k, v in state.items()}
+    ours = dict(model.named_parameters())
+    _set_model_state(model, state, expected)
+    return {str(old): ours[k].name for old, k in names.items() if old and k in ours}
+
+
+def _unwrapped(state: dict[str, Any], expected: dict[str, Any]) -> dict[str, Any]:
+    """A DataParallel's or a wrapper's state dict with its prefix taken off, when no key matches as it is."""
     if state and not set(state) & set(expected):
-        for prefix in ("_layers.", "model."):  # a DataParallel or wrapper's state dict
+        for prefix in ("_layers.", "model."):
             if all(k.startswith(prefix) for k in state):
-                state = {k[len(prefix):]: v for k, v in state.items()}
-                break
+                return {k[len(prefix):]: v for k, v in state.items()}
+    return state
+
+
+def _check_flat(state: dict[str, Any], source: str, file: Path) -> None:
+    """A model state dict maps names to tensors: a dict inside is several things saved in one file."""
     nested = next((k for k, v in state.items() if isinstance(v, dict)), None)
     if nested is not None:
         raise SpecError(f"{source}: {file} holds a dict under '{nested}', not a model state dict (name -> "
                         f"tensor). If you saved several things in one file, save model.state_dict() on its own.")
+
+
+def _check_model_keys(state: dict[str, Any], expected: dict[str, Any], model: Any, source: str,
+                      file: Path) -> None:
+    """Every key of the checkpoint is the model's, and every key of the model is in it (but those the model
+    says it does not save): nothing is loaded half-way."""
     model_keys = list(expected)
     unexpected = [k for k in state if k not in expected]
     if unexpected:
@@ -177,16 +200,16 @@ def load_model_state(resume: ResumeSpec, model: Any) -> dict[str, str]:
                         f"{len(model_keys)} keys are missing, e.g. {', '.join(missing[:3])}); a run resumed "
                         "from it would keep those at their initial values. Was it saved from another model "
                         "or with other model.args?")
+
+
+def _check_model_shapes(state: dict[str, Any], expected: dict[str, Any], source: str, file: Path) -> None:
+    """Each value has the shape of the model's tensor it is loaded into."""
     for k, value in state.items():
         have, want = _shape(value), [int(d) for d in expected[k].shape]
         if have != want:
             raise SpecError(f"{source}: the key '{k}' in {file} has shape {have}, but the model's '{k}' has "
                             f"shape {want}. Check model.args (sizes such as hidden or vocab_size) against the "
                             "run that saved the checkpoint.")
-    names = {getattr(v, "name", None): k for k, v in state.items()}
-    ours = dict(model.named_parameters())
-    _set_model_state(model, state, expected)
-    return {str(old): ours[k].name for old, k in names.items() if old and k in ours}
 
 
 def _key(resume: ResumeSpec, what: str) -> str:
@@ -226,59 +249,106 @@ def _load_optimizer(resume: ResumeSpec, loaded: dict[str, Any], model: Any, opti
                     names: dict[str, str]) -> dict[str, Any]:
     """The accumulators (Adam's moments, momentum...) created now and set from the checkpoint, every key
     placed or refused: Paddle would otherwise fill them lazily at the first step and assert there."""
-    import paddle
-
     source, file = _key(resume, "optimizer"), resume.optimizer
     state = dict(loaded)
     state.pop("LR_Scheduler", None)  # loaded with the scheduler (_load_scheduler)
     master = state.pop("master_weights", None)
     params = [p for p in model.parameters() if not p.stop_gradient]
+    _create_accumulators(optimizer, params, source, file)
+    ours = _accumulators(optimizer)
+    placed = _place_optimizer_state(state, ours, names, params, source, file)
+    if placed.unmatched:
+        raise _unmatched_error(resume, optimizer, state, ours, names, placed.unmatched)
+    if master is not None and hasattr(optimizer, "_master_weights"):
+        optimizer._master_weights = {names.get(k, k): v for k, v in dict(master).items()}
+    # a parameter no gradient reached before the checkpoint has no state in it: it starts fresh, as it would have
+    return {"keys_loaded": placed.count, "parameters_without_state": len({p for p, _ in ours} - placed.filled)}
+
+
+@dataclass
+class _Placed:
+    """What placing the checkpoint's optimizer keys did: how many were set, the keys that matched no
+    accumulator (refused together, after the rest), and the parameters that got a state."""
+
+    count: int = 0
+    unmatched: list[str] = field(default_factory=list)
+    filled: set[str] = field(default_factory=set)
+
+
+def _create_accumulators(optimizer: Any, params: list[Any], source: str, file: Path | None) -> None:
+    """The optimizer's accumulators made now, for every trainable parameter, so each can be set."""
+    import paddle
+
     block = paddle.static.default_main_program().global_block()
     try:
         optimizer._create_accumulators(block, params)
     except Exception as exc:  # noqa: BLE001 - an optimizer whose accumulators cannot be made ahead
         raise SpecError(f"{source}: the optimizer state in {file} cannot be loaded into "
                         f"{type(optimizer).__name__} ({type(exc).__name__}: {exc}).") from None
-    # ours: (parameter name, accumulator) -> the tensor; theirs keyed alike once translated
+
+
+def _accumulators(optimizer: Any) -> dict[tuple[str, str], Any]:
+    """Ours: (parameter name, accumulator) -> the tensor; the checkpoint's keys are translated to the same."""
     ours: dict[tuple[str, str], Any] = {}
     for acc, per in getattr(optimizer, "_accumulators", {}).items():
         for pname, var in per.items():
             ours[(pname, acc)] = var
+    return ours
+
+
+def _place_optimizer_state(state: dict[str, Any], ours: dict[tuple[str, str], Any], names: dict[str, str],
+                           params: list[Any], source: str, file: Path | None) -> _Placed:
+    """Set each key's value into the accumulator it names (a shape that differs ends the run); the keys
+    that name none are collected, not set."""
+    import paddle
+
     old_names = sorted(names, key=len, reverse=True)  # the longest prefix first: linear_1 before linear_10
-    placed, unmatched, filled = 0, [], set()
+    placed = _Placed()
     for key, value in state.items():
-        old = next((n for n in old_names if key.startswith(n + "_")), None)
-        if old is None and not names:  # weights without their saved names (safetensors): names as they are
-            old = next((p.name for p in params if key.startswith(p.name + "_")), None)
-        target = None
-        if old is not None:
-            acc = _TRAILING_COUNTER.sub("", key[len(old) + 1:])
-            target = ours.get((names.get(old, old), acc))
-        if target is None:
-            unmatched.append(key)
+        found = _optimizer_target(key, old_names, names, params, ours)
+        if found is None:
+            placed.unmatched.append(key)
             continue
+        pname, target = found
         have, want = _shape(value), [int(d) for d in target.shape]
         if have != want:
             raise SpecError(f"{source}: the key '{key}' in {file} has shape {have}, but this optimizer's state for "
                             f"that parameter has shape {want}.")
         unmatched_dtype = isinstance(value, paddle.Tensor) and value.dtype != target.dtype
         target.set_value(value.astype(target.dtype) if unmatched_dtype else value)
-        placed += 1
-        filled.add(names.get(old, old))
-    if unmatched:
-        k = unmatched[0]
-        kinds = sorted({acc for _, acc in ours})
-        raise SpecError(f"{source}: the key '{k}' in {file} matches no state of this {type(optimizer).__name__} "
-                        f"for the model's parameters ({len(unmatched)} of its {len(state)} keys do not; this "
-                        f"optimizer keeps {', '.join(kinds) or 'no state'} per parameter). Was it saved with "
-                        "another optimizer (optimizer.name) or for another model?" + ("" if names else (
-                            f" The weights file {resume.model.name} keeps no internal parameter names (as "
-                            "paddle.save's does) to translate the optimizer's keys with, so they must match this "
-                            "process's names exactly; save the weights with paddle.save(model.state_dict(), ...)")))
-    if master is not None and hasattr(optimizer, "_master_weights"):
-        optimizer._master_weights = {names.get(k, k): v for k, v in dict(master).items()}
-    # a parameter no gradient reached before the checkpoint has no state in it: it starts fresh, as it would have
-    return {"keys_loaded": placed, "parameters_without_state": len({p for p, _ in ours} - filled)}
+        placed.count += 1
+        placed.filled.add(pname)
+    return placed
+
+
+def _optimizer_target(key: str, old_names: list[str], names: dict[str, str], params: list[Any],
+                      ours: dict[tuple[str, str], Any]) -> tuple[str, Any] | None:
+    """The parameter (this process's name) and the accumulator a checkpoint key belongs to
+    (`linear_3.w_0_moment1_0`: linear_3.w_0's moment1), else None."""
+    old = next((n for n in old_names if key.startswith(n + "_")), None)
+    if old is None and not names:  # weights without their saved names (safetensors): names as they are
+        old = next((p.name for p in params if key.startswith(p.name + "_")), None)
+    if old is None:
+        return None
+    acc = _TRAILING_COUNTER.sub("", key[len(old) + 1:])
+    pname = names.get(old, old)
+    target = ours.get((pname, acc))
+    return None if target is None else (pname, target)
+
+
+def _unmatched_error(resume: ResumeSpec, optimizer: Any, state: dict[str, Any], ours: dict[tuple[str, str], Any],
+                     names: dict[str, str], unmatched: list[str]) -> SpecError:
+    """The refusal of an optimizer state whose keys match no accumulator of this optimizer and model."""
+    source, file = _key(resume, "optimizer"), resume.optimizer
+    k = unmatched[0]
+    kinds = sorted({acc for _, acc in ours})
+    return SpecError(f"{source}: the key '{k}' in {file} matches no state of this {type(optimizer).__name__} "
+                     f"for the model's parameters ({len(unmatched)} of its {len(state)} keys do not; this "
+                     f"optimizer keeps {', '.join(kinds) or 'no state'} per parameter). Was it saved with "
+                     "another optimizer (optimizer.name) or for another model?" + ("" if names else (
+                         f" The weights file {resume.model.name} keeps no internal parameter names (as "
+                         "paddle.save's does) to translate the optimizer's keys with, so they must match this "
+                         "process's names exactly; save the weights with paddle.save(model.state_dict(), ...)")))
 
 
 def _load_scheduler(resume: ResumeSpec, optimizer: Any, in_optimizer_file: Any) -> str | None:

@@ -1,0 +1,146 @@
+"""Judging a remedy's replay: `fixed` when it stays finite past the fault step without its loss blowing up,
+else `not_fixed` or `not_applicable`, with a note that says why or what the evidence does not cover; and
+whether the replay without any change met the fault at all (else no replay is evidence either way).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from nandoctor.engine.replay import Replay
+from nandoctor.engine.snapshots import SnapshotRing
+from nandoctor.engine.watcher import FaultKind
+from nandoctor.findings import Report
+from nandoctor.remedies.candidates import Candidate
+from nandoctor.remedies.guard import never_fired
+
+STUCK = 1e10  # a finite loss still this large is not a recovered run (an exp clamped at its limit)
+BLOW_UP = 10.0  # a finite run whose loss ends this many times above where it started is not a fix
+
+FIXED, NOT_FIXED, NOT_APPLICABLE = "fixed", "not_fixed", "not_applicable"
+
+def judge(r: Replay, fault_step: int, end_step: int, c: Candidate, before: float | None) -> tuple[str, str | None]:
+    """One candidate's replay judged: no evidence (not applicable), or the fault still there, the replay short
+    of the fault step, or a loss that did not recover (not fixed), else fixed, with a note on what the
+    replay does not cover. `before`: the probe's loss where the replay started."""
+    unjudged = _no_evidence(r, c)
+    if unjudged is not None:
+        return unjudged
+    if not r.finite:
+        return NOT_FIXED, _still_nonfinite(r, fault_step)
+    last = r.start_step + r.steps_run - 1
+    kept_only = r.data_note is not None and last == fault_step  # the faulty batch was the last one it could have
+    short = _short_of_fault(r, last, fault_step, kept_only)
+    if short is not None:
+        return NOT_FIXED, short
+    unrecovered = _loss_not_recovered(r, before)
+    if unrecovered is not None:
+        return NOT_FIXED, unrecovered
+    return FIXED, _fixed_note(r, fault_step, end_step, last, kept_only)
+
+
+def _no_evidence(r: Replay, c: Candidate) -> tuple[str, str | None] | None:
+    """A replay that could not run, raised, or whose guard was never applied says nothing about the fix."""
+    if r.not_applicable is not None:
+        return NOT_APPLICABLE, r.not_applicable
+    if r.error is not None:
+        return NOT_FIXED, f"the replay raised {r.error}"
+    unused = never_fired(r, c.change)  # before the outcome: a guard never applied says nothing about the fix
+    if unused is not None:
+        return NOT_APPLICABLE, unused
+    return None
+
+
+def _still_nonfinite(r: Replay, fault_step: int) -> str:
+    """Where the replay still went NaN/Inf, and, past the fault step, the NaN weight a later batch read."""
+    held = _held(r)
+    if held and r.failed_at is not None and r.failed_at > fault_step:
+        return (f"still NaN/Inf at step {r.failed_at}: {held} and a later batch reads it "
+                "again (leaving samples out cannot repair a NaN weight; re-initialise it)")
+    return f"still NaN/Inf at step {r.failed_at}"
+
+
+def _short_of_fault(r: Replay, last: int, fault_step: int, kept_only: bool) -> str | None:
+    """A finite replay that stopped before it passed the fault step (but on the faulty batch, the last one the
+    probe kept) shows nothing."""
+    if last < fault_step or (last == fault_step and not kept_only):
+        why = "the data ran out" if r.ended else "the time budget ran out"
+        return f"{why} before the replay passed the fault step"
+    return None
+
+
+def _loss_not_recovered(r: Replay, before: float | None) -> str | None:
+    """A finite replay whose loss grew far above where it started, or stays huge, is no fix."""
+    before = before if before is not None else first_loss(r)
+    after = loss_after(r)
+    if before is not None and after is not None and after > BLOW_UP * max(abs(before), 1e-3):
+        return f"finite, but the loss grew from {before:.3g} to {after:.3g}"
+    if after is not None and abs(after) > STUCK:
+        return f"finite, but the loss stays at {after:.3g}: training does not recover"
+    return None
+
+
+def _fixed_note(r: Replay, fault_step: int, end_step: int, last: int, kept_only: bool) -> str | None:
+    """What a fixed replay's evidence does not cover: the steps it did not reach, and NaN weights no batch
+    read again."""
+    note = None
+    if kept_only:
+        note = (f"finite on the faulty batch (step {fault_step}), the last the probe kept: {r.data_note}, so no "
+                "step after it was replayed")
+    elif last < end_step - 1 and r.data_note:
+        note = f"finite through step {last}, the last batch the probe kept: {r.data_note}"
+    elif last < end_step - 1:
+        note = f"finite through step {last} (stopped early: {'data' if r.ended else 'time'} ran out)"
+    held = _held(r)
+    if held:  # e.g. samples dropped around a NaN embedding row: finite only while no batch reads it
+        note = (f"{note or f'finite through step {last}'}, but {held}: this holds only while no "
+                "later batch reads it (re-initialise it to be safe)")
+    return note
+
+
+def _held(r: Replay) -> str:
+    """'model.embed_tokens.weight still holds 64 NaN/Inf value(s)': the weights a replay left non-finite."""
+    return ", ".join(f"{name} still holds {n} NaN/Inf value(s)" for name, n in list(r.still_nonfinite.items())[:3])
+
+
+def first_loss(r: Replay) -> float | None:
+    return r.losses[0] if r.losses else None
+
+
+def baseline_loss(report: Report, step: int) -> float | None:
+    """The probe's own loss level where a replay starts: the median of its last 3 finite losses up to `step`."""
+    vals = [p.loss for p in report.timeline if p.step <= step and p.loss is not None and math.isfinite(p.loss)][-3:]
+    return sorted(vals)[len(vals) // 2] if vals else None
+
+
+def loss_after(r: Replay) -> float | None:
+    tail = r.losses[-3:]
+    return sum(tail) / len(tail) if tail else None
+
+
+def fault_reproduced(control: Replay | None, fault: Any) -> bool | None:
+    """Whether the replay without any change met the fault where the probe did: an update fault shows in the
+    next step's loss, any other fault at its own step. None: unknown (no control, or it ran out of time)."""
+    if control is None or control.cut:
+        return None
+    late = 1 if fault.kind == FaultKind.UPDATE else 0
+    return not control.finite and control.failed_at is not None and \
+        fault.step <= control.failed_at <= fault.step + late
+
+
+def unverified_note(control: Replay | None, reproduced: bool | None, ring: SnapshotRing) -> str:
+    """Why no remedy can be called verified: the replay without any change did not meet the fault."""
+    tail = ", so no replay is evidence for or against a remedy"
+    if control is None:
+        return "no replay without any change could start (no state before the fault to restart from)" + tail
+    if control.not_applicable:
+        return control.not_applicable
+    if control.cut:
+        return "the replay without any change ran out of time before the fault step" + tail
+    data = control.data_note or getattr(ring.batches, "stream", None)
+    seen = f"it stopped at step {control.failed_at}" if control.failed_at is not None else "it stayed finite"
+    if data:
+        return f"the replay without any change did not reproduce the fault ({seen}): {data}" + tail
+    return (f"the replay without any change did not reproduce the fault on the same batches ({seen}; a "
+            "nondeterministic run)" + tail)
