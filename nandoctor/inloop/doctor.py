@@ -443,15 +443,29 @@ class Doctor:
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _report(self, fault: Fault | None, rebuild: Callable[[dict], Any]) -> None:
+        """The fault's report: diagnosed (replayed, rolled back), agreed between ranks, logged and written."""
+        alone = self.sync is not None and fault is not None and fault.kind == FaultKind.CRASH
+        report = self._diagnosed(fault, rebuild)
+        # A rank whose own code raised goes alone: the others are in a collective of the user's it never reaches
+        if alone:
+            report = self.sync.alone(self, report)
+        elif self.sync is not None:
+            report = self.sync.finish(self, report)
+        self.report = report
+        self._publish(report, write=not alone and (self.sync is None or self.sync.writes_report))
+        if self.sync is not None and not alone:
+            self.sync.barrier()  # no rank exits (and gets the launcher to kill the others) before rank 0 wrote
+
+    def _diagnosed(self, fault: Fault | None, rebuild: Callable[[dict], Any]) -> Report:
+        """The report of `fault` (None: the run so far), its replays run with the model's mode, the
+        checker and the ranks' gradient sync as the user's loop had them, whatever happens."""
         import paddle
 
-        from nandoctor.diagnosis import assemble as outcome
-        from nandoctor.report.console import render_text
-        from nandoctor.report.writer import write_folder
+        from nandoctor.diagnosis.assemble import new_report
 
         self.watcher.monitor.begin_step(False)  # stats hooks off before any replay
         device = str(paddle.get_device())
-        report = outcome.new_report(device, self.mode)
+        report = new_report(device, self.mode)
         peer = fault is not None and fault.evidence.get("peer")
         was_training = self.model.training
         self._busy = True
@@ -469,7 +483,7 @@ class Doctor:
                     # the replay could not run (step_fn raised, or our replay failed): what the step's numbers say
                     why = _replay_failure(exc)
                     log.warning("nandoctor: the failing step could not be replayed: %s", why)
-                    report = outcome.new_report(device, self.mode)
+                    report = new_report(device, self.mode)
                     self.assemble_into(report, None if peer else fault, dataclasses.replace(target, replay_loss=None))
                     report.details["replay_failed"] = why
                 if rolled is not None:
@@ -480,25 +494,24 @@ class Doctor:
             if not was_training:
                 self.model.eval()
             disable_checker()
-        # A rank whose own code raised goes alone: the others are in a collective of the user's it never reaches
-        alone = self.sync is not None and fault is not None and fault.kind == FaultKind.CRASH
-        if alone:
-            report = self.sync.alone(self, report)
-        elif self.sync is not None:
-            report = self.sync.finish(self, report)
-        self.report = report
+        return report
+
+    def _publish(self, report: Report, *, write: bool) -> None:
+        """The report logged (an error when it holds one), and written to report_dir when this rank writes."""
+        from nandoctor.report.console import render_text
+        from nandoctor.report.writer import write_folder
+
         text = render_text(report)
         (log.error if report.exit_code else log.warning)("nandoctor report\n%s", text)
-        if self.report_dir is not None and not alone and (self.sync is None or self.sync.writes_report):
-            try:
-                written = write_folder(report, self.report_dir)
-                log.error("nandoctor: report written to %s", written)
-            except OSError as exc:  # the loop trains on; the report stays in doctor.report
-                log.error("nandoctor: could not write the report to %s (%s); it is in doctor.report, and the "
-                          "report above is the same. Pass a writable report_dir= to nandoctor.watch.",
-                          self.report_dir, exc.strerror or exc)
-        if self.sync is not None and not alone:
-            self.sync.barrier()  # no rank exits (and gets the launcher to kill the others) before rank 0 wrote
+        if self.report_dir is None or not write:
+            return
+        try:
+            written = write_folder(report, self.report_dir)
+            log.error("nandoctor: report written to %s", written)
+        except OSError as exc:  # the loop trains on; the report stays in doctor.report
+            log.error("nandoctor: could not write the report to %s (%s); it is in doctor.report, and the "
+                      "report above is the same. Pass a writable report_dir= to nandoctor.watch.",
+                      self.report_dir, exc.strerror or exc)
 
     def _target(self, replay_loss: Any) -> StepTarget:
         """What the diagnosis reads of this loop: the user's step_fn as the replay, their code's folder."""

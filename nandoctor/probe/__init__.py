@@ -78,22 +78,13 @@ def _interrupted(report: Report, steps_run: int) -> None:
 
 
 def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Report, device: str) -> None:
+    """Build, check the starting parameters, train; each step that finds a reason to stop says so in `report`."""
     import time
 
     t_start = time.perf_counter()
     progress(0, options.steps, "building the model")
-    try:
-        try:
-            workload = build_workload(spec)
-        except SystemExit as exc:  # sys.exit() in the user's module or factory: a finding, not a silent exit
-            raise UserCodeError(f"model.entry {spec.model.entry}", exc) from None
-    except UserCodeError as err:
-        ctx = CrashContext(step=0, batch_index=None, epoch=0, phase=Phase.PARAMS, what=err.what)
-        found, loc = crash_findings(err.exc, ctx, spec.base_dir, None, {}, None, None, None)
-        report.findings += found
-        report.crashed = True
-        loc.step = None
-        faults.set_first(report, loc)
+    workload = _built(spec, report)
+    if workload is None:
         return
     reassert()  # the user's imports (paddleformers) may have reset SIGTERM in C: a signal must still report
     model = workload.model
@@ -105,72 +96,132 @@ def _probe(spec: Spec, options: ProbeOptions, progress: ProgressFn, report: Repo
     optimizer = build_optimizer(spec, model)
     start_step = resume_probe(spec, model, optimizer, report)  # 0 unless resuming from the user's checkpoint
     report.details["clip"] = _clip(spec)
-    fp16 = spec.amp.enabled and spec.amp.dtype == "float16"
-    if spec.amp.enabled:
-        report.run["amp_dtype"] = spec.amp.dtype
-        report.run["amp_level"] = spec.amp.level
-        if device == "cpu":
-            faults.amp_inactive(report, spec.amp.dtype)
+    _note_amp(report, spec, device)
     workload = workload.on_device(device)  # autocast under AMP on a GPU, for the loop and every replay
     found_causes = causes.before_training(report, model, optimizer)
     if found_causes.stop:
         report.details["steps_run"] = 0
         capture(report, {}, step=None, batch_index=None, model=model)
         return
+    _train(_Run(spec, options, progress, report, device, workload, optimizer, found_causes, start_step, t_start))
+
+
+@dataclass
+class _Run:
+    """One probe's settings and what it built, handed from step to step of `_train`."""
+
+    spec: Spec
+    options: ProbeOptions
+    progress: ProgressFn
+    report: Report
+    device: str
+    workload: Any
+    optimizer: Any
+    causes: causes.Causes
+    start_step: int
+    t_start: float
+
+
+def _built(spec: Spec, report: Report) -> Any:
+    """The spec's workload, or None when the user's model or data code raised (then a finding says so)."""
+    try:
+        try:
+            return build_workload(spec)
+        except SystemExit as exc:  # sys.exit() in the user's module or factory: a finding, not a silent exit
+            raise UserCodeError(f"model.entry {spec.model.entry}", exc) from None
+    except UserCodeError as err:
+        ctx = CrashContext(step=0, batch_index=None, epoch=0, phase=Phase.PARAMS, what=err.what)
+        found, loc = crash_findings(err.exc, ctx, spec.base_dir, None, {}, None, None, None)
+        report.findings += found
+        report.crashed = True
+        loc.step = None
+        faults.set_first(report, loc)
+        return None
+
+
+def _note_amp(report: Report, spec: Spec, device: str) -> None:
+    """AMP's settings in `run`, and a note when the device runs it as float32 (CPU)."""
+    if spec.amp.enabled:
+        report.run["amp_dtype"] = spec.amp.dtype
+        report.run["amp_level"] = spec.amp.level
+        if device == "cpu":
+            faults.amp_inactive(report, spec.amp.dtype)
+
+
+def _train(run: _Run) -> None:
+    """The instrumented loop, then the report's findings and the remedies; the model's mode, hooks, checker
+    and snapshot files are restored or removed whatever stopped it, our own failure included."""
+    import time
+
+    spec, report, workload, optimizer = run.spec, run.report, run.workload, run.optimizer
+    model = workload.model
     was_training = model.training
     model.train()
-    engine = StepEngine.for_workload(workload, optimizer, device=device)
-    scaler = engine.scaler
+    engine = StepEngine.for_workload(workload, optimizer, device=run.device)
     loop: ProbeLoop | None = None
     try:
-        loop = ProbeLoop(workload, engine, options.steps, progress, fp16=fp16, amp=spec.amp.enabled,
-                         start_nonfinite=found_causes.nonfinite, start_step=start_step)
-        if options.try_fixes:
+        loop = ProbeLoop(workload, engine, run.options.steps, run.progress, fp16=spec.amp.enabled and
+                         spec.amp.dtype == "float16", amp=spec.amp.enabled, start_nonfinite=run.causes.nonfinite,
+                         start_step=run.start_step)
+        if run.options.try_fixes:
             from nandoctor.engine.snapshots import SnapshotRing
 
             loop.snapshots = SnapshotRing.for_model(model, optimizer)
             _keep_batches(loop)
         res = loop.run()
-        if loop.snapshots is not None:
-            report.details["snapshots"] = loop.snapshots.summary()
-        if res.fault is not None and res.fault.unread:  # gradients went unread where the fault began
-            from nandoctor.engine import rollback
-
-            if rollback.needs_rollback(res.fault, loop.snapshots):
-                with replaying(report, spec.base_dir, "the rollback's replay of the unread steps"):
-                    report.details["rollback"] = rollback.rollback(res, workload, optimizer, loop.snapshots)
-        if _bundle_needs_batch(report, res):  # the watcher kept the update's position, not its batch
-            from nandoctor.engine import rollback
-
-            with replaying(report, spec.base_dir, "the re-read of the update fault's batch for the bundle"):
-                res.fault.fields = rollback.read_batch(workload, loop.snapshots, res.fault.epoch,
-                                                       res.fault.batch_index)
+        _after_loop(report, res, loop, workload, optimizer)
         assemble(report, RunFacts(
-            loop.watcher, res.steps_run, res.fault, spec_target(workload), optimizer, found_causes,
+            loop.watcher, res.steps_run, res.fault, spec_target(workload), optimizer, run.causes,
             records=res.records, epochs=res.epochs, stats_every=res.stats_every, lr=current_lr(optimizer),
             label=spec.data.label, optimizer_spec=spec.optimizer,
-            init_loss_scale=spec.amp.init_loss_scaling if scaler is not None else None))
+            init_loss_scale=spec.amp.init_loss_scaling if engine.scaler is not None else None))
         if res.steps_run == 0 and res.fault is None and not res.interrupted:
-            report.findings.append(Finding(
-                Code.DATA_EMPTY, Severity.ERROR,
-                f"data.entry {spec.data.entry} yielded no batch at all, so the probe trained nothing. Check the "
-                "dataset path and size, and `drop_last` with a batch size larger than the dataset.",
-                Location(phase=Phase.DATA, batch_index=0), {}, advice_for(Code.DATA_EMPTY.value)))
+            report.findings.append(_empty_data(spec))
         if res.interrupted:
             _interrupted(report, res.steps_run)
         elif loop.snapshots is not None and res.fault is not None:
-            _remedies(report, res, workload, optimizer, loop, options, device, time.perf_counter() - t_start,
-                      progress)
-    finally:  # hooks, checker and mode restored whatever stopped the run, our own failure included
-        if loop is not None:
-            loop.close()
-            if loop.snapshots is not None and loop.snapshots.batches is not None:
-                loop.snapshots.batches.close()  # the loaders the replays left open for each other
-            if loop.snapshots is not None:
-                loop.snapshots.close()  # the spilled snapshots' folder, whatever stopped the run
+            _remedies(report, res, workload, optimizer, loop, run.options, run.device,
+                      time.perf_counter() - run.t_start, run.progress)
+    finally:
+        _close(loop)
         disable_checker()
         if not was_training:
             model.eval()
+
+
+def _after_loop(report: Report, res: LoopResult, loop: ProbeLoop, workload: Any, optimizer: Any) -> None:
+    """What the loop left to settle before the diagnosis: the snapshots' summary, a rollback to the step
+    where the fault began when its gradients went unread, and an update fault's batch for the bundle."""
+    from nandoctor.engine import rollback
+
+    base_dir = workload.spec.base_dir
+    if loop.snapshots is not None:
+        report.details["snapshots"] = loop.snapshots.summary()
+    if res.fault is not None and res.fault.unread and rollback.needs_rollback(res.fault, loop.snapshots):
+        with replaying(report, base_dir, "the rollback's replay of the unread steps"):
+            report.details["rollback"] = rollback.rollback(res, workload, optimizer, loop.snapshots)
+    if _bundle_needs_batch(report, res):  # the watcher kept the update's position, not its batch
+        with replaying(report, base_dir, "the re-read of the update fault's batch for the bundle"):
+            res.fault.fields = rollback.read_batch(workload, loop.snapshots, res.fault.epoch, res.fault.batch_index)
+
+
+def _empty_data(spec: Spec) -> Finding:
+    return Finding(
+        Code.DATA_EMPTY, Severity.ERROR,
+        f"data.entry {spec.data.entry} yielded no batch at all, so the probe trained nothing. Check the "
+        "dataset path and size, and `drop_last` with a batch size larger than the dataset.",
+        Location(phase=Phase.DATA, batch_index=0), {}, advice_for(Code.DATA_EMPTY.value))
+
+
+def _close(loop: ProbeLoop | None) -> None:
+    """The loop's hooks off, and the loaders and spilled snapshots the replays left open closed."""
+    if loop is None:
+        return
+    loop.close()
+    if loop.snapshots is not None and loop.snapshots.batches is not None:
+        loop.snapshots.batches.close()  # the loaders the replays left open for each other
+    if loop.snapshots is not None:
+        loop.snapshots.close()  # the spilled snapshots' folder, whatever stopped the run
 
 
 def _bundle_needs_batch(report: Report, res: LoopResult) -> bool:
