@@ -1,6 +1,6 @@
 """Packaging and the edges of the command line (issue 21, "Packaging" and `--json -`): without Paddle every
 command says how to install it (exit 2); a path the file system refuses is exit 2 naming it; the
-internal-error message says where to report; py.typed and the schema ship in the wheel; `--json -` gives
+internal-error message says where to report; the sdist and the wheel ship what the package reads; `--json -` gives
 standard output to the JSON alone."""
 
 from __future__ import annotations
@@ -168,23 +168,66 @@ def test_internal_error_names_the_tracker_from_the_package_metadata_and_the_save
     assert str(saved.resolve()) in text and "ZeroDivisionError" in saved.read_text(encoding="utf-8")
 
 
-# --- what the wheel ships -------------------------------------------------------------------------------
+# --- what the sdist and the wheel ship ------------------------------------------------------------------
 
-def test_the_build_ships_py_typed_the_schema_and_the_project_metadata(tmp_path):
-    """What setuptools puts in a wheel: the packages' files (build_py) and the metadata (egg_info)."""
-    # built from a copy: setuptools writes build/ and *.egg-info beside the sources
-    source = tmp_path / "src"
-    shutil.copytree(ROOT / "nandoctor", source / "nandoctor", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, source / name)
-    done = subprocess.run([sys.executable, "-c", "from setuptools import setup; setup()", "-q", "egg_info",
-                           "--egg-base", str(tmp_path), "build_py", "--build-lib", str(tmp_path / "lib")],
-                          capture_output=True, text=True, timeout=300, cwd=source)
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "lib" / "nandoctor" / "py.typed").is_file()
-    assert (tmp_path / "lib" / "nandoctor" / "report" / "schemas" / "nandoctor.report-1.schema.json").is_file()
-    text = (tmp_path / "nandoctor.egg-info" / "PKG-INFO").read_text(encoding="utf-8")
-    assert "Project-URL: Issues, " in text and "License: " in text and "Typing :: Typed" in text
+# Left out of the copy that is built: what a checkout gathers that is not the project's.
+NOT_SOURCE = (".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache",
+              "nandoctor-report*", "nandoctor-internal-error-*")
+
+
+@pytest.fixture(scope="module")
+def dists(tmp_path_factory) -> dict[str, Path]:
+    """The sdist and the wheel as `python -m build` makes them (the wheel built from the unpacked sdist, so a
+    file the sdist lacks is missing from the wheel too), with this venv's setuptools: no isolated build
+    environment, so nothing is downloaded (`make dist-check` builds in isolation and installs the result)."""
+    tmp = tmp_path_factory.mktemp("dists")
+    source = tmp / "src"  # built from a copy: setuptools writes *.egg-info beside the sources
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*NOT_SOURCE))
+    done = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp / "dist"), str(source)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [sdist] = (tmp / "dist").glob("nandoctor-*.tar.gz")
+    [wheel] = (tmp / "dist").glob("nandoctor-*-py3-none-any.whl")
+    return {"sdist": sdist, "wheel": wheel, "source": source}
+
+
+def _wheel_files(wheel: Path) -> dict[str, bytes]:
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        return {name: zf.read(name) for name in zf.namelist()}
+
+
+def _sdist_files(sdist: Path) -> dict[str, bytes]:
+    import tarfile
+
+    with tarfile.open(sdist) as tf:
+        top = sdist.name[:-len(".tar.gz")] + "/"
+        return {m.name[len(top):]: tf.extractfile(m).read() for m in tf.getmembers() if m.isfile()}
+
+
+# The package's files that are not Python modules: each one is read at run time.
+PACKAGE_DATA = ("nandoctor/py.typed", "nandoctor/report/schemas/nandoctor.report-1.schema.json",
+                "nandoctor/zero_change/site/sitecustomize.py")  # sitecustomize: `nandoctor run`'s seams
+
+
+def test_the_wheel_ships_every_module_the_package_data_and_the_entry_point(dists):
+    files = _wheel_files(dists["wheel"])
+    modules = {p.relative_to(dists["source"]).as_posix() for p in (dists["source"] / "nandoctor").rglob("*.py")}
+    assert modules <= set(files), sorted(modules - set(files))
+    for name in PACKAGE_DATA:
+        assert name in files, name
+    [entry_points] = [v for k, v in files.items() if k.endswith(".dist-info/entry_points.txt")]
+    assert "nandoctor = nandoctor.cli:app" in entry_points.decode()
+    assert not [k for k in files if k.startswith(("tests/", "sample_configs/", "benchmarks/", "examples/"))]
+    [meta] = [v.decode() for k, v in files.items() if k.endswith(".dist-info/METADATA")]
+    assert "Classifier: Typing :: Typed" in meta and "Requires-Dist: paddlepaddle>=3.0; extra == \"cpu\"" in meta
+
+
+def test_the_sdist_ships_the_readme_and_the_package_data(dists):
+    files = _sdist_files(dists["sdist"])
+    for name in ("README.md", "pyproject.toml", "PKG-INFO", *PACKAGE_DATA):
+        assert name in files, name
 
 
 # --- `--json -` -----------------------------------------------------------------------------------------
