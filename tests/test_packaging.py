@@ -224,10 +224,30 @@ def test_the_wheel_ships_every_module_the_package_data_and_the_entry_point(dists
     assert "Classifier: Typing :: Typed" in meta and "Requires-Dist: paddlepaddle>=3.0; extra == \"cpu\"" in meta
 
 
-def test_the_sdist_ships_the_readme_and_the_package_data(dists):
+def test_the_sdist_ships_the_licence_the_readme_and_the_package_data(dists):
     files = _sdist_files(dists["sdist"])
-    for name in ("README.md", "pyproject.toml", "PKG-INFO", *PACKAGE_DATA):
+    for name in ("LICENSE", "README.md", "pyproject.toml", "PKG-INFO", *PACKAGE_DATA):
         assert name in files, name
+    assert files["LICENSE"] == (ROOT / "LICENSE").read_bytes()
+
+
+def _metadata(dists) -> dict[str, str]:
+    """The wheel's METADATA and the sdist's PKG-INFO, the text pip and an index show."""
+    [wheel_meta] = [v.decode() for k, v in _wheel_files(dists["wheel"]).items() if k.endswith(".dist-info/METADATA")]
+    return {"wheel": wheel_meta, "sdist": _sdist_files(dists["sdist"])["PKG-INFO"].decode()}
+
+
+def test_both_name_the_apache_licence_and_the_wheel_ships_its_text(dists):
+    license_text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert "END OF TERMS AND CONDITIONS" in license_text  # the full text, not a one-line notice
+    for which, meta in _metadata(dists).items():
+        headers = meta.split("\n\n", 1)[0]
+        assert "License-Expression: Apache-2.0" in headers and "License-File: LICENSE" in headers, which
+        assert "Not yet chosen" not in headers and "rights reserved" not in headers, which
+    files = _wheel_files(dists["wheel"])
+    [shipped] = [v for k, v in files.items() if k.endswith(".dist-info/licenses/LICENSE")]
+    assert shipped.decode() == license_text
 
 
 # --- `--json -` -----------------------------------------------------------------------------------------
