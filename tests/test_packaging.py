@@ -231,6 +231,16 @@ def test_the_sdist_ships_the_licence_the_readme_and_the_package_data(dists):
     assert files["LICENSE"] == (ROOT / "LICENSE").read_bytes()
 
 
+def test_the_sdist_ships_whole_folders_its_tests_read(dists):
+    """Its tests run from an unpacked sdist: with them, their helpers, golden files and the folders they read."""
+    files, source = set(_sdist_files(dists["sdist"])), dists["source"]
+    for folder in ("tests", "sample_configs", "examples", "benchmarks"):
+        wanted = {p.relative_to(source).as_posix() for p in (source / folder).rglob("*") if p.is_file()}
+        assert wanted and wanted <= files, (folder, sorted(wanted - files)[:10])
+    assert "tests/conftest.py" in files and "Makefile" in files
+    assert not [f for f in files if "__pycache__" in f or f.endswith(".pyc")]
+
+
 def _metadata(dists) -> dict[str, str]:
     """The wheel's METADATA and the sdist's PKG-INFO, the text pip and an index show."""
     [wheel_meta] = [v.decode() for k, v in _wheel_files(dists["wheel"]).items() if k.endswith(".dist-info/METADATA")]
