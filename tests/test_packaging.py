@@ -156,16 +156,59 @@ def test_an_oserror_on_a_path_of_ours_is_still_a_bug(tmp_path, monkeypatch):
 
 # --- the internal-error message -------------------------------------------------------------------------
 
-def test_internal_error_names_the_tracker_from_the_package_metadata_and_the_saved_traceback(tmp_path, monkeypatch):
+def test_internal_error_says_where_the_traceback_is_and_asks_for_it_in_a_report(tmp_path, monkeypatch):
+    """nandoctor has no public home yet: the message names no URL, it asks for the saved file."""
     monkeypatch.setattr(StepWatcher, "after_backward", lambda self, loss: 1 / 0)
     monkeypatch.chdir(tmp_path)
     result = _cli("probe", write_spec(tmp_path), "--steps", "2", "-q")
     text = _flat(result.output)
     assert result.exit_code == 3, text
-    urls = dict(u.split(", ", 1) for u in metadata.metadata("nandoctor").get_all("Project-URL"))
-    assert urls["Issues"] in text, text
     [saved] = tmp_path.glob("nandoctor-internal-error-*.txt")
-    assert str(saved.resolve()) in text and "ZeroDivisionError" in saved.read_text(encoding="utf-8")
+    assert "ZeroDivisionError" in saved.read_text(encoding="utf-8")
+    assert f"The traceback is saved in {saved.resolve()}." in text, text
+    assert ("Please report this bug to nandoctor's maintainers with the title \"nandoctor bug: ZeroDivisionError\" "
+            "and attach that file.") in text, text
+    assert "http" not in text and "example." not in text and "pip show" not in text, text
+
+
+def _with_project_urls(monkeypatch, *urls: str) -> None:
+    """nandoctor's installed metadata as if pyproject.toml had these [project.urls] ("Label, URL")."""
+    import email.message
+
+    real = metadata.metadata
+
+    def fake(name):
+        if name != "nandoctor":
+            return real(name)
+        meta = email.message.Message()
+        meta["Name"] = "nandoctor"
+        for url in urls:
+            meta["Project-URL"] = url
+        return meta
+
+    monkeypatch.setattr(metadata, "metadata", fake)
+
+
+def test_internal_error_names_the_issue_tracker_once_the_metadata_has_one(tmp_path, monkeypatch):
+    from nandoctor.errors import internal_error_message
+
+    saved = tmp_path / "nandoctor-internal-error-1.txt"
+    _with_project_urls(monkeypatch, "Homepage, https://home.invalid/", "Issues, https://home.invalid/issues")
+    text = internal_error_message(ZeroDivisionError("x"), saved)
+    assert ("Please report this bug at https://home.invalid/issues with the title \"nandoctor bug: "
+            "ZeroDivisionError\" and attach that file.") in text, text
+    _with_project_urls(monkeypatch, "Homepage, https://home.invalid/")  # a home page is no tracker
+    assert "to nandoctor's maintainers" in internal_error_message(ZeroDivisionError("x"), saved)
+
+
+def test_internal_error_without_a_saved_file_asks_for_the_printed_traceback(monkeypatch):
+    from nandoctor.errors import internal_error_message
+
+    _with_project_urls(monkeypatch)
+    text = internal_error_message(ZeroDivisionError("x"), None)
+    assert "The traceback could not be saved to a file, so it follows." in text
+    assert text.endswith("to nandoctor's maintainers with the title \"nandoctor bug: ZeroDivisionError\" and copy "
+                         "the traceback below into the report."), text
 
 
 # --- what the sdist and the wheel ship ------------------------------------------------------------------
@@ -258,6 +301,14 @@ def test_both_name_the_apache_licence_and_the_wheel_ships_its_text(dists):
     files = _wheel_files(dists["wheel"])
     [shipped] = [v for k, v in files.items() if k.endswith(".dist-info/licenses/LICENSE")]
     assert shipped.decode() == license_text
+
+
+def test_no_placeholder_url_ships(dists):
+    """No example.org home, tracker or schema $id: not in the metadata, not in any file of either."""
+    shipped = {**_wheel_files(dists["wheel"]), **{f"sdist:{k}": v for k, v in _sdist_files(dists["sdist"]).items()}}
+    for name, data in shipped.items():
+        if name != "sdist:tests/test_packaging.py":  # this file names what it looks for
+            assert b"example.org" not in data and b"example.com" not in data, name
 
 
 # --- `--json -` -----------------------------------------------------------------------------------------
