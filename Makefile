@@ -4,7 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# cpu by default; GPU users: make install EXTRA=gpu (after installing CUDA)
+# cpu by default. GPU: Paddle 3's GPU wheels are not on PyPI (its paddlepaddle-gpu stops at 2.6.2). After
+# installing CUDA, create the venv (python3 -m venv .venv) and install the paddlepaddle-gpu 3.x wheel for your
+# CUDA into it from PaddlePaddle's own package index, with the pip command Paddle's install guide gives; then
+# make install EXTRA=gpu, which finds it installed (alone, it fails: PyPI has no paddlepaddle-gpu>=3.0).
 EXTRA ?= cpu
 
 .PHONY: install demo test bench lint clean

@@ -28,9 +28,10 @@ class OutputError(NandoctorError):
     """A report or bundle cannot be written where the user asked."""
 
 
-# The command that installs Paddle with nandoctor (the `cpu` extra), and the wheel for a GPU.
-INSTALL_PADDLE = ('pip install "nandoctor[cpu]" (or, for an NVIDIA GPU, pip install paddlepaddle-gpu: the wheel for '
-                  "your CUDA version, see PaddlePaddle's install page)")
+# The command that installs Paddle with nandoctor (the `cpu` extra), and the wheel for a GPU: Paddle 3's are
+# on PaddlePaddle's own package index only (a bare `pip install paddlepaddle-gpu` gets 2.6 from PyPI).
+INSTALL_PADDLE = ('pip install "nandoctor[cpu]" (or, for an NVIDIA GPU, the paddlepaddle-gpu 3.x wheel for your CUDA '
+                  "version, with the pip command of PaddlePaddle's install page: PyPI's stops at 2.6)")
 
 
 class PaddleMissing(NandoctorError):
