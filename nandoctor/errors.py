@@ -28,9 +28,10 @@ class OutputError(NandoctorError):
     """A report or bundle cannot be written where the user asked."""
 
 
-# The command that installs Paddle with nandoctor (the `cpu` extra), and the wheel for a GPU.
-INSTALL_PADDLE = ('pip install "nandoctor[cpu]" (or, for an NVIDIA GPU, pip install paddlepaddle-gpu: the wheel for '
-                  "your CUDA version, see PaddlePaddle's install page)")
+# The command that installs Paddle with nandoctor (the `cpu` extra), and the wheel for a GPU: Paddle 3's are
+# on PaddlePaddle's own package index only (a bare `pip install paddlepaddle-gpu` gets 2.6 from PyPI).
+INSTALL_PADDLE = ('pip install "nandoctor[cpu]" (or, for an NVIDIA GPU, the paddlepaddle-gpu 3.x wheel for your CUDA '
+                  "version, with the pip command of PaddlePaddle's install page: PyPI's stops at 2.6)")
 
 
 class PaddleMissing(NandoctorError):
@@ -102,34 +103,38 @@ class UserCodeError(Exception):
 
 
 INTERNAL_EXIT = 3
-# Where a bug is reported when the installed package's metadata names no tracker (a source checkout).
-_TRACKER_FALLBACK = "the issue tracker named in nandoctor's package metadata (pip show nandoctor)"
+# Project-URL labels that name where bugs are reported, lower-cased; a Homepage or Documentation is not one.
+_TRACKER_LABELS = ("issues", "bug tracker", "tracker", "bugs")
 
 
-def issue_tracker() -> str:
-    """Where nandoctor's bugs are reported: the `Issues` (else `Bug Tracker`, else first) project URL of
-    the installed package's metadata, so the message follows pyproject.toml."""
+def issue_tracker() -> str | None:
+    """Where nandoctor's bugs are reported: the `Issues` (else `Bug Tracker`, ...) project URL of the
+    installed package's metadata, so the message follows pyproject.toml's [project.urls]. None while that
+    names no tracker (nandoctor has no public home yet) or nandoctor is not installed."""
     from importlib import metadata
 
     try:
         urls = metadata.metadata("nandoctor").get_all("Project-URL") or []
     except metadata.PackageNotFoundError:
-        return _TRACKER_FALLBACK
+        return None
     named = dict(u.split(",", 1) for u in urls if "," in u)
     named = {k.strip().lower(): v.strip() for k, v in named.items()}
-    for key in ("issues", "bug tracker", "tracker"):
-        if named.get(key):
-            return named[key]
-    return next(iter(named.values()), _TRACKER_FALLBACK)
+    return next((named[k] for k in _TRACKER_LABELS if named.get(k)), None)
 
 
 def internal_error_message(exc: BaseException, saved: Path | None) -> str:
-    """The one paragraph for nandoctor's own failure: what, where to report it, where the traceback is."""
-    where = (f"The traceback is saved in {saved.resolve()}; attach that file." if saved is not None else
-             "The traceback could not be saved to a file, so it follows; copy it into the report.")
+    """The one paragraph for nandoctor's own failure: what, where the traceback is, and the report to make
+    with it: at the issue tracker the package metadata names, else to nandoctor's maintainers."""
+    tracker = issue_tracker()
+    to = f"at {tracker}" if tracker else "to nandoctor's maintainers"
+    if saved is not None:
+        where, attach = f"The traceback is saved in {saved.resolve()}.", "attach that file"
+    else:
+        where = "The traceback could not be saved to a file, so it follows."
+        attach = "copy the traceback below into the report"
     return (f"nandoctor: internal error, a bug in nandoctor (not in your code or spec): {type(exc).__name__}: "
-            f"{str(exc)[:300]}. Please report it at {issue_tracker()} with the title \"nandoctor bug: "
-            f"{type(exc).__name__}\". {where}")
+            f"{str(exc)[:300]}. {where} Please report this bug {to} with the title \"nandoctor bug: "
+            f"{type(exc).__name__}\" and {attach}.")
 
 
 def save_internal_error(exc: BaseException, folder: Path, argv: list[str]) -> Path | None:
