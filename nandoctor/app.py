@@ -36,25 +36,9 @@ def run_command(command: str, config: Path, console: Console, *, json_path: Path
 
 def _run_command(command: str, config: Path, console: Console, *, json_path: Path | None,
                  markdown_path: Path | None, bundle: Path | None, force: bool, quiet: bool, **options: Any) -> int:
-    spec = load_spec(config)
-    if options.get("resume") is not None:  # a Trainer's checkpoint-N folder, in place of a `resume` block
-        from nandoctor.workload.resume import from_trainer_dir
-
-        spec.resume = from_trainer_dir(Path(options["resume"]), spec)
-    nproc_asked = int(options.get("nproc") or 1)
-    if command == "probe" and nproc_asked > 1 and spec.resume is not None:
-        raise SpecError(f"--nproc {nproc_asked} with a resume from a checkpoint ({spec.resume.source}) is not "
-                        "supported yet: probe the resumed run in one process (leave --nproc out).")
-    if options.get("device") is not None:  # a typo in --device should not wait for imports or a model build
-        check_device(options["device"], "--device")
-    outputs = [p for p in (json_path, markdown_path) if p is not None]
-    for path in outputs:
-        check_writable_file(path)
-    check_not_an_input(outputs, spec_inputs(spec))
-    if bundle is not None:
-        from nandoctor.report.bundle import check_bundle_target
-
-        check_bundle_target(bundle, force)
+    spec = _load_run_spec(command, config, options)
+    outputs = _checked_outputs(spec, options, json_path=json_path, markdown_path=markdown_path, bundle=bundle,
+                               force=force)
     import paddle  # noqa: F401 - Paddle's import installs C++ signal handlers that dump a native stack
 
     interrupt.install()  # ... so Python's go back: SIGTERM ends the run with a partial report instead
@@ -64,32 +48,9 @@ def _run_command(command: str, config: Path, console: Console, *, json_path: Pat
     # terminal and out of the report's text, counted in the report's details (and so in the bundle).
     with progress_bar(console, quiet) as on_progress, capture_library_logs() as library_logs:
         if command == "scan":
-            from nandoctor.scan import ScanOptions, run_scan
-
-            batches = options.get("batches")
-            report = run_scan(spec, ScanOptions(batches=batches), on_progress)
-            flags = {"--batches": batches}
+            report, flags = _scan(spec, options, on_progress)
         else:
-            from nandoctor.probe import ProbeOptions, run_probe
-
-            opts = ProbeOptions(
-                steps=options.get("steps") or spec.probe.steps,
-                seed=options["seed"] if options.get("seed") is not None else spec.probe.seed,
-                device=options.get("device") or spec.probe.device,
-                try_fixes=options.get("try_fixes", True),
-                fix_steps=options.get("fix_steps") or 20,
-                bundle=bundle is not None,
-            )
-            nproc = int(options.get("nproc") or 1)
-            if nproc > 1:  # N processes through Paddle's launcher, each training its share of the data
-                check_nproc(nproc, opts.device)
-                from nandoctor.probe.ranks import launch_probe
-
-                report = launch_probe(Path(config).resolve(), opts.steps, opts.seed, nproc, opts.device)
-            else:
-                report = run_probe(spec, opts, on_progress)
-            flags = {"--steps": opts.steps, "--seed": opts.seed, "--device": opts.device,
-                     "--nproc": nproc if nproc > 1 else None, "--resume": options.get("resume")}
+            report, flags = _probe(spec, config, options, bundle, on_progress)
     if library_logs.count:
         report.details["library_logs"] = library_logs.as_details()
     report.run.setdefault("config", str(config))
@@ -101,13 +62,87 @@ def _run_command(command: str, config: Path, console: Console, *, json_path: Pat
         check_not_an_input(py_outputs, imported_files(spec.base_dir))
     write_outputs(report, console, json_path=json_path, markdown_path=markdown_path, quiet=quiet)
     if bundle is not None:
-        from nandoctor.report.bundle import write_bundle
-
-        written = write_bundle(report, spec, bundle, force=force, include_code=not options.get("no_code", False))
-        console.print(f"Bundle written to [bold]{written}[/] (attach it to the bug ticket).")
+        _write_bundle(report, spec, bundle, console, force=force, include_code=not options.get("no_code", False))
     if report.partial:
         return interrupt.exit_status()
     return report.exit_code
+
+
+def _load_run_spec(command: str, config: Path, options: dict[str, Any]) -> Any:
+    """The spec, with a Trainer checkpoint's resume in place of its own; refused at once when the run it asks
+    for is not supported (before any import or model build)."""
+    spec = load_spec(config)
+    if options.get("resume") is not None:  # a Trainer's checkpoint-N folder, in place of a `resume` block
+        from nandoctor.workload.resume import from_trainer_dir
+
+        spec.resume = from_trainer_dir(Path(options["resume"]), spec)
+    nproc_asked = int(options.get("nproc") or 1)
+    if command == "probe" and nproc_asked > 1 and spec.resume is not None:
+        raise SpecError(f"--nproc {nproc_asked} with a resume from a checkpoint ({spec.resume.source}) is not "
+                        "supported yet: probe the resumed run in one process (leave --nproc out).")
+    return spec
+
+
+def _checked_outputs(spec: Any, options: dict[str, Any], *, json_path: Path | None, markdown_path: Path | None,
+                     bundle: Path | None, force: bool) -> list[Path]:
+    """The report files asked for, each checked writable and none of them one of the spec's inputs, and the
+    bundle's target checked: a typo found before the run, not after a 200-step probe."""
+    if options.get("device") is not None:  # a typo in --device should not wait for imports or a model build
+        check_device(options["device"], "--device")
+    outputs = [p for p in (json_path, markdown_path) if p is not None]
+    for path in outputs:
+        check_writable_file(path)
+    check_not_an_input(outputs, spec_inputs(spec))
+    if bundle is not None:
+        from nandoctor.report.bundle import check_bundle_target
+
+        check_bundle_target(bundle, force)
+    return outputs
+
+
+def _scan(spec: Any, options: dict[str, Any], on_progress: ProgressFn) -> tuple[Report, dict[str, Any]]:
+    """`scan`: its report, and the flags that reproduce it."""
+    from nandoctor.scan import ScanOptions, run_scan
+
+    batches = options.get("batches")
+    report = run_scan(spec, ScanOptions(batches=batches), on_progress)
+    return report, {"--batches": batches}
+
+
+def _probe(spec: Any, config: Path, options: dict[str, Any], bundle: Path | None,
+           on_progress: ProgressFn) -> tuple[Report, dict[str, Any]]:
+    """`probe`, in this process or in N through Paddle's launcher: its report, and the flags that reproduce it
+    (the spec's defaults spelled out)."""
+    from nandoctor.probe import ProbeOptions, run_probe
+
+    opts = ProbeOptions(
+        steps=options.get("steps") or spec.probe.steps,
+        seed=options["seed"] if options.get("seed") is not None else spec.probe.seed,
+        device=options.get("device") or spec.probe.device,
+        try_fixes=options.get("try_fixes", True),
+        fix_steps=options.get("fix_steps") or 20,
+        bundle=bundle is not None,
+    )
+    nproc = int(options.get("nproc") or 1)
+    if nproc > 1:  # N processes through Paddle's launcher, each training its share of the data
+        check_nproc(nproc, opts.device)
+        from nandoctor.probe.ranks import launch_probe
+
+        report = launch_probe(Path(config).resolve(), opts.steps, opts.seed, nproc, opts.device)
+    else:
+        report = run_probe(spec, opts, on_progress)
+    flags = {"--steps": opts.steps, "--seed": opts.seed, "--device": opts.device,
+             "--nproc": nproc if nproc > 1 else None, "--resume": options.get("resume")}
+    return report, flags
+
+
+def _write_bundle(report: Report, spec: Any, bundle: Path, console: Console, *, force: bool,
+                  include_code: bool) -> None:
+    """The bundle for a bug ticket, and the line that says where it went."""
+    from nandoctor.report.bundle import write_bundle
+
+    written = write_bundle(report, spec, bundle, force=force, include_code=include_code)
+    console.print(f"Bundle written to [bold]{written}[/] (attach it to the bug ticket).")
 
 
 def check_nproc(nproc: int, device: str) -> None:

@@ -283,39 +283,11 @@ class StepMonitor:
         the gradients are left unread this step (grad_norm None; see StepWatcher.defer_grads). `pending`:
         the loss tensors of the steps left unread since the last read (StepWatcher.defer_reads), read in
         the same sync as one stack."""
-        import paddle
-        from paddle import _C_ops
-
-        f32 = paddle.float32
         has_params = self._pending_params is not None
         per_param = full or self.small
         acts = list(self._act_val)
         act_idx = list(self._act_idx)
-        # No autograd here: gradients are tensors that require grad, and every op on them would record a
-        # backward node (stacking 150 gradients: 0.2 ms with, 0.06 ms without; a third of a 500-layer
-        # MLP's detection cost).
-        with paddle.no_grad():
-            lv = loss if loss.dtype == f32 else _C_ops.cast(loss, f32)
-            if lv.shape not in ([], [1]):  # a scalar needs no sum (~3 us a step)
-                lv = _C_ops.sum(lv, None, None, False)
-            parts: list[Any] = [_C_ops.reshape(lv, [1])]
-            if scale is not None:
-                parts.append(_C_ops.reshape(_C_ops.cast(scale, f32), [1]))
-            if has_params:
-                parts.append(self._pending_params)
-            grad_sq, present = self._grad_sq(per_param) if grads else (None, [])
-            if grad_sq is not None:
-                parts.append(grad_sq)
-            if self._frozen and grads:
-                self._catch_unfrozen()
-            late_sq = self._late_sq() if self.late and grads else None
-            if late_sq is not None:
-                parts.append(late_sq)
-            if acts:
-                parts.append(_C_ops.reshape(_C_ops.stack(acts, 0), [-1]))
-            if pending:
-                parts.append(stacked_losses(pending))
-            vec = _C_ops.concat(parts, 0).numpy().astype("float64")
+        vec, grad_sq, present, late_sq = self._sync(loss, scale, has_params, per_param, grads, acts, pending)
         pos = 0
         loss_v = float(vec[pos])
         pos += 1
@@ -345,17 +317,60 @@ class StepMonitor:
             pos += 1
         act_max = None
         if self.active:
-            act_max = np.full(len(self.layer_names), np.nan)
-            if acts:
-                vals = vec[pos:pos + len(acts)]
-                np.fmax.at(act_max, np.asarray(act_idx), vals)
-                # fmax drops NaN; a NaN activation must still show as non-finite
-                bad = ~np.isfinite(vals)
-                if bad.any():
-                    act_max[np.asarray(act_idx)[bad]] = np.inf
+            act_max = self._act_maxima(vec, pos, len(acts), act_idx)
             pos += len(acts)
         held = vec[pos:pos + len(pending)] if pending else None
         return StepStats(loss_v, g_full, g_norm, params_sum, act_max, loss_scale, held)
+
+    def _sync(self, loss: Any, scale: Any, has_params: bool, per_param: bool, grads: bool, acts: list[Any],
+              pending: list[Any] | None) -> tuple[np.ndarray, Any, list[int], Any]:
+        """Everything `read` asks for as one device vector, in the order it takes the values back (the loss,
+        the loss scale, the parameters' sum, the squared gradient norms, the unfrozen ones' share, the
+        activation maxima, the unread steps' losses), then the one host sync; with the gradient norms' tensor
+        and the parameter of each, and the unfrozen share's tensor (None where not in the vector)."""
+        import paddle
+        from paddle import _C_ops
+
+        f32 = paddle.float32
+        # No autograd here: gradients are tensors that require grad, and every op on them would record a
+        # backward node (stacking 150 gradients: 0.2 ms with, 0.06 ms without; a third of a 500-layer
+        # MLP's detection cost).
+        with paddle.no_grad():
+            lv = loss if loss.dtype == f32 else _C_ops.cast(loss, f32)
+            if lv.shape not in ([], [1]):  # a scalar needs no sum (~3 us a step)
+                lv = _C_ops.sum(lv, None, None, False)
+            parts: list[Any] = [_C_ops.reshape(lv, [1])]
+            if scale is not None:
+                parts.append(_C_ops.reshape(_C_ops.cast(scale, f32), [1]))
+            if has_params:
+                parts.append(self._pending_params)
+            grad_sq, present = self._grad_sq(per_param) if grads else (None, [])
+            if grad_sq is not None:
+                parts.append(grad_sq)
+            if self._frozen and grads:
+                self._catch_unfrozen()
+            late_sq = self._late_sq() if self.late and grads else None
+            if late_sq is not None:
+                parts.append(late_sq)
+            if acts:
+                parts.append(_C_ops.reshape(_C_ops.stack(acts, 0), [-1]))
+            if pending:
+                parts.append(stacked_losses(pending))
+            vec = _C_ops.concat(parts, 0).numpy().astype("float64")
+        return vec, grad_sq, present, late_sq
+
+    def _act_maxima(self, vec: np.ndarray, pos: int, count: int, act_idx: list[int]) -> np.ndarray:
+        """A stats step's max |activation| per hooked layer, from the `count` values at `pos` (a layer called
+        more than once keeps its largest; NaN for layers that did not run, inf for a NaN activation)."""
+        act_max = np.full(len(self.layer_names), np.nan)
+        if count:
+            vals = vec[pos:pos + count]
+            np.fmax.at(act_max, np.asarray(act_idx), vals)
+            # fmax drops NaN; a NaN activation must still show as non-finite
+            bad = ~np.isfinite(vals)
+            if bad.any():
+                act_max[np.asarray(act_idx)[bad]] = np.inf
+        return act_max
 
 
 def _sum_squares(tensor: Any) -> float | None:

@@ -246,39 +246,16 @@ def growth_before_fault(records: list[Any], fault_step: int, fallback_lr: float 
     `samples_alone`: the fault reproduces with these samples of its batch alone (a strict subset). Then a
     modest rise (below the single-step jump ratio) is not what made the fault, only a note beside it:
     early training's norms often triple while the fault is a log(0) on one bad sample."""
-    before = [r for r in records if r.step < fault_step]
-    at_fault = [r for r in records if r.step == fault_step]
-    # the faulting step's own values count when finite (an update fault: its gradient was finite)
-    norms = [(r.step, float(r.grad_norm)) for r in before + at_fault if r.grad_norm is not None]
-    if norms and not math.isfinite(norms[-1][1]):
-        norms = norms[:-1]
-    losses = [(r.step, float(r.loss)) for r in before + at_fault if r.loss is not None]
-    if losses and not math.isfinite(losses[-1][1]):
-        losses = losses[:-1]
+    norms, losses = _series_to_fault(records, fault_step)
     rise, what = find_rise(norms), "gradient norm"
     if rise is None:
         rise, what = find_rise(losses), "loss"
     if rise is None:
         return None
-    by_step = {r.step: r for r in records}
-    lr = getattr(by_step.get(rise.start_step), "lr", None)
-    lr = lr if lr is not None else fallback_lr
-    pre = [v for s, v in norms if s < rise.start_step][-10:] or [v for s, v in norms if s == rise.start_step]
-    typical = statistics.median(pre) if pre else None
+    lr = _lr_at(records, rise.start_step, fallback_lr)
+    typical = _typical_norm(norms, rise.start_step)
     clip = typical * CLIP_FACTOR if typical else None
-    lr_text = f" The learning rate at step {rise.start_step} was {lr:g}." if lr is not None else ""
-    grew = (f"The {what} grew {rise.growth:.3g}x from {rise.start:.3g} at step {rise.start_step} to {rise.end:.3g} "
-            f"at step {rise.end_step}, right before the fault at step {fault_step}")
-    severity = Severity.WARNING
-    if samples_alone and rise.growth < _JUMP_RATIO:
-        severity = Severity.INFO
-        shown = ", ".join(str(i) for i in samples_alone[:10])
-        message = (f"{grew}; but the fault reproduces with sample(s) {shown} of its batch alone, so those samples, "
-                   f"not the growth, made it.{lr_text} If the growth goes on once they are fixed, lower the "
-                   "learning rate or clip the gradients.")
-    else:
-        message = (f"{grew}: the fault is where that growth overflowed, and the growth began at step "
-                   f"{rise.start_step}.{lr_text} Lower the learning rate or clip the gradients.")
+    severity, message = _growth_message(what, rise, fault_step, lr, samples_alone)
     return Finding(
         Code.GRAD_EXPLOSION, severity, message,
         Location(step=rise.start_step, phase=Phase.BACKWARD),
@@ -288,3 +265,47 @@ def growth_before_fault(records: list[Any], fault_step: int, fallback_lr: float 
          "history": [[s, v] for s, v in (norms if what == "gradient norm" else losses)[-20:]]},
         advice_for(Code.GRAD_EXPLOSION.value, clip_norm=clip, learning_rate=lr, lr_step=rise.start_step,
                    typical_norm=typical))
+
+
+def _series_to_fault(records: list[Any], fault_step: int) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """The gradient norms and the losses, by step, up to the fault: the faulting step's own values count when
+    finite (an update fault: its gradient was finite), and the records before it come first."""
+    before = [r for r in records if r.step < fault_step]
+    at_fault = [r for r in records if r.step == fault_step]
+    norms = [(r.step, float(r.grad_norm)) for r in before + at_fault if r.grad_norm is not None]
+    if norms and not math.isfinite(norms[-1][1]):
+        norms = norms[:-1]
+    losses = [(r.step, float(r.loss)) for r in before + at_fault if r.loss is not None]
+    if losses and not math.isfinite(losses[-1][1]):
+        losses = losses[:-1]
+    return norms, losses
+
+
+def _lr_at(records: list[Any], step: int, fallback_lr: float | None) -> float | None:
+    """The learning rate the record of `step` holds (the growth's first step), else the run's."""
+    by_step = {r.step: r for r in records}
+    lr = getattr(by_step.get(step), "lr", None)
+    return lr if lr is not None else fallback_lr
+
+
+def _typical_norm(norms: list[tuple[int, float]], start_step: int) -> float | None:
+    """The gradient norm before the growth (the median of the last ten before `start_step`, else its own):
+    what a clip threshold is a multiple of."""
+    pre = [v for s, v in norms if s < start_step][-10:] or [v for s, v in norms if s == start_step]
+    return statistics.median(pre) if pre else None
+
+
+def _growth_message(what: str, rise: Rise, fault_step: int, lr: float | None,
+                    samples_alone: list[int] | None) -> tuple[Severity, str]:
+    """The finding's severity and message: a warning that the growth made the fault, or (a modest growth, and
+    the fault reproduces with some samples of its batch alone) an info that those samples made it."""
+    lr_text = f" The learning rate at step {rise.start_step} was {lr:g}." if lr is not None else ""
+    grew = (f"The {what} grew {rise.growth:.3g}x from {rise.start:.3g} at step {rise.start_step} to {rise.end:.3g} "
+            f"at step {rise.end_step}, right before the fault at step {fault_step}")
+    if samples_alone and rise.growth < _JUMP_RATIO:
+        shown = ", ".join(str(i) for i in samples_alone[:10])
+        return Severity.INFO, (f"{grew}; but the fault reproduces with sample(s) {shown} of its batch alone, so "
+                               f"those samples, not the growth, made it.{lr_text} If the growth goes on once they "
+                               "are fixed, lower the learning rate or clip the gradients.")
+    return Severity.WARNING, (f"{grew}: the fault is where that growth overflowed, and the growth began at step "
+                              f"{rise.start_step}.{lr_text} Lower the learning rate or clip the gradients.")

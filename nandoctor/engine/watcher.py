@@ -357,9 +357,9 @@ class StepWatcher:
 
     def after_backward(self, loss: Any) -> Fault | None:
         """The step's one host sync, then the fault decision; a healthy step is recorded."""
-        mon = self.monitor
         if not self._seen_backward:
             self._seen_backward = True
+            mon = self.monitor
             if mon.params and all(p.grad is None for p in mon.params):  # host-side: no sync
                 return self._fault(FaultKind.LOSS, code=Code.LOSS_NO_GRAD, phase=Phase.BACKWARD,
                                    evidence={"reason": "no_gradient", "trainable": len(mon.params)})
@@ -372,24 +372,9 @@ class StepWatcher:
             self._t_read = 0.0
             self._last_norm = None  # (an update fault names this step's norm: it was not read)
             return None
-        scaler = self.scaler
-        pending = self._pending
-        t_read = time.perf_counter()
-        st = mon.read(loss, full=self._stats_step, scale=getattr(scaler, "_scale", None),
-                      grads=self._read_grads, pending=[p[3] for p in pending] if pending else None)
-        if not self._read_grads:
-            self.unread.add(step)
-        if mon._hooks:  # a stats step's hooks off once read (not at the next step's begin), so it can be quiet
-            mon.begin_step(False)
-        mon.active = False
-        if pending:
-            fault = self._take_pending(st.pending)
-            if fault is not None:
-                return fault
-        # the read's cost includes the unread steps' records it made (~1-2 us each: a read of 256 steps' losses)
-        self._t_read = time.perf_counter() - t_read
-        if self._ring is not None:
-            self._pace()
+        st, fault = self._read_step(loss, step)
+        if fault is not None:
+            return fault
         if st.params_sum is not None:
             if not math.isfinite(st.params_sum):
                 fault = self._update_fault(step)
@@ -400,10 +385,41 @@ class StepWatcher:
                 # the parameters are finite: no earlier unread step can be an update fault's cause any more
                 # (and the set stays small over a long run)
                 self.unread = {u for u in self.unread if u >= step}
+        return self._judge(st, step)
+
+    def _read_step(self, loss: Any, step: int) -> tuple[StepStats, Fault | None]:
+        """The step's one host sync, with the losses of the unread steps before it; the stats hooks off. A
+        non-finite loss among those unread steps is the fault (returned beside the stats, the read then
+        untimed); else the read's cost is timed and paces the next reads (`defer_reads`)."""
+        mon = self.monitor
+        pending = self._pending
+        t_read = time.perf_counter()
+        st = mon.read(loss, full=self._stats_step, scale=getattr(self.scaler, "_scale", None),
+                      grads=self._read_grads, pending=[p[3] for p in pending] if pending else None)
+        if not self._read_grads:
+            self.unread.add(step)
+        if mon._hooks:  # a stats step's hooks off once read (not at the next step's begin), so it can be quiet
+            mon.begin_step(False)
+        mon.active = False
+        if pending:
+            fault = self._take_pending(st.pending)
+            if fault is not None:
+                return st, fault
+        # the read's cost includes the unread steps' records it made (~1-2 us each: a read of 256 steps' losses)
+        self._t_read = time.perf_counter() - t_read
+        if self._ring is not None:
+            self._pace()
+        return st, None
+
+    def _judge(self, st: StepStats, step: int) -> Fault | None:
+        """A read step's own values, once the parameters are known fine: finite, the step is recorded (and may
+        begin an alert); a gradient norm that only overflowed float32's square is recomputed first. Non-finite:
+        the batch's fault when a NaN in it did it, an AMP overflow the scaler skips (recorded, no fault), or
+        else the update's or the step's own (`_nonfinite_fault`)."""
         lr = current_lr(self.optimizer)
         record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, st.loss_scale, lr=lr)
-        skipped = scaler is not None and math.isfinite(st.loss) and not st.grads_finite
-        if not skipped and math.isfinite(st.loss) and not st.grads_finite and mon.recheck_grads(st):
+        skipped = self.scaler is not None and math.isfinite(st.loss) and not st.grads_finite
+        if not skipped and math.isfinite(st.loss) and not st.grads_finite and self.monitor.recheck_grads(st):
             record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, lr=lr)  # a norm overflow
         if not math.isfinite(st.loss) or not st.grads_finite:
             fault = self.data_fault()  # a NaN in the batch did it (also what AMP would take for an overflow)
@@ -412,15 +428,20 @@ class StepWatcher:
             if skipped:  # AMP overflow: the scaler skips this update and lowers the scale; not a fault
                 record.skipped = True
             else:
-                # NaN weights written by the last update make the loss NaN too: blame the update
-                fault = self._update_fault(step, latest=True) if self.history else None
-                if fault is not None:
-                    return fault
-                self._record(record)
-                return self._fault(FaultKind.NONFINITE, rng=self._rng, stats=st)
+                return self._nonfinite_fault(st, step, record)
         self.schedule.alert = self._keep(record)
         self._last_norm = st.grad_norm
         return None
+
+    def _nonfinite_fault(self, st: StepStats, step: int, record: StepRecord) -> Fault:
+        """A non-finite step that is neither the batch's doing nor an AMP overflow: the last update's, when it
+        wrote the NaN weights that made the loss NaN too; else the step's own (recorded), localised by replay."""
+        # NaN weights written by the last update make the loss NaN too: blame the update
+        fault = self._update_fault(step, latest=True) if self.history else None
+        if fault is not None:
+            return fault
+        self._record(record)
+        return self._fault(FaultKind.NONFINITE, rng=self._rng, stats=st)
 
     def _keep(self, record: StepRecord) -> bool:
         """A read step's record kept and given to the warnings' tracker; an alert that begins here marks its
@@ -505,25 +526,30 @@ class StepWatcher:
         records += new
         if len(records) <= MAX_RECORDS:
             return
+        self.records = self._thinned(records)
+        self.thinned = True
+
+    def _thinned(self, records: list[StepRecord]) -> list[StepRecord]:
+        """`records` once thinned (`_record`): the recent ones and those near the marks whole, a sample of the
+        older ones (`_sampled`), in step order, and arrays on at most MAX_ARRAYS of the older ones."""
         older, recent = records[:-RECENT_STEPS], records[-RECENT_STEPS:]
         near = {s + d for s in self._marked() for d in range(-AROUND_MARKS, AROUND_MARKS + 1)}
         pinned = [r for r in older if r.step in near]
         # half the room left, so that the next thinning is RECENT_STEPS or more steps away
         room = max(2, MAX_RECORDS - RECENT_STEPS - len(pinned)) // 2
+        kept = sorted(pinned + self._sampled(older, near, room), key=lambda r: r.step)
+        _drop_some_arrays(kept, near)
+        return kept + recent
+
+    def _sampled(self, older: list[StepRecord], near: set[int], room: int) -> list[StepRecord]:
+        """The older records away from the marks that fit in `room`: those on a multiple of a stride, one for
+        the read steps (a third of the room) and one for the others, each doubled until its share fits."""
         read = [r for r in older if r.grad_norm is not None and r.step not in near]
         other = [r for r in older if r.grad_norm is None and r.step not in near]
         self._strides[0] = _stride(read, self._strides[0], room // 3)
         self._strides[1] = _stride(other, self._strides[1], room - room // 3)
-        kept = sorted(pinned + [r for r in read if r.step % self._strides[0] == 0]
-                      + [r for r in other if r.step % self._strides[1] == 0], key=lambda r: r.step)
-        with_arrays = [i for i, r in enumerate(kept) if r.step not in near
-                       and (r.grad_sq is not None or r.act_max is not None)]
-        if len(with_arrays) > MAX_ARRAYS:  # every other one's arrays go (the oldest stretch thins most)
-            for i in with_arrays[1::2]:
-                r = kept[i]
-                kept[i] = StepRecord(r.step, r.loss, r.grad_norm, None, None, r.loss_scale, r.skipped, r.lr)
-        self.records = kept + recent
-        self.thinned = True
+        return ([r for r in read if r.step % self._strides[0] == 0]
+                + [r for r in other if r.step % self._strides[1] == 0])
 
     def _mark(self, step: int) -> None:
         """An alert began at `step` (the gradient norm ten times its early level, activations near float16's
@@ -684,6 +710,17 @@ def _stride(records: list[StepRecord], stride: int, room: int) -> int:
     while sum(1 for r in records if r.step % stride == 0) > max(room, 1) and stride < 2**40:
         stride *= 2
     return stride
+
+
+def _drop_some_arrays(kept: list[StepRecord], near: set[int]) -> None:
+    """Per-tensor arrays (per-parameter norms, layer maxima) kept on at most about MAX_ARRAYS of the thinned
+    records away from the marks: over that, in place, every other one's go."""
+    with_arrays = [i for i, r in enumerate(kept) if r.step not in near
+                   and (r.grad_sq is not None or r.act_max is not None)]
+    if len(with_arrays) > MAX_ARRAYS:  # every other one's arrays go (the oldest stretch thins most)
+        for i in with_arrays[1::2]:
+            r = kept[i]
+            kept[i] = StepRecord(r.step, r.loss, r.grad_norm, None, None, r.loss_scale, r.skipped, r.lr)
 
 
 def current_lr(optimizer: Any) -> float | None:

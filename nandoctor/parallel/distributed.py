@@ -260,12 +260,28 @@ def rank_failure(reports: dict[int, Any], ending: Ending, *, mode: Mode, device:
     collective they waited in timed out and they died of it). None when nothing says which rank it was."""
     world = max([ending.world, *[int(r.run.get("world_size") or 0) for r in reports.values()],
                  max(reports, default=-1) + 1])
+    died = ending.died
+    # the ranks the others waited for (those that died of the wait are not among them)
+    stuck = [r for r in behind(ending.positions) if r not in ending.in_collective]
+    timed_out = bool(died) and died[0] in ending.in_collective and bool(stuck)
+    fates = _fates(reports, ending, stuck, timed_out)
+    merged = merge_crashed(reports, world, fates)
+    if merged is not None:
+        return merged
+    if died and not timed_out:
+        return _killed_report(world, ending, fates, mode=mode, device=device)
+    if stuck and fates:
+        return _hung_report(world, ending, min(stuck), fates, mode=mode, device=device)
+    return None
+
+
+def _fates(reports: dict[int, Any], ending: Ending, stuck: list[int], timed_out: bool) -> dict[int, str]:
+    """What became of each rank that stopped the job or stopped because of it (`details.ranks`' `fate`): one
+    rank's exception ended the others, or one died first without a word, or one stood still while the others
+    waited for it (`stuck`), until the parent stopped the job or their collective timed out (`timed_out`)."""
     positions = ending.positions
     died = ending.died
     fates: dict[int, str] = {}
-    # the ranks the others waited for (those that died of the wait are not among them)
-    stuck = [r for r in behind(positions) if r not in ending.in_collective]
-    timed_out = bool(died) and died[0] in ending.in_collective and bool(stuck)
     if reports and died:  # a rank raised; the others aborted at the collective it never reached
         fates.update({r: f"stopped after rank {min(reports)} raised" for r in died})
     elif died and not timed_out:
@@ -278,32 +294,38 @@ def rank_failure(reports: dict[int, Any], ending: Ending, *, mode: Mode, device:
         fates.update({r: f"waited for rank {min(stuck)} at a collective until it timed out"
                       for r in died if r in ending.in_collective})
         fates.update({r: f"{why} {positions[r].said()}" for r in stuck})
-    merged = merge_crashed(reports, world, fates)
-    if merged is not None:
-        return merged
-    if died and not timed_out:
-        first = died[0]
-        return _rank_report(world, first, positions, fates, Code.RANK_KILLED,
-                            _died_message(first, world, positions[first], signal_in_log(ending.logs.get(first))),
-                            ["If it was the out-of-memory killer (`dmesg` says so), lower this rank's memory: a "
-                             "smaller batch per rank, or fewer ranks per machine. A native crash (SIGSEGV, "
-                             "SIGABRT) points at a custom op or an extension: the rank's log has its stack."],
-                            mode=mode, device=device)
-    if stuck and fates:
-        first = min(stuck)
-        if ending.hung:
-            how = (f"no rank made progress for {hang_seconds():g} s, and the others were waiting for it at a "
-                   "collective (DataParallel's gradient all-reduce, or nandoctor's check). The job was stopped.")
-        else:
-            how = (f"the others waited for it at a collective (DataParallel's gradient all-reduce, or nandoctor's "
-                   f"check) until it timed out, and rank {died[0]} died of it (its log ends in a gloo error).")
-        return _rank_report(world, first, positions, fates, Code.RANK_HUNG,
-                            f"Rank {first} of {world} stopped moving {positions[first].said()}: {how}",
-                            [f"Look for what rank {first} does alone at that point: a data loader that blocks on "
-                             "this rank only, a collective called on some ranks and not others, or input/output "
-                             "that waits. NANDOCTOR_RANK_HANG_SECONDS sets how long a rank may stand still "
-                             f"(default {HANG_SECONDS:g} s)."], mode=mode, device=device)
-    return None
+    return fates
+
+
+def _killed_report(world: int, ending: Ending, fates: dict[int, str], *, mode: Mode, device: str) -> Any:
+    """`rank.killed`: the rank that died first, without a Python exception (a signal: its log may name it)."""
+    positions = ending.positions
+    first = ending.died[0]
+    return _rank_report(world, first, positions, fates, Code.RANK_KILLED,
+                        _died_message(first, world, positions[first], signal_in_log(ending.logs.get(first))),
+                        ["If it was the out-of-memory killer (`dmesg` says so), lower this rank's memory: a "
+                         "smaller batch per rank, or fewer ranks per machine. A native crash (SIGSEGV, "
+                         "SIGABRT) points at a custom op or an extension: the rank's log has its stack."],
+                        mode=mode, device=device)
+
+
+def _hung_report(world: int, ending: Ending, first: int, fates: dict[int, str], *, mode: Mode,
+                 device: str) -> Any:
+    """`rank.hung`: rank `first` stood still while the others waited for it, until the parent stopped the job
+    (`ending.hung`) or their collective timed out and they died of it."""
+    positions = ending.positions
+    if ending.hung:
+        how = (f"no rank made progress for {hang_seconds():g} s, and the others were waiting for it at a "
+               "collective (DataParallel's gradient all-reduce, or nandoctor's check). The job was stopped.")
+    else:
+        how = (f"the others waited for it at a collective (DataParallel's gradient all-reduce, or nandoctor's "
+               f"check) until it timed out, and rank {ending.died[0]} died of it (its log ends in a gloo error).")
+    return _rank_report(world, first, positions, fates, Code.RANK_HUNG,
+                        f"Rank {first} of {world} stopped moving {positions[first].said()}: {how}",
+                        [f"Look for what rank {first} does alone at that point: a data loader that blocks on "
+                         "this rank only, a collective called on some ranks and not others, or input/output "
+                         "that waits. NANDOCTOR_RANK_HANG_SECONDS sets how long a rank may stand still "
+                         f"(default {HANG_SECONDS:g} s)."], mode=mode, device=device)
 
 
 def _died_message(rank: int, world: int, where: Position, signame: str | None) -> str:
