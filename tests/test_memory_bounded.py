@@ -17,7 +17,7 @@ from nandoctor.engine import batch_tape
 from nandoctor.engine.monitors import StepMonitor
 from nandoctor.probe import ProbeOptions, run_probe
 from nandoctor.spec import load_spec
-from nandoctor.workload import batches
+from nandoctor.tensors import finite as batches
 
 
 @pytest.mark.parametrize("tape", ["keeps none", "keeps one"])
