@@ -760,6 +760,8 @@ def load_guards() -> dict[str, Any]:
 
 
 def _guard_table_problems(table: Any) -> list[str]:
+    """What makes `table` other than a guard table nandoctor wrote: the table's own keys first, then each
+    guard in the table's order; [] when it is one."""
     if not isinstance(table, dict) or table.get("format") != OP_GUARDS_FORMAT:
         return [f"format {table.get('format') if isinstance(table, dict) else None!r}, expected {OP_GUARDS_FORMAT!r}"]
     problems = []
@@ -771,25 +773,35 @@ def _guard_table_problems(table: Any) -> list[str]:
     if not isinstance(aliases, dict) or not all(isinstance(k, str) and v in guards for k, v in aliases.items()):
         problems.append("aliases must map op names to guarded ops")
     for op, g in guards.items():
-        if not isinstance(g, dict):
-            problems.append(f"{op}: not an object")
-            continue
-        names = [*(g.get("functions") or []), *(g.get("methods") or [])]
-        if not names or not all(isinstance(n, str) and NAME.match(n) for n in names):
-            problems.append(f"{op}: functions/methods must be plain names")
-        kind, arg = g.get("kind"), g.get("arg")
-        if kind not in RULE_KINDS:
-            problems.append(f"{op}: kind {kind!r}")
-        if not isinstance(arg, int) or isinstance(arg, bool) or not 0 <= arg <= 1:
-            problems.append(f"{op}: arg {arg!r}")
-        numbers = {k: g.get(k) for k in ("value", "lo", "hi")}
-        if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < float("inf"))
-                   for v in numbers.values()):
-            problems.append(f"{op}: value/lo/hi must be finite numbers")
-        elif (kind in ("add", "nonzero") and numbers["value"] is None) or \
-                (kind == "clip" and numbers["lo"] is None and numbers["hi"] is None):
-            problems.append(f"{op}: a {kind} rule without its bound")
+        problems += _guard_entry_problems(op, g)
     return problems
+
+
+def _guard_entry_problems(op: str, g: Any) -> list[str]:
+    """One guard's problems: the names it wraps, its rule kind, the argument it changes, its numbers."""
+    if not isinstance(g, dict):
+        return [f"{op}: not an object"]
+    problems = []
+    names = [*(g.get("functions") or []), *(g.get("methods") or [])]
+    if not names or not all(isinstance(n, str) and NAME.match(n) for n in names):
+        problems.append(f"{op}: functions/methods must be plain names")
+    kind, arg = g.get("kind"), g.get("arg")
+    if kind not in RULE_KINDS:
+        problems.append(f"{op}: kind {kind!r}")
+    if not isinstance(arg, int) or isinstance(arg, bool) or not 0 <= arg <= 1:
+        problems.append(f"{op}: arg {arg!r}")
+    return problems + _guard_bound_problems(op, kind, {k: g.get(k) for k in ("value", "lo", "hi")})
+
+
+def _guard_bound_problems(op: str, kind: Any, numbers: dict[str, Any]) -> list[str]:
+    """A guard's value/lo/hi: each absent or a finite number (never a bool), and the one its kind needs set."""
+    if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < float("inf"))
+               for v in numbers.values()):
+        return [f"{op}: value/lo/hi must be finite numbers"]
+    if (kind in ("add", "nonzero") and numbers["value"] is None) or \
+            (kind == "clip" and numbers["lo"] is None and numbers["hi"] is None):
+        return [f"{op}: a {kind} rule without its bound"]
+    return []
 
 
 def guard_op(table: dict[str, Any], op: Any) -> str | None:
