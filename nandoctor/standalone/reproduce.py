@@ -682,49 +682,14 @@ NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 def replay_with_remedy(report: dict[str, Any], spec: dict[str, Any], batch: dict[str, np.ndarray] | None,
                        expected: dict[str, Any], name: str) -> int:
     """The failing step again with the remedy `name` applied: exit 0 when it now runs clean, 1 when not."""
-    rows = {r.get("remedy"): r for r in report.get("remedies") or [] if isinstance(r, dict)}
-    row = rows.get(name)
-    if row is None:
-        raise BundleError(f"report.json has no remedy {name!r}; it has: {', '.join(map(str, rows)) or 'none'}.")
-    print(f"remedy {name} ({row.get('outcome')} in nandoctor's replay): {row.get('change')}")
-    if name not in ("op_guard", "drop_samples"):
-        raise BundleError(f"{name} acts over many steps, from a state before the fault that this bundle does not "
-                          f"hold; nandoctor replayed it in the probe (outcome {row.get('outcome')}, see report.md). "
-                          "reproduce.py replays op_guard and drop_samples.")
+    row = replayable_remedy(report, name)
     if batch is None:
         raise BundleError("this bundle holds no batch.npz, so the step cannot be replayed.")
     rate = step_lr(report, expected.get("step"))
-    hits = None
     if name == "drop_samples":
-        samples = sorted({i for b in (row.get("skip_list") or {}).get("batches", [])[:1] for i in b["samples"]}
-                         or set(expected.get("sample_indices") or []))
-        n = len(next(iter(batch.values())))
-        batch = {k: np.delete(v, samples, axis=0) if v.ndim and len(v) == n else v for k, v in batch.items()}
-        print(f"left out sample(s) {samples} of the batch")
-        if expected.get("phase") == "data":
-            found = check_data(batch, spec, {})
-        else:
-            found = replay_step(spec, batch, expected, rate)
+        found = replay_without_samples(row, spec, batch, expected, rate)
     else:
-        table = load_guards()
-        op = guard_op(table, expected.get("op"))
-        if op is None:
-            raise BundleError(f"no guard for op {expected.get('op')!r} in {OP_GUARDS}.")
-        source = guard_source(report)
-        scope = (row.get("guard") or {}).get("scope") or ("line" if source else "any")
-        if scope not in SCOPES:
-            raise BundleError(f"report.json's op_guard row has scope {scope!r}; expected one of {', '.join(SCOPES)}.")
-        rule = dict(table["guards"][op])
-        limit = row.get("threshold")  # the clamp the probe's threshold search verified (exp: 60, or tighter)
-        if limit is not None and rule.get("kind") == "clip" and rule.get("hi") is not None and rule.get("lo") is None:
-            rule["hi"] = float(limit)
-        at = f", clamped at {rule['hi']:g}" if limit is not None and rule.get("hi") is not None else ""
-        print(f"guarding {op} ({scope_text(scope, source)}{at}), as nandoctor's replay did")
-        with guard(rule, source, scope) as hits:
-            found = replay_step(spec, batch, expected, rate)
-    if hits is not None and not hits["calls"]:
-        print(f"note: the guard was never applied: no {op} on a tensor was called {scope_text(scope, source)}, so "
-              "this replay says nothing about the fix.")
+        found = replay_with_guard(report, row, spec, batch, expected, rate)
     if found is None:
         print("no fault: with this remedy the step runs without NaN/Inf.")
         if row.get("outcome") != "fixed":
@@ -735,6 +700,74 @@ def replay_with_remedy(report: dict[str, Any], spec: dict[str, Any], batch: dict
     print("first fault: " + describe(found))
     print("the remedy does not stop the fault in this step.")
     return 1
+
+
+def replayable_remedy(report: dict[str, Any], name: str) -> dict[str, Any]:
+    """report.json's row for the remedy `name`, announced; a BundleError when the report has no such remedy
+    or it is one that acts over many steps, which this bundle cannot replay."""
+    rows = {r.get("remedy"): r for r in report.get("remedies") or [] if isinstance(r, dict)}
+    row = rows.get(name)
+    if row is None:
+        raise BundleError(f"report.json has no remedy {name!r}; it has: {', '.join(map(str, rows)) or 'none'}.")
+    print(f"remedy {name} ({row.get('outcome')} in nandoctor's replay): {row.get('change')}")
+    if name not in ("op_guard", "drop_samples"):
+        raise BundleError(f"{name} acts over many steps, from a state before the fault that this bundle does not "
+                          f"hold; nandoctor replayed it in the probe (outcome {row.get('outcome')}, see report.md). "
+                          "reproduce.py replays op_guard and drop_samples.")
+    return row
+
+
+def replay_without_samples(row: dict[str, Any], spec: dict[str, Any], batch: dict[str, np.ndarray],
+                           expected: dict[str, Any], rate: float | None) -> dict[str, Any] | None:
+    """The drop_samples remedy: the batch without the offending samples, re-checked (a data fault) or its
+    step replayed."""
+    samples = samples_to_drop(row, expected)
+    n = len(next(iter(batch.values())))
+    batch = {k: np.delete(v, samples, axis=0) if v.ndim and len(v) == n else v for k, v in batch.items()}
+    print(f"left out sample(s) {samples} of the batch")
+    if expected.get("phase") == "data":
+        return check_data(batch, spec, {})
+    return replay_step(spec, batch, expected, rate)
+
+
+def samples_to_drop(row: dict[str, Any], expected: dict[str, Any]) -> list[int]:
+    """The samples of the remedy's skip list (its first batch), or else the report's offending samples."""
+    return sorted({i for b in (row.get("skip_list") or {}).get("batches", [])[:1] for i in b["samples"]}
+                  or set(expected.get("sample_indices") or []))
+
+
+def replay_with_guard(report: dict[str, Any], row: dict[str, Any], spec: dict[str, Any],
+                      batch: dict[str, np.ndarray], expected: dict[str, Any], rate: float | None
+                      ) -> dict[str, Any] | None:
+    """The op_guard remedy: the step replayed with the probe's guard for the faulting op, at the scope and
+    clamp the report's row names; says so when no call was guarded, since then the replay shows nothing."""
+    table = load_guards()
+    op = guard_op(table, expected.get("op"))
+    if op is None:
+        raise BundleError(f"no guard for op {expected.get('op')!r} in {OP_GUARDS}.")
+    source = guard_source(report)
+    scope = (row.get("guard") or {}).get("scope") or ("line" if source else "any")
+    if scope not in SCOPES:
+        raise BundleError(f"report.json's op_guard row has scope {scope!r}; expected one of {', '.join(SCOPES)}.")
+    rule = guard_rule(table, op, row)
+    at = f", clamped at {rule['hi']:g}" if row.get("threshold") is not None and rule.get("hi") is not None else ""
+    print(f"guarding {op} ({scope_text(scope, source)}{at}), as nandoctor's replay did")
+    with guard(rule, source, scope) as hits:
+        found = replay_step(spec, batch, expected, rate)
+    if not hits["calls"]:
+        print(f"note: the guard was never applied: no {op} on a tensor was called {scope_text(scope, source)}, so "
+              "this replay says nothing about the fix.")
+    return found
+
+
+def guard_rule(table: dict[str, Any], op: str, row: dict[str, Any]) -> dict[str, Any]:
+    """The table's rule for `op`; an upper clamp at the row's threshold, the one the probe's threshold search
+    verified (exp: 60, or tighter), when the rule is a clamp from above only."""
+    rule = dict(table["guards"][op])
+    limit = row.get("threshold")
+    if limit is not None and rule.get("kind") == "clip" and rule.get("hi") is not None and rule.get("lo") is None:
+        rule["hi"] = float(limit)
+    return rule
 
 
 def scope_text(scope: str, source: str | None) -> str:
