@@ -44,7 +44,7 @@ import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import yaml
@@ -488,7 +488,29 @@ def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expec
     if batch is None:
         raise BundleError("this bundle holds no batch.npz (the run captured no batch), so the step cannot be "
                           "replayed.")
-    model_spec, data = spec.get("model") or {}, spec.get("data") or {}
+    model, state = load_model(spec)
+    fields = {name: paddle.to_tensor(array) for name, array in batch.items()}
+    step = forward_and_loss_of(spec, model, fields)
+    optimizer = None
+    if expected.get("phase") == "optimizer":
+        optimizer = build_optimizer(spec, model)
+        set_lr(optimizer, rate, expected.get("step"))
+    rng = load_rng()
+    if rng is None:
+        print("note: no rng_state.json in the bundle; a model with dropout may replay with other masks")
+    tracker = Tracker(model)
+    log = quiet_paddle()
+    try:
+        return checked_step(step, tracker, state, rng, optimizer)
+    finally:
+        tracker.remove()
+        restore_output(log)
+
+
+def load_model(spec: dict[str, Any]) -> tuple[Any, dict[str, np.ndarray]]:
+    """The model from code/ with spec.yaml's arguments, in training mode, at the state before the failing
+    step (state.npz, also returned: pass 2 starts from it again) when the bundle holds one."""
+    model_spec = spec.get("model") or {}
     model = load_entry(model_spec["entry"])(**(model_spec.get("args") or {}))
     state = load_state()
     if state:
@@ -497,86 +519,122 @@ def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expec
         print("note: no state.npz in the bundle; the replay starts from the model's fresh initialisation, "
               "not from the state before the failing step")
     model.train()
-    fields = {name: paddle.to_tensor(array) for name, array in batch.items()}
-    label_name = data.get("label") or ("label" if "label" in fields else None)
-    inputs = data.get("inputs") or [k for k in fields if k != label_name]
-    selector = model_spec.get("output")  # model.output: a key, attribute or position; "loss": its own loss
-    if spec.get("step"):
-        step_fn = load_entry(spec["step"]["entry"])
-    builtin = None
-    if not spec.get("step") and selector != "loss":
-        loss_spec = spec.get("loss") or {}
-        builtin = loss_spec.get("builtin")
-        loss_fn = builtin_loss(builtin) if builtin else load_entry(loss_spec["entry"])
-    optimizer = None
-    if expected.get("phase") == "optimizer":
-        optimizer = build_optimizer(spec, model)
-        set_lr(optimizer, rate, expected.get("step"))
+    return model, state
 
-    def forward_and_loss() -> Any:
-        if spec.get("step"):
-            tracker.phase = "step"  # the user's step runs model and loss: the layer stack tells which
-            loss = step_fn(model, fields)
-        else:
-            tracker.phase = "forward"
-            if isinstance(inputs, dict):  # data.inputs as {keyword argument: field}
-                outputs = model(**{arg: fields[name] for arg, name in inputs.items()})
-            else:
-                outputs = model(*[fields[k] for k in inputs])
-            tracker.phase = "loss"
-            outputs = select_output(outputs, selector)
-            if selector == "loss":
-                loss = outputs
-            else:
-                if builtin and not isinstance(outputs, paddle.Tensor):
-                    raise BundleError(f"loss.builtin {builtin} needs the model's output to be one Tensor, but the "
-                                      f"model returned a {type(outputs).__name__}; set model.output in spec.yaml.")
-                label = fields.get(label_name) if label_name else None
-                loss = loss_fn(outputs) if label is None else loss_fn(outputs, label)
+
+class UserStep(NamedTuple):
+    """spec.yaml's `step` function, which runs the model and its loss itself: the layer stack tells which."""
+
+    model: Any
+    fields: dict[str, Any]
+    step_fn: Any
+
+    def forward_and_loss(self, tracker: Tracker) -> Any:
+        tracker.phase = "step"
+        loss = self.step_fn(self.model, self.fields)
         tracker.phase = "loss"
         return loss
 
-    rng = load_rng()
-    if rng is None:
-        print("note: no rng_state.json in the bundle; a model with dropout may replay with other masks")
-    tracker = Tracker(model)
-    log = quiet_paddle()
+
+class ModelThenLoss(NamedTuple):
+    """The model on its input fields, the output model.output selects, and the loss: the loss function on
+    that output (and the label when there is one), or the model's own loss when model.output is `loss`."""
+
+    model: Any
+    fields: dict[str, Any]
+    inputs: Any  # data.inputs: field names in order, or {keyword argument: field}
+    selector: Any  # model.output: a key, attribute or position; "loss": its own loss
+    label_name: str | None
+    builtin: str | None = None  # loss.builtin, when the loss is one
+    loss_fn: Any = None  # None when the model's own loss is the loss
+
+    def forward_and_loss(self, tracker: Tracker) -> Any:
+        tracker.phase = "forward"
+        if isinstance(self.inputs, dict):  # data.inputs as {keyword argument: field}
+            outputs = self.model(**{arg: self.fields[name] for arg, name in self.inputs.items()})
+        else:
+            outputs = self.model(*[self.fields[k] for k in self.inputs])
+        tracker.phase = "loss"
+        outputs = select_output(outputs, self.selector)
+        loss = outputs if self.selector == "loss" else self.loss_of(outputs)
+        tracker.phase = "loss"
+        return loss
+
+    def loss_of(self, outputs: Any) -> Any:
+        """The loss function on the selected output, with the label field when the data has one."""
+        import paddle
+
+        if self.builtin and not isinstance(outputs, paddle.Tensor):
+            raise BundleError(f"loss.builtin {self.builtin} needs the model's output to be one Tensor, but the "
+                              f"model returned a {type(outputs).__name__}; set model.output in spec.yaml.")
+        label = self.fields.get(self.label_name) if self.label_name else None
+        return self.loss_fn(outputs) if label is None else self.loss_fn(outputs, label)
+
+
+def forward_and_loss_of(spec: dict[str, Any], model: Any, fields: dict[str, Any]) -> UserStep | ModelThenLoss:
+    """How spec.yaml runs the step's forward pass and loss: its `step` function, or the model then the loss
+    (the builtin or loss.entry, loaded here; none when model.output is the model's own loss)."""
+    model_spec, data = spec.get("model") or {}, spec.get("data") or {}
+    label_name = data.get("label") or ("label" if "label" in fields else None)
+    inputs = data.get("inputs") or [k for k in fields if k != label_name]
+    selector = model_spec.get("output")
+    if spec.get("step"):
+        return UserStep(model, fields, load_entry(spec["step"]["entry"]))
+    if selector == "loss":
+        return ModelThenLoss(model, fields, inputs, selector, label_name)
+    loss_spec = spec.get("loss") or {}
+    builtin = loss_spec.get("builtin")
+    loss_fn = builtin_loss(builtin) if builtin else load_entry(loss_spec["entry"])
+    return ModelThenLoss(model, fields, inputs, selector, label_name, builtin, loss_fn)
+
+
+def checked_step(step: UserStep | ModelThenLoss, tracker: Tracker, state: dict[str, np.ndarray], rng: Any,
+                 optimizer: Any) -> dict[str, Any] | None:
+    """Pass 1, checker off: which phase first turns non-finite. The checker alone would also stop at an
+    Inf that a where() or a mask throws away, which never reaches training. A non-finite forward or loss
+    goes to pass 2 to name its op; a finite one has its backward pass (and update) checked."""
+    import paddle
+
+    set_rng(rng)
     try:
-        # Pass 1, checker off: which phase first turns non-finite. The checker alone would also stop at
-        # an Inf that a where() or a mask throws away, which never reaches training.
-        set_rng(rng)
+        loss = step.forward_and_loss(tracker)
+    except BundleError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's code raised: that is the fault
+        return fault_from(exc, tracker)
+    bad_layer = tracker.nonfinite_layer
+    if bad_layer is not None or not bool(paddle.isfinite(loss).all()):
+        return forward_fault(step, tracker, state, rng, bad_layer)
+    return backward_fault(loss, optimizer, tracker)
+
+
+def forward_fault(step: UserStep | ModelThenLoss, tracker: Tracker, state: dict[str, np.ndarray], rng: Any,
+                  bad_layer: str | None) -> dict[str, Any]:
+    """Pass 2: the same forward and loss from the same state and RNG, checker on, names the op; without an
+    op, the phase and layer pass 1 saw turn non-finite."""
+    if state:
+        step.model.set_state_dict(state)
+    tracker.reset()
+    with tensor_checker(rng):
         try:
-            loss = forward_and_loss()
-        except BundleError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the user's code raised: that is the fault
+            step.forward_and_loss(tracker)
+        except Exception as exc:  # noqa: BLE001 - the checker's abort
             return fault_from(exc, tracker)
-        bad_layer = tracker.nonfinite_layer
-        if bad_layer is not None or not bool(paddle.isfinite(loss).all()):
-            # Pass 2: the same forward and loss from the same state and RNG, checker on, names the op.
-            if state:
-                model.set_state_dict(state)
-            tracker.reset()
-            with tensor_checker(rng):
-                try:
-                    forward_and_loss()
-                except Exception as exc:  # noqa: BLE001 - the checker's abort
-                    return fault_from(exc, tracker)
-            return {"op": None, "phase": "forward" if bad_layer else "loss", "layer": bad_layer}
-        # Forward and loss are finite: only the backward pass (and the update) run under the checker.
-        with tensor_checker(None):
-            try:
-                tracker.phase = "backward"
-                loss.backward()
-                if optimizer is not None:
-                    tracker.phase = "optimizer"
-                    optimizer.step()
-            except Exception as exc:  # noqa: BLE001 - the checker's abort, or the user's code raising
-                return fault_from(exc, tracker)
-        return None
-    finally:
-        tracker.remove()
-        restore_output(log)
+    return {"op": None, "phase": "forward" if bad_layer else "loss", "layer": bad_layer}
+
+
+def backward_fault(loss: Any, optimizer: Any, tracker: Tracker) -> dict[str, Any] | None:
+    """Forward and loss are finite: only the backward pass (and the update) run under the checker."""
+    with tensor_checker(None):
+        try:
+            tracker.phase = "backward"
+            loss.backward()
+            if optimizer is not None:
+                tracker.phase = "optimizer"
+                optimizer.step()
+        except Exception as exc:  # noqa: BLE001 - the checker's abort, or the user's code raising
+            return fault_from(exc, tracker)
+    return None
 
 
 def load_rng() -> Any:
