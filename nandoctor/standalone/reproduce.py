@@ -116,35 +116,65 @@ def main(argv: list[str] | None = None) -> int:
     except BundleError as exc:
         print(f"reproduce.py: {exc}", file=sys.stderr)
         return 2
-    phase = expected.get("phase")
     if not expected and not (HERE / "batch.npz").is_file():
         print(f"nothing to reproduce: nandoctor found no fault in this run (verdict {report.get('verdict')}); "
               "see report.md for its warnings.")
         return 0
     try:
-        if phase == "params":
-            found = check_state(expected)
-        elif report.get("command") == "scan" or phase == "data":
-            found = check_data(batch, spec, expected)
-            if found is None and report.get("command") == "probe":
-                # No NaN/Inf in the batch: a bad label or id that makes the step raise. Replay the step.
-                found = replay_step(spec, batch, expected, step_lr(report, expected.get("step")))
-                if found is not None and found.get("error"):
-                    print("first fault: " + describe(found))
-                    print("matches the report: yes (the step raises on this batch; nandoctor traced the cause "
-                          "to the data, see report.md)")
-                    return 1
-        else:
-            found = replay_step(spec, batch, expected, step_lr(report, expected.get("step")))
+        outcome = find_fault(report, spec, batch, expected)
     except BundleError as exc:
         print(f"reproduce.py: {exc}", file=sys.stderr)
         return 2
+    return print_outcome(outcome, expected)
+
+
+RAISES_ON_DATA = ("yes (the step raises on this batch; nandoctor traced the cause to the data, see "
+                  "report.md)")
+
+
+class Outcome(NamedTuple):
+    """The fault this replay found (None: the step ran clean), and what to say of its match with the report
+    when that is not the field-by-field comparison."""
+
+    fault: dict[str, Any] | None
+    match: str | None = None
+
+
+def find_fault(report: dict[str, Any], spec: dict[str, Any], batch: dict[str, np.ndarray] | None,
+               expected: dict[str, Any]) -> Outcome:
+    """Look where the report found the fault: the parameters, the batch (a scan, or a data fault), or the
+    training step."""
+    phase = expected.get("phase")
+    if phase == "params":
+        return Outcome(check_state(expected))
+    if report.get("command") == "scan" or phase == "data":
+        return recheck_data(report, spec, batch, expected)
+    return Outcome(replay_step(spec, batch, expected, step_lr(report, expected.get("step"))))
+
+
+def recheck_data(report: dict[str, Any], spec: dict[str, Any], batch: dict[str, np.ndarray] | None,
+                 expected: dict[str, Any]) -> Outcome:
+    """The batch checked for NaN/Inf. A probe's data fault without one is a bad label or id that makes the
+    step raise: the step is replayed, and its error matches the report."""
+    found = check_data(batch, spec, expected)
+    if found is None and report.get("command") == "probe":
+        found = replay_step(spec, batch, expected, step_lr(report, expected.get("step")))
+        if found is not None and found.get("error"):
+            return Outcome(found, RAISES_ON_DATA)
+    return Outcome(found)
+
+
+def print_outcome(outcome: Outcome, expected: dict[str, Any]) -> int:
+    """The fault found and whether it is the reported one; the exit status: 1 for a fault, 0 for none."""
+    found = outcome.fault
     if found is None:
         print("no fault: the step ran without NaN/Inf here (a different Paddle version or device can differ; "
               "see environment.json).")
         return 0
     print("first fault: " + describe(found))
-    if expected:
+    if outcome.match is not None:
+        print("matches the report: " + outcome.match)
+    elif expected:
         same = all(found.get(k) == expected.get(k) for k in FAULT_KEYS if expected.get(k) is not None)
         print("matches the report: " + ("yes" if same else "no (see the report above)"))
     return 1
