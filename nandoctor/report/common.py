@@ -220,27 +220,32 @@ def sparkline(values: Sequence[Any], *, log: bool = False, width: int = 60,
     if overflowed is not None:  # a norm float32 could not hold: above every finite value, not a fault
         numbers = [_OVERFLOWED if over else x for x, over in zip(numbers, overflowed)]
     buckets = _buckets(numbers, width)
+    lo, hi = _scaled_range(buckets, log)
+    return [_spark_cell(bucket, log, lo, hi) for bucket in buckets]
+
+
+def _scaled_range(buckets: list[list[Any]], log: bool) -> tuple[float, float]:
+    """The lowest and highest finite value on the drawing scale, (0, 0) when there is none: the blocks span it."""
     finite_all = [x for b in buckets for x in b if isinstance(x, float) and math.isfinite(x)]
     scaled_all = [_scale(x, log) for x in finite_all]
     scaled_all = [s for s in scaled_all if s is not None]
-    lo, hi = (min(scaled_all), max(scaled_all)) if scaled_all else (0.0, 0.0)
-    cells: list[tuple[str, bool]] = []
-    for bucket in buckets:
-        present = [x for x in bucket if x is not None]
-        if not present:
-            cells.append((MISSING_MARK, True))
-            continue
-        if any(not math.isfinite(x) for x in present if x is not _OVERFLOWED):
-            cells.append((NONFINITE_MARK, False))
-            continue
-        if any(x is _OVERFLOWED for x in present):
-            cells.append((OVERFLOW_MARK, True))
-            continue
-        scaled = [s for s in (_scale(x, log) for x in present) if s is not None]
-        level = max(scaled) if scaled else lo
-        index = 0 if hi <= lo else round((level - lo) / (hi - lo) * (len(BLOCKS) - 1))
-        cells.append((BLOCKS[index], True))
-    return cells
+    return (min(scaled_all), max(scaled_all)) if scaled_all else (0.0, 0.0)
+
+
+def _spark_cell(bucket: list[Any], log: bool, lo: float, hi: float) -> tuple[str, bool]:
+    """One bucket's cell: blank when it holds no value, ✗ when any is non-finite, ▲ when a norm overflowed,
+    else the block for its largest value between `lo` and `hi`."""
+    present = [x for x in bucket if x is not None]
+    if not present:
+        return (MISSING_MARK, True)
+    if any(not math.isfinite(x) for x in present if x is not _OVERFLOWED):
+        return (NONFINITE_MARK, False)
+    if any(x is _OVERFLOWED for x in present):
+        return (OVERFLOW_MARK, True)
+    scaled = [s for s in (_scale(x, log) for x in present) if s is not None]
+    level = max(scaled) if scaled else lo
+    index = 0 if hi <= lo else round((level - lo) / (hi - lo) * (len(BLOCKS) - 1))
+    return (BLOCKS[index], True)
 
 
 def _scale(x: float, log: bool) -> float | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from nandoctor.findings import Report
 from nandoctor.report.common import OVERFLOW_NOTE, overflowed_norm
@@ -125,23 +125,52 @@ def loss_figure(report: Report) -> Any:
     ax_norm = ax.twinx()
     for axis, values, colour, label in ((ax, loss, "tab:blue", "loss (left axis)"),
                                         (ax_norm, norm, "tab:orange", "global grad norm (right axis)")):
-        xs = [s for s, v in values if v is not None]
-        ys = [v for _, v in values if v is not None]
-        if xs:
-            marker = "o" if len(xs) <= MARKERS_UP_TO else None
-            axis.plot(xs, ys, marker=marker, markersize=3, linewidth=1.4, label=label, color=colour)
-        axis.set_yscale("log")
+        _log_line(axis, values, colour, label)
+    _mark_nonfinite_steps(report, ax, ax_norm)
+    _mark_fault_and_clip(report, ax, ax_norm)
+    _label_loss_axes(report, ax, ax_norm)
+    handles, labels = ax.get_legend_handles_labels()
+    more = ax_norm.get_legend_handles_labels()
+    ax.legend(handles + more[0], labels + more[1], loc="lower left", bbox_to_anchor=(0.0, 1.02, 1.0, 0.2),
+              mode="expand", ncol=2, fontsize=8, borderaxespad=0.0, frameon=False)
+    fig.suptitle("Loss and global gradient norm per step", fontsize=11, y=0.985)
+    return fig
+
+
+def _log_line(axis: Any, values: list[tuple[int, float | None]], colour: str, label: str) -> None:
+    """The (step, value) pairs a log axis can show as one line (with markers while they stay readable);
+    the axis is log scale even when none can."""
+    xs = [s for s, v in values if v is not None]
+    ys = [v for _, v in values if v is not None]
+    if xs:
+        marker = "o" if len(xs) <= MARKERS_UP_TO else None
+        axis.plot(xs, ys, marker=marker, markersize=3, linewidth=1.4, label=label, color=colour)
+    axis.set_yscale("log")
+
+
+def _mark_nonfinite_steps(report: Report, ax: Any, ax_norm: Any) -> None:
+    """Along the top: a NaN/Inf loss, a NaN/Inf norm, and a norm float32 could not hold (finite gradients,
+    so not a fault) each in its own mark."""
+    points = report.timeline
     _top_marks(ax, [p.step for p in points if _is_nonfinite(p.loss)], FAULT_COLOUR, "x", "loss NaN/Inf")
     over = [p.step for p in points if overflowed_norm(report, p.step, p.grad_norm, p.skipped)]
     bad = [p.step for p in points if _is_nonfinite(p.grad_norm) and p.step not in over]
     _top_marks(ax_norm, bad, FAULT_COLOUR, "+", "grad norm NaN/Inf")
     _top_marks(ax_norm, over, OVERFLOW_COLOUR, "^", f"grad norm {OVERFLOW_NOTE} (gradients finite)")
+
+
+def _mark_fault_and_clip(report: Report, ax: Any, ax_norm: Any) -> None:
+    """The first fault's step (a vertical line) and the clipping threshold (on the norm's axis), when known."""
     fault = _fault_step(report)
     if fault is not None:
         ax.axvline(fault, color=FAULT_COLOUR, linestyle="--", linewidth=1.2, label=f"first fault (step {fault})")
     clip = _finite_positive(report.details.get("clip"))
     if clip is not None:
         ax_norm.axhline(clip, color="grey", linestyle=":", linewidth=1.2, label=f"clipping threshold ({clip:g})")
+
+
+def _label_loss_axes(report: Report, ax: Any, ax_norm: Any) -> None:
+    """The step range both figures share, the axis labels in their lines' colours, and the grid."""
     limits = step_range(report)
     if limits is not None:
         ax.set_xlim(*limits)
@@ -149,12 +178,6 @@ def loss_figure(report: Report) -> Any:
     ax.set_ylabel("loss (log scale)", color="tab:blue")
     ax_norm.set_ylabel("global grad norm (log scale)", color="tab:orange")
     ax.grid(True, which="major", alpha=0.3)
-    handles, labels = ax.get_legend_handles_labels()
-    more = ax_norm.get_legend_handles_labels()
-    ax.legend(handles + more[0], labels + more[1], loc="lower left", bbox_to_anchor=(0.0, 1.02, 1.0, 0.2),
-              mode="expand", ncol=2, fontsize=8, borderaxespad=0.0, frameon=False)
-    fig.suptitle("Loss and global gradient norm per step", fontsize=11, y=0.985)
-    return fig
 
 
 def _matrix(block: Any, names_key: str) -> tuple[list[str], list[Any], list[list[float]]] | None:
@@ -220,92 +243,177 @@ def _columns(data: Any, faulty: Any, over: Any, steps: list[Any]) -> tuple[Any, 
     return shown, bad, high, cut, [(x + y) / 2 for x, y in zip(cut, cut[1:])]
 
 
+class _Panel(NamedTuple):
+    """One heat map of the figure: its title, what its rows are, its matrix (as `_matrix` reads it), and
+    whether it holds activations (float16's limit marked) or gradient norms (overflowed norms marked)."""
+
+    title: str
+    what: str
+    names: list[str]
+    steps: list[Any]
+    rows: list[list[float]]
+    is_activation: bool
+
+
 def heatmap_figure(report: Report) -> Any:
     """Per-layer max |activation| per step (log colours from the data's own range, float16's 65504 marked
     when it falls inside it), and per-parameter gradient norms if present, on the real step axis. Red:
     NaN/Inf; grey: not recorded at that step; both named in a legend. None without data."""
-    panels = []
-    act = _matrix(report.details.get("activation_max"), "layers")
-    if act is not None:
-        panels.append(("Per-layer max |activation| per step", "layer", act, True))
-    grads = _matrix(report.details.get("grad_norms"), "parameters")
-    if grads is not None:
-        panels.append(("Per-parameter gradient norm per step", "parameter", grads, False))
+    panels = _heatmap_panels(report)
     if not panels:
         return None
-    import numpy as np
-    from matplotlib.colors import LogNorm
-    from matplotlib.patches import Patch
-
     plt = _pyplot()
-    heights = [max(2.4, 0.28 * len(p[2][0]) + 1.6) for p in panels]
-    heights[-1] += 0.4  # room for the key under the last panel
-    fig, axes = plt.subplots(len(panels), 1, figsize=(WIDTH, sum(heights)), dpi=110, squeeze=False,
-                             sharex=True, gridspec_kw={"height_ratios": heights})
-    fig.subplots_adjust(left=LEFT, right=RIGHT, top=1 - 0.45 / sum(heights), bottom=0.9 / sum(heights),
-                        hspace=0.45)
+    fig, axes = _panel_grid(plt, panels)
     legend: dict[str, Any] = {}
     fault = _fault_step(report)
     limits = step_range(report)
-    for ax, (title, what, (names, steps, rows), is_activation) in zip(axes[:, 0], panels):
-        data = np.array(rows, dtype=float)
-        over = np.zeros(data.shape, dtype=bool)
-        if not is_activation:  # a per-parameter norm float32 could not hold, before any fault: not a fault
-            for i, j in zip(*np.nonzero(np.isinf(data))):
-                over[i, j] = overflowed_norm(report, int(steps[j]), data[i, j])
-        faulty = np.isinf(data) & ~over
-        data, faulty, over, edges, steps = _columns(data, faulty, over, steps)
-        finite = data[np.isfinite(data) & (data > 0)]
-        lo = float(finite.min()) if finite.size else 1e-3
-        hi = float(finite.max()) if finite.size else 1.0
-        if hi <= lo:
-            lo, hi = lo / 10, hi * 10
-        shown = np.where(faulty | over, hi, np.where(data <= 0, lo, data))
-        cmap = plt.get_cmap("viridis").with_extremes(bad=MISSING_COLOUR)
-        mesh = ax.pcolormesh(edges, np.arange(len(names) + 1) - 0.5, np.ma.masked_invalid(shown),
-                             cmap=cmap, norm=LogNorm(vmin=lo, vmax=hi), shading="flat")
-        handles = []
-        if faulty.any():  # NaN/Inf cells painted over the scale, in the fault's colour
-            mesh_bad = np.ma.masked_where(~faulty, np.ones(data.shape))
-            ax.pcolormesh(edges, np.arange(len(names) + 1) - 0.5, mesh_bad,
-                          cmap=plt.get_cmap("Reds").with_extremes(bad=(0, 0, 0, 0)), vmin=0, vmax=1)
-            handles.append(Patch(facecolor="darkred", label="NaN/Inf"))
-        if over.any():
-            ys, xs = np.nonzero(over)
-            ax.scatter([steps[i] for i in xs], ys, marker="^", s=30, color=OVERFLOW_COLOUR)
-            handles.append(Patch(facecolor=OVERFLOW_COLOUR, label=f"norm {OVERFLOW_NOTE} (gradients finite)"))
-        if np.isnan(data).any():
-            handles.append(Patch(facecolor=MISSING_COLOUR, label="not recorded at this step"))
-        cax = fig.add_axes([RIGHT + 0.02, ax.get_position().y0, 0.015, ax.get_position().height])
-        bar = fig.colorbar(mesh, cax=cax)
-        label = "max |value| (log)" if is_activation else "norm (log)"
-        if is_activation:
-            fp16 = np.isfinite(data) & (data > FP16_MAX)
-            if lo <= FP16_MAX <= hi:
-                bar.ax.axhline(FP16_MAX, color="red", linewidth=2)
-                label += "\nred line: fp16 max 65504"
-            elif hi < FP16_MAX:
-                label += "\nall below fp16's 65504"
-            if fp16.any():  # finite, but float16 would overflow here: outline those cells
-                ys, xs = np.nonzero(fp16)
-                ax.scatter([steps[i] for i in xs], ys, marker="s", s=30, facecolors="none", edgecolors="red",
-                           linewidths=0.8)
-                handles.append(Patch(facecolor="none", edgecolor="red", label="above 65504 (float16 overflows)"))
-        bar.set_label(label, fontsize=8)
-        ax.set_yticks(range(len(names)))
-        ax.set_yticklabels(names, fontsize=7)
-        ax.set_ylim(len(names) - 0.5, -0.5)
-        if limits is not None:
-            ax.set_xlim(*limits)
-        if fault is not None:
-            ax.axvline(fault, color="red", linestyle="--", linewidth=1.0)
+    for ax, panel in zip(axes[:, 0], panels):
+        handles = _draw_panel(report, plt, fig, ax, panel)
+        _frame_panel(ax, panel.names, limits, fault)
         if ax is axes[-1, 0]:  # the panels share the step axis: one label, under the last
             ax.set_xlabel("step")
-        ax.set_ylabel(what)
-        ax.set_title(title, fontsize=10, loc="left")
+        ax.set_ylabel(panel.what)
+        ax.set_title(panel.title, fontsize=10, loc="left")
         for handle in handles:
             legend.setdefault(handle.get_label(), handle)
     if legend:  # one key for every panel, under the figure's last axis: off the cells and the titles
         fig.legend(handles=list(legend.values()), loc="lower center", ncol=min(len(legend), 3), fontsize=7,
                    frameon=False, bbox_to_anchor=(0.5 * (LEFT + RIGHT), 0.0))
     return fig
+
+
+def _heatmap_panels(report: Report) -> list[_Panel]:
+    """The activation panel, then the gradient-norm panel, each when the report holds a usable matrix."""
+    panels = []
+    act = _matrix(report.details.get("activation_max"), "layers")
+    if act is not None:
+        panels.append(_Panel("Per-layer max |activation| per step", "layer", *act, True))
+    grads = _matrix(report.details.get("grad_norms"), "parameters")
+    if grads is not None:
+        panels.append(_Panel("Per-parameter gradient norm per step", "parameter", *grads, False))
+    return panels
+
+
+def _panel_grid(plt: Any, panels: list[_Panel]) -> tuple[Any, Any]:
+    """The figure and its column of axes, one per panel, each as tall as its rows need, sharing the step
+    axis, with the plotting area at the same left and right edges as the loss figure's."""
+    heights = [max(2.4, 0.28 * len(p.names) + 1.6) for p in panels]
+    heights[-1] += 0.4  # room for the key under the last panel
+    fig, axes = plt.subplots(len(panels), 1, figsize=(WIDTH, sum(heights)), dpi=110, squeeze=False,
+                             sharex=True, gridspec_kw={"height_ratios": heights})
+    fig.subplots_adjust(left=LEFT, right=RIGHT, top=1 - 0.45 / sum(heights), bottom=0.9 / sum(heights),
+                        hspace=0.45)
+    return fig, axes
+
+
+def _draw_panel(report: Report, plt: Any, fig: Any, ax: Any, panel: _Panel) -> list[Any]:
+    """One panel's cells on log colours from its own range, faults and overflowed norms drawn over them,
+    and its colour bar; the legend handles for what it marks."""
+    data, faulty, over = _fault_cells(report, panel)
+    data, faulty, over, edges, steps = _columns(data, faulty, over, panel.steps)
+    lo, hi = _colour_range(data)
+    mesh = _paint_cells(plt, ax, data, faulty, over, edges, len(panel.names), lo, hi)
+    handles = _mark_cells(plt, ax, data, faulty, over, edges, steps, len(panel.names))
+    cax = fig.add_axes([RIGHT + 0.02, ax.get_position().y0, 0.015, ax.get_position().height])
+    bar = fig.colorbar(mesh, cax=cax)
+    label = "max |value| (log)" if panel.is_activation else "norm (log)"
+    if panel.is_activation:
+        note, fp16_handles = _fp16_marks(ax, bar, data, steps, lo, hi)
+        label += note
+        handles += fp16_handles
+    bar.set_label(label, fontsize=8)
+    return handles
+
+
+def _fault_cells(report: Report, panel: _Panel) -> tuple[Any, Any, Any]:
+    """(values, faulty, overflowed) as arrays: an infinite per-parameter norm that float32 could not hold,
+    before any fault, is overflowed and not a fault; every other NaN/Inf cell is a fault."""
+    import numpy as np
+
+    data = np.array(panel.rows, dtype=float)
+    over = np.zeros(data.shape, dtype=bool)
+    if not panel.is_activation:
+        for i, j in zip(*np.nonzero(np.isinf(data))):
+            over[i, j] = overflowed_norm(report, int(panel.steps[j]), data[i, j])
+    faulty = np.isinf(data) & ~over
+    return data, faulty, over
+
+
+def _colour_range(data: Any) -> tuple[float, float]:
+    """The colour scale: the smallest and largest finite positive value, widened tenfold each way when
+    they are equal; 1e-3 to 1 when there is none."""
+    import numpy as np
+
+    finite = data[np.isfinite(data) & (data > 0)]
+    lo = float(finite.min()) if finite.size else 1e-3
+    hi = float(finite.max()) if finite.size else 1.0
+    if hi <= lo:
+        lo, hi = lo / 10, hi * 10
+    return lo, hi
+
+
+def _paint_cells(plt: Any, ax: Any, data: Any, faulty: Any, over: Any, edges: list[float], rows: int,
+                 lo: float, hi: float) -> Any:
+    """The cells on log colours: a fault or overflowed norm at the top of the scale, zero or below at its
+    bottom, a missing value grey. Returns the mesh, for the colour bar."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    shown = np.where(faulty | over, hi, np.where(data <= 0, lo, data))
+    cmap = plt.get_cmap("viridis").with_extremes(bad=MISSING_COLOUR)
+    return ax.pcolormesh(edges, np.arange(rows + 1) - 0.5, np.ma.masked_invalid(shown),
+                         cmap=cmap, norm=LogNorm(vmin=lo, vmax=hi), shading="flat")
+
+
+def _mark_cells(plt: Any, ax: Any, data: Any, faulty: Any, over: Any, edges: list[float], steps: list[float],
+                rows: int) -> list[Any]:
+    """NaN/Inf cells painted in the fault's colour, overflowed norms marked, and the legend handles for
+    those and for cells not recorded."""
+    import numpy as np
+    from matplotlib.patches import Patch
+
+    handles = []
+    if faulty.any():  # NaN/Inf cells painted over the scale, in the fault's colour
+        mesh_bad = np.ma.masked_where(~faulty, np.ones(data.shape))
+        ax.pcolormesh(edges, np.arange(rows + 1) - 0.5, mesh_bad,
+                      cmap=plt.get_cmap("Reds").with_extremes(bad=(0, 0, 0, 0)), vmin=0, vmax=1)
+        handles.append(Patch(facecolor="darkred", label="NaN/Inf"))
+    if over.any():
+        ys, xs = np.nonzero(over)
+        ax.scatter([steps[i] for i in xs], ys, marker="^", s=30, color=OVERFLOW_COLOUR)
+        handles.append(Patch(facecolor=OVERFLOW_COLOUR, label=f"norm {OVERFLOW_NOTE} (gradients finite)"))
+    if np.isnan(data).any():
+        handles.append(Patch(facecolor=MISSING_COLOUR, label="not recorded at this step"))
+    return handles
+
+
+def _fp16_marks(ax: Any, bar: Any, data: Any, steps: list[float], lo: float, hi: float) -> tuple[str, list[Any]]:
+    """Float16's limit on an activation panel: a red line on the colour bar when 65504 is inside its range,
+    and an outline on each finite cell above it (float16 would overflow there). Returns the colour bar
+    label's addition and the legend handles."""
+    import numpy as np
+    from matplotlib.patches import Patch
+
+    note = ""
+    fp16 = np.isfinite(data) & (data > FP16_MAX)
+    if lo <= FP16_MAX <= hi:
+        bar.ax.axhline(FP16_MAX, color="red", linewidth=2)
+        note = "\nred line: fp16 max 65504"
+    elif hi < FP16_MAX:
+        note = "\nall below fp16's 65504"
+    if not fp16.any():
+        return note, []
+    ys, xs = np.nonzero(fp16)  # finite, but float16 would overflow here: outline those cells
+    ax.scatter([steps[i] for i in xs], ys, marker="s", s=30, facecolors="none", edgecolors="red", linewidths=0.8)
+    return note, [Patch(facecolor="none", edgecolor="red", label="above 65504 (float16 overflows)")]
+
+
+def _frame_panel(ax: Any, names: list[str], limits: tuple[float, float] | None, fault: int | None) -> None:
+    """A panel's rows named top to bottom, the shared step range, and the first fault's step as a line."""
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names, fontsize=7)
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    if limits is not None:
+        ax.set_xlim(*limits)
+    if fault is not None:
+        ax.axvline(fault, color="red", linestyle="--", linewidth=1.0)

@@ -44,7 +44,7 @@ import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import yaml
@@ -116,35 +116,65 @@ def main(argv: list[str] | None = None) -> int:
     except BundleError as exc:
         print(f"reproduce.py: {exc}", file=sys.stderr)
         return 2
-    phase = expected.get("phase")
     if not expected and not (HERE / "batch.npz").is_file():
         print(f"nothing to reproduce: nandoctor found no fault in this run (verdict {report.get('verdict')}); "
               "see report.md for its warnings.")
         return 0
     try:
-        if phase == "params":
-            found = check_state(expected)
-        elif report.get("command") == "scan" or phase == "data":
-            found = check_data(batch, spec, expected)
-            if found is None and report.get("command") == "probe":
-                # No NaN/Inf in the batch: a bad label or id that makes the step raise. Replay the step.
-                found = replay_step(spec, batch, expected, step_lr(report, expected.get("step")))
-                if found is not None and found.get("error"):
-                    print("first fault: " + describe(found))
-                    print("matches the report: yes (the step raises on this batch; nandoctor traced the cause "
-                          "to the data, see report.md)")
-                    return 1
-        else:
-            found = replay_step(spec, batch, expected, step_lr(report, expected.get("step")))
+        outcome = find_fault(report, spec, batch, expected)
     except BundleError as exc:
         print(f"reproduce.py: {exc}", file=sys.stderr)
         return 2
+    return print_outcome(outcome, expected)
+
+
+RAISES_ON_DATA = ("yes (the step raises on this batch; nandoctor traced the cause to the data, see "
+                  "report.md)")
+
+
+class Outcome(NamedTuple):
+    """The fault this replay found (None: the step ran clean), and what to say of its match with the report
+    when that is not the field-by-field comparison."""
+
+    fault: dict[str, Any] | None
+    match: str | None = None
+
+
+def find_fault(report: dict[str, Any], spec: dict[str, Any], batch: dict[str, np.ndarray] | None,
+               expected: dict[str, Any]) -> Outcome:
+    """Look where the report found the fault: the parameters, the batch (a scan, or a data fault), or the
+    training step."""
+    phase = expected.get("phase")
+    if phase == "params":
+        return Outcome(check_state(expected))
+    if report.get("command") == "scan" or phase == "data":
+        return recheck_data(report, spec, batch, expected)
+    return Outcome(replay_step(spec, batch, expected, step_lr(report, expected.get("step"))))
+
+
+def recheck_data(report: dict[str, Any], spec: dict[str, Any], batch: dict[str, np.ndarray] | None,
+                 expected: dict[str, Any]) -> Outcome:
+    """The batch checked for NaN/Inf. A probe's data fault without one is a bad label or id that makes the
+    step raise: the step is replayed, and its error matches the report."""
+    found = check_data(batch, spec, expected)
+    if found is None and report.get("command") == "probe":
+        found = replay_step(spec, batch, expected, step_lr(report, expected.get("step")))
+        if found is not None and found.get("error"):
+            return Outcome(found, RAISES_ON_DATA)
+    return Outcome(found)
+
+
+def print_outcome(outcome: Outcome, expected: dict[str, Any]) -> int:
+    """The fault found and whether it is the reported one; the exit status: 1 for a fault, 0 for none."""
+    found = outcome.fault
     if found is None:
         print("no fault: the step ran without NaN/Inf here (a different Paddle version or device can differ; "
               "see environment.json).")
         return 0
     print("first fault: " + describe(found))
-    if expected:
+    if outcome.match is not None:
+        print("matches the report: " + outcome.match)
+    elif expected:
         same = all(found.get(k) == expected.get(k) for k in FAULT_KEYS if expected.get(k) is not None)
         print("matches the report: " + ("yes" if same else "no (see the report above)"))
     return 1
@@ -488,7 +518,29 @@ def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expec
     if batch is None:
         raise BundleError("this bundle holds no batch.npz (the run captured no batch), so the step cannot be "
                           "replayed.")
-    model_spec, data = spec.get("model") or {}, spec.get("data") or {}
+    model, state = load_model(spec)
+    fields = {name: paddle.to_tensor(array) for name, array in batch.items()}
+    step = forward_and_loss_of(spec, model, fields)
+    optimizer = None
+    if expected.get("phase") == "optimizer":
+        optimizer = build_optimizer(spec, model)
+        set_lr(optimizer, rate, expected.get("step"))
+    rng = load_rng()
+    if rng is None:
+        print("note: no rng_state.json in the bundle; a model with dropout may replay with other masks")
+    tracker = Tracker(model)
+    log = quiet_paddle()
+    try:
+        return checked_step(step, tracker, state, rng, optimizer)
+    finally:
+        tracker.remove()
+        restore_output(log)
+
+
+def load_model(spec: dict[str, Any]) -> tuple[Any, dict[str, np.ndarray]]:
+    """The model from code/ with spec.yaml's arguments, in training mode, at the state before the failing
+    step (state.npz, also returned: pass 2 starts from it again) when the bundle holds one."""
+    model_spec = spec.get("model") or {}
     model = load_entry(model_spec["entry"])(**(model_spec.get("args") or {}))
     state = load_state()
     if state:
@@ -497,86 +549,122 @@ def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expec
         print("note: no state.npz in the bundle; the replay starts from the model's fresh initialisation, "
               "not from the state before the failing step")
     model.train()
-    fields = {name: paddle.to_tensor(array) for name, array in batch.items()}
-    label_name = data.get("label") or ("label" if "label" in fields else None)
-    inputs = data.get("inputs") or [k for k in fields if k != label_name]
-    selector = model_spec.get("output")  # model.output: a key, attribute or position; "loss": its own loss
-    if spec.get("step"):
-        step_fn = load_entry(spec["step"]["entry"])
-    builtin = None
-    if not spec.get("step") and selector != "loss":
-        loss_spec = spec.get("loss") or {}
-        builtin = loss_spec.get("builtin")
-        loss_fn = builtin_loss(builtin) if builtin else load_entry(loss_spec["entry"])
-    optimizer = None
-    if expected.get("phase") == "optimizer":
-        optimizer = build_optimizer(spec, model)
-        set_lr(optimizer, rate, expected.get("step"))
+    return model, state
 
-    def forward_and_loss() -> Any:
-        if spec.get("step"):
-            tracker.phase = "step"  # the user's step runs model and loss: the layer stack tells which
-            loss = step_fn(model, fields)
-        else:
-            tracker.phase = "forward"
-            if isinstance(inputs, dict):  # data.inputs as {keyword argument: field}
-                outputs = model(**{arg: fields[name] for arg, name in inputs.items()})
-            else:
-                outputs = model(*[fields[k] for k in inputs])
-            tracker.phase = "loss"
-            outputs = select_output(outputs, selector)
-            if selector == "loss":
-                loss = outputs
-            else:
-                if builtin and not isinstance(outputs, paddle.Tensor):
-                    raise BundleError(f"loss.builtin {builtin} needs the model's output to be one Tensor, but the "
-                                      f"model returned a {type(outputs).__name__}; set model.output in spec.yaml.")
-                label = fields.get(label_name) if label_name else None
-                loss = loss_fn(outputs) if label is None else loss_fn(outputs, label)
+
+class UserStep(NamedTuple):
+    """spec.yaml's `step` function, which runs the model and its loss itself: the layer stack tells which."""
+
+    model: Any
+    fields: dict[str, Any]
+    step_fn: Any
+
+    def forward_and_loss(self, tracker: Tracker) -> Any:
+        tracker.phase = "step"
+        loss = self.step_fn(self.model, self.fields)
         tracker.phase = "loss"
         return loss
 
-    rng = load_rng()
-    if rng is None:
-        print("note: no rng_state.json in the bundle; a model with dropout may replay with other masks")
-    tracker = Tracker(model)
-    log = quiet_paddle()
+
+class ModelThenLoss(NamedTuple):
+    """The model on its input fields, the output model.output selects, and the loss: the loss function on
+    that output (and the label when there is one), or the model's own loss when model.output is `loss`."""
+
+    model: Any
+    fields: dict[str, Any]
+    inputs: Any  # data.inputs: field names in order, or {keyword argument: field}
+    selector: Any  # model.output: a key, attribute or position; "loss": its own loss
+    label_name: str | None
+    builtin: str | None = None  # loss.builtin, when the loss is one
+    loss_fn: Any = None  # None when the model's own loss is the loss
+
+    def forward_and_loss(self, tracker: Tracker) -> Any:
+        tracker.phase = "forward"
+        if isinstance(self.inputs, dict):  # data.inputs as {keyword argument: field}
+            outputs = self.model(**{arg: self.fields[name] for arg, name in self.inputs.items()})
+        else:
+            outputs = self.model(*[self.fields[k] for k in self.inputs])
+        tracker.phase = "loss"
+        outputs = select_output(outputs, self.selector)
+        loss = outputs if self.selector == "loss" else self.loss_of(outputs)
+        tracker.phase = "loss"
+        return loss
+
+    def loss_of(self, outputs: Any) -> Any:
+        """The loss function on the selected output, with the label field when the data has one."""
+        import paddle
+
+        if self.builtin and not isinstance(outputs, paddle.Tensor):
+            raise BundleError(f"loss.builtin {self.builtin} needs the model's output to be one Tensor, but the "
+                              f"model returned a {type(outputs).__name__}; set model.output in spec.yaml.")
+        label = self.fields.get(self.label_name) if self.label_name else None
+        return self.loss_fn(outputs) if label is None else self.loss_fn(outputs, label)
+
+
+def forward_and_loss_of(spec: dict[str, Any], model: Any, fields: dict[str, Any]) -> UserStep | ModelThenLoss:
+    """How spec.yaml runs the step's forward pass and loss: its `step` function, or the model then the loss
+    (the builtin or loss.entry, loaded here; none when model.output is the model's own loss)."""
+    model_spec, data = spec.get("model") or {}, spec.get("data") or {}
+    label_name = data.get("label") or ("label" if "label" in fields else None)
+    inputs = data.get("inputs") or [k for k in fields if k != label_name]
+    selector = model_spec.get("output")
+    if spec.get("step"):
+        return UserStep(model, fields, load_entry(spec["step"]["entry"]))
+    if selector == "loss":
+        return ModelThenLoss(model, fields, inputs, selector, label_name)
+    loss_spec = spec.get("loss") or {}
+    builtin = loss_spec.get("builtin")
+    loss_fn = builtin_loss(builtin) if builtin else load_entry(loss_spec["entry"])
+    return ModelThenLoss(model, fields, inputs, selector, label_name, builtin, loss_fn)
+
+
+def checked_step(step: UserStep | ModelThenLoss, tracker: Tracker, state: dict[str, np.ndarray], rng: Any,
+                 optimizer: Any) -> dict[str, Any] | None:
+    """Pass 1, checker off: which phase first turns non-finite. The checker alone would also stop at an
+    Inf that a where() or a mask throws away, which never reaches training. A non-finite forward or loss
+    goes to pass 2 to name its op; a finite one has its backward pass (and update) checked."""
+    import paddle
+
+    set_rng(rng)
     try:
-        # Pass 1, checker off: which phase first turns non-finite. The checker alone would also stop at
-        # an Inf that a where() or a mask throws away, which never reaches training.
-        set_rng(rng)
+        loss = step.forward_and_loss(tracker)
+    except BundleError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's code raised: that is the fault
+        return fault_from(exc, tracker)
+    bad_layer = tracker.nonfinite_layer
+    if bad_layer is not None or not bool(paddle.isfinite(loss).all()):
+        return forward_fault(step, tracker, state, rng, bad_layer)
+    return backward_fault(loss, optimizer, tracker)
+
+
+def forward_fault(step: UserStep | ModelThenLoss, tracker: Tracker, state: dict[str, np.ndarray], rng: Any,
+                  bad_layer: str | None) -> dict[str, Any]:
+    """Pass 2: the same forward and loss from the same state and RNG, checker on, names the op; without an
+    op, the phase and layer pass 1 saw turn non-finite."""
+    if state:
+        step.model.set_state_dict(state)
+    tracker.reset()
+    with tensor_checker(rng):
         try:
-            loss = forward_and_loss()
-        except BundleError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the user's code raised: that is the fault
+            step.forward_and_loss(tracker)
+        except Exception as exc:  # noqa: BLE001 - the checker's abort
             return fault_from(exc, tracker)
-        bad_layer = tracker.nonfinite_layer
-        if bad_layer is not None or not bool(paddle.isfinite(loss).all()):
-            # Pass 2: the same forward and loss from the same state and RNG, checker on, names the op.
-            if state:
-                model.set_state_dict(state)
-            tracker.reset()
-            with tensor_checker(rng):
-                try:
-                    forward_and_loss()
-                except Exception as exc:  # noqa: BLE001 - the checker's abort
-                    return fault_from(exc, tracker)
-            return {"op": None, "phase": "forward" if bad_layer else "loss", "layer": bad_layer}
-        # Forward and loss are finite: only the backward pass (and the update) run under the checker.
-        with tensor_checker(None):
-            try:
-                tracker.phase = "backward"
-                loss.backward()
-                if optimizer is not None:
-                    tracker.phase = "optimizer"
-                    optimizer.step()
-            except Exception as exc:  # noqa: BLE001 - the checker's abort, or the user's code raising
-                return fault_from(exc, tracker)
-        return None
-    finally:
-        tracker.remove()
-        restore_output(log)
+    return {"op": None, "phase": "forward" if bad_layer else "loss", "layer": bad_layer}
+
+
+def backward_fault(loss: Any, optimizer: Any, tracker: Tracker) -> dict[str, Any] | None:
+    """Forward and loss are finite: only the backward pass (and the update) run under the checker."""
+    with tensor_checker(None):
+        try:
+            tracker.phase = "backward"
+            loss.backward()
+            if optimizer is not None:
+                tracker.phase = "optimizer"
+                optimizer.step()
+        except Exception as exc:  # noqa: BLE001 - the checker's abort, or the user's code raising
+            return fault_from(exc, tracker)
+    return None
 
 
 def load_rng() -> Any:
@@ -682,49 +770,14 @@ NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 def replay_with_remedy(report: dict[str, Any], spec: dict[str, Any], batch: dict[str, np.ndarray] | None,
                        expected: dict[str, Any], name: str) -> int:
     """The failing step again with the remedy `name` applied: exit 0 when it now runs clean, 1 when not."""
-    rows = {r.get("remedy"): r for r in report.get("remedies") or [] if isinstance(r, dict)}
-    row = rows.get(name)
-    if row is None:
-        raise BundleError(f"report.json has no remedy {name!r}; it has: {', '.join(map(str, rows)) or 'none'}.")
-    print(f"remedy {name} ({row.get('outcome')} in nandoctor's replay): {row.get('change')}")
-    if name not in ("op_guard", "drop_samples"):
-        raise BundleError(f"{name} acts over many steps, from a state before the fault that this bundle does not "
-                          f"hold; nandoctor replayed it in the probe (outcome {row.get('outcome')}, see report.md). "
-                          "reproduce.py replays op_guard and drop_samples.")
+    row = replayable_remedy(report, name)
     if batch is None:
         raise BundleError("this bundle holds no batch.npz, so the step cannot be replayed.")
     rate = step_lr(report, expected.get("step"))
-    hits = None
     if name == "drop_samples":
-        samples = sorted({i for b in (row.get("skip_list") or {}).get("batches", [])[:1] for i in b["samples"]}
-                         or set(expected.get("sample_indices") or []))
-        n = len(next(iter(batch.values())))
-        batch = {k: np.delete(v, samples, axis=0) if v.ndim and len(v) == n else v for k, v in batch.items()}
-        print(f"left out sample(s) {samples} of the batch")
-        if expected.get("phase") == "data":
-            found = check_data(batch, spec, {})
-        else:
-            found = replay_step(spec, batch, expected, rate)
+        found = replay_without_samples(row, spec, batch, expected, rate)
     else:
-        table = load_guards()
-        op = guard_op(table, expected.get("op"))
-        if op is None:
-            raise BundleError(f"no guard for op {expected.get('op')!r} in {OP_GUARDS}.")
-        source = guard_source(report)
-        scope = (row.get("guard") or {}).get("scope") or ("line" if source else "any")
-        if scope not in SCOPES:
-            raise BundleError(f"report.json's op_guard row has scope {scope!r}; expected one of {', '.join(SCOPES)}.")
-        rule = dict(table["guards"][op])
-        limit = row.get("threshold")  # the clamp the probe's threshold search verified (exp: 60, or tighter)
-        if limit is not None and rule.get("kind") == "clip" and rule.get("hi") is not None and rule.get("lo") is None:
-            rule["hi"] = float(limit)
-        at = f", clamped at {rule['hi']:g}" if limit is not None and rule.get("hi") is not None else ""
-        print(f"guarding {op} ({scope_text(scope, source)}{at}), as nandoctor's replay did")
-        with guard(rule, source, scope) as hits:
-            found = replay_step(spec, batch, expected, rate)
-    if hits is not None and not hits["calls"]:
-        print(f"note: the guard was never applied: no {op} on a tensor was called {scope_text(scope, source)}, so "
-              "this replay says nothing about the fix.")
+        found = replay_with_guard(report, row, spec, batch, expected, rate)
     if found is None:
         print("no fault: with this remedy the step runs without NaN/Inf.")
         if row.get("outcome") != "fixed":
@@ -735,6 +788,74 @@ def replay_with_remedy(report: dict[str, Any], spec: dict[str, Any], batch: dict
     print("first fault: " + describe(found))
     print("the remedy does not stop the fault in this step.")
     return 1
+
+
+def replayable_remedy(report: dict[str, Any], name: str) -> dict[str, Any]:
+    """report.json's row for the remedy `name`, announced; a BundleError when the report has no such remedy
+    or it is one that acts over many steps, which this bundle cannot replay."""
+    rows = {r.get("remedy"): r for r in report.get("remedies") or [] if isinstance(r, dict)}
+    row = rows.get(name)
+    if row is None:
+        raise BundleError(f"report.json has no remedy {name!r}; it has: {', '.join(map(str, rows)) or 'none'}.")
+    print(f"remedy {name} ({row.get('outcome')} in nandoctor's replay): {row.get('change')}")
+    if name not in ("op_guard", "drop_samples"):
+        raise BundleError(f"{name} acts over many steps, from a state before the fault that this bundle does not "
+                          f"hold; nandoctor replayed it in the probe (outcome {row.get('outcome')}, see report.md). "
+                          "reproduce.py replays op_guard and drop_samples.")
+    return row
+
+
+def replay_without_samples(row: dict[str, Any], spec: dict[str, Any], batch: dict[str, np.ndarray],
+                           expected: dict[str, Any], rate: float | None) -> dict[str, Any] | None:
+    """The drop_samples remedy: the batch without the offending samples, re-checked (a data fault) or its
+    step replayed."""
+    samples = samples_to_drop(row, expected)
+    n = len(next(iter(batch.values())))
+    batch = {k: np.delete(v, samples, axis=0) if v.ndim and len(v) == n else v for k, v in batch.items()}
+    print(f"left out sample(s) {samples} of the batch")
+    if expected.get("phase") == "data":
+        return check_data(batch, spec, {})
+    return replay_step(spec, batch, expected, rate)
+
+
+def samples_to_drop(row: dict[str, Any], expected: dict[str, Any]) -> list[int]:
+    """The samples of the remedy's skip list (its first batch), or else the report's offending samples."""
+    return sorted({i for b in (row.get("skip_list") or {}).get("batches", [])[:1] for i in b["samples"]}
+                  or set(expected.get("sample_indices") or []))
+
+
+def replay_with_guard(report: dict[str, Any], row: dict[str, Any], spec: dict[str, Any],
+                      batch: dict[str, np.ndarray], expected: dict[str, Any], rate: float | None
+                      ) -> dict[str, Any] | None:
+    """The op_guard remedy: the step replayed with the probe's guard for the faulting op, at the scope and
+    clamp the report's row names; says so when no call was guarded, since then the replay shows nothing."""
+    table = load_guards()
+    op = guard_op(table, expected.get("op"))
+    if op is None:
+        raise BundleError(f"no guard for op {expected.get('op')!r} in {OP_GUARDS}.")
+    source = guard_source(report)
+    scope = (row.get("guard") or {}).get("scope") or ("line" if source else "any")
+    if scope not in SCOPES:
+        raise BundleError(f"report.json's op_guard row has scope {scope!r}; expected one of {', '.join(SCOPES)}.")
+    rule = guard_rule(table, op, row)
+    at = f", clamped at {rule['hi']:g}" if row.get("threshold") is not None and rule.get("hi") is not None else ""
+    print(f"guarding {op} ({scope_text(scope, source)}{at}), as nandoctor's replay did")
+    with guard(rule, source, scope) as hits:
+        found = replay_step(spec, batch, expected, rate)
+    if not hits["calls"]:
+        print(f"note: the guard was never applied: no {op} on a tensor was called {scope_text(scope, source)}, so "
+              "this replay says nothing about the fix.")
+    return found
+
+
+def guard_rule(table: dict[str, Any], op: str, row: dict[str, Any]) -> dict[str, Any]:
+    """The table's rule for `op`; an upper clamp at the row's threshold, the one the probe's threshold search
+    verified (exp: 60, or tighter), when the rule is a clamp from above only."""
+    rule = dict(table["guards"][op])
+    limit = row.get("threshold")
+    if limit is not None and rule.get("kind") == "clip" and rule.get("hi") is not None and rule.get("lo") is None:
+        rule["hi"] = float(limit)
+    return rule
 
 
 def scope_text(scope: str, source: str | None) -> str:
@@ -760,6 +881,8 @@ def load_guards() -> dict[str, Any]:
 
 
 def _guard_table_problems(table: Any) -> list[str]:
+    """What makes `table` other than a guard table nandoctor wrote: the table's own keys first, then each
+    guard in the table's order; [] when it is one."""
     if not isinstance(table, dict) or table.get("format") != OP_GUARDS_FORMAT:
         return [f"format {table.get('format') if isinstance(table, dict) else None!r}, expected {OP_GUARDS_FORMAT!r}"]
     problems = []
@@ -771,25 +894,35 @@ def _guard_table_problems(table: Any) -> list[str]:
     if not isinstance(aliases, dict) or not all(isinstance(k, str) and v in guards for k, v in aliases.items()):
         problems.append("aliases must map op names to guarded ops")
     for op, g in guards.items():
-        if not isinstance(g, dict):
-            problems.append(f"{op}: not an object")
-            continue
-        names = [*(g.get("functions") or []), *(g.get("methods") or [])]
-        if not names or not all(isinstance(n, str) and NAME.match(n) for n in names):
-            problems.append(f"{op}: functions/methods must be plain names")
-        kind, arg = g.get("kind"), g.get("arg")
-        if kind not in RULE_KINDS:
-            problems.append(f"{op}: kind {kind!r}")
-        if not isinstance(arg, int) or isinstance(arg, bool) or not 0 <= arg <= 1:
-            problems.append(f"{op}: arg {arg!r}")
-        numbers = {k: g.get(k) for k in ("value", "lo", "hi")}
-        if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < float("inf"))
-                   for v in numbers.values()):
-            problems.append(f"{op}: value/lo/hi must be finite numbers")
-        elif (kind in ("add", "nonzero") and numbers["value"] is None) or \
-                (kind == "clip" and numbers["lo"] is None and numbers["hi"] is None):
-            problems.append(f"{op}: a {kind} rule without its bound")
+        problems += _guard_entry_problems(op, g)
     return problems
+
+
+def _guard_entry_problems(op: str, g: Any) -> list[str]:
+    """One guard's problems: the names it wraps, its rule kind, the argument it changes, its numbers."""
+    if not isinstance(g, dict):
+        return [f"{op}: not an object"]
+    problems = []
+    names = [*(g.get("functions") or []), *(g.get("methods") or [])]
+    if not names or not all(isinstance(n, str) and NAME.match(n) for n in names):
+        problems.append(f"{op}: functions/methods must be plain names")
+    kind, arg = g.get("kind"), g.get("arg")
+    if kind not in RULE_KINDS:
+        problems.append(f"{op}: kind {kind!r}")
+    if not isinstance(arg, int) or isinstance(arg, bool) or not 0 <= arg <= 1:
+        problems.append(f"{op}: arg {arg!r}")
+    return problems + _guard_bound_problems(op, kind, {k: g.get(k) for k in ("value", "lo", "hi")})
+
+
+def _guard_bound_problems(op: str, kind: Any, numbers: dict[str, Any]) -> list[str]:
+    """A guard's value/lo/hi: each absent or a finite number (never a bool), and the one its kind needs set."""
+    if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < float("inf"))
+               for v in numbers.values()):
+        return [f"{op}: value/lo/hi must be finite numbers"]
+    if (kind in ("add", "nonzero") and numbers["value"] is None) or \
+            (kind == "clip" and numbers["lo"] is None and numbers["hi"] is None):
+        return [f"{op}: a {kind} rule without its bound"]
+    return []
 
 
 def guard_op(table: dict[str, Any], op: Any) -> str | None:
