@@ -184,7 +184,7 @@ def test_rng_state_json_restores_paddles_generator(tmp_path: Path, capfd: pytest
     data = rng_state_json(state)
     assert data is not None and json.loads(json.dumps(data)) == data
     (tmp_path / "rng_state.json").write_text(json.dumps(data))
-    shutil.copyfile(ROOT / "nandoctor" / "report" / "reproduce_script.py", tmp_path / "reproduce.py")
+    shutil.copyfile(ROOT / "nandoctor" / "standalone" / "reproduce.py", tmp_path / "reproduce.py")
     module = runpy.run_path(str(tmp_path / "reproduce.py"), run_name="bundle_reproduce")
     paddle.seed(999)
     module["set_rng"](module["load_rng"]())
