@@ -28,12 +28,12 @@ demo: install
 	$(BIN)/nandoctor probe sample_configs/log_of_zero/config.yaml --steps 40 || echo "(probe exit status $$?: a fault was found, as this sample intends)"
 
 # One worker per core (pytest-xdist); a test file's tests stay together on one worker, so the fixtures a file
-# trains once are trained once.
+# trains once are trained once (tests/conftest.py groups them; the parity file by sample config).
 test: install
-	$(BIN)/python -m pytest -n auto --dist loadfile
+	$(BIN)/python -m pytest -n auto --dist loadgroup
 
 coverage: install
-	$(BIN)/python -m pytest -n auto --dist loadfile --cov=nandoctor --cov-report=term:skip-covered
+	$(BIN)/python -m pytest -n auto --dist loadgroup --cov=nandoctor --cov-report=term:skip-covered
 
 # The package as users get it. `python -m build` makes the sdist and, from it, the wheel, in an isolated build
 # environment as pip does; the wheel goes with the cpu extra into a clean venv (no site packages, not this

@@ -21,6 +21,17 @@ if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test`: `-n auto --dist loadgroup`), the tests of one file run on one worker,
+    so what a file trains once (a module fixture) is trained once; the parity file, which is half the suite,
+    is spread by sample config instead (each config's probe is cached per worker and shared by its tests)."""
+    for item in items:
+        group = item.path.name
+        if group == "test_parity.py" and hasattr(item, "callspec"):
+            group += "::" + str(item.callspec.params.get("name", ""))
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--update-golden", action="store_true", default=False,
                      help="Rewrite tests/golden/ from the current output instead of comparing.")
