@@ -13,23 +13,20 @@ first fault of any process is the one shown (processes.py).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
 import signal
-import subprocess
 import tempfile
-import threading
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 
 from nandoctor.errors import OutputError, SpecError
 from nandoctor.findings import Report, Verdict
 from nandoctor.parallel.rank_progress import ENV as RANK_PROGRESS
-from nandoctor.parallel.rank_progress import LOOK_SECONDS, Ending, RankWatch
+from nandoctor.parallel.rank_progress import Ending, RankWatch
+from nandoctor.parallel.supervisor import Supervisor
 from nandoctor.zero_change.processes import merge_children
 from nandoctor.zero_change.runtime import OWN_ERROR
 
@@ -65,10 +62,9 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
         ranks = RankWatch(Path(tmp) / "progress", whole_loop=False)
         env[RANK_PROGRESS] = str(ranks.folder)
         # `--json -` gives standard output to the report: the script's own output goes to standard error
-        script = _Script(command, env, stdout=2 if is_stdout(json_path) or is_stdout(markdown_path) else None)
-        returncode, stopped_by = script.wait(ranks)
+        script = _start(command, env, ranks, stdout=2 if is_stdout(json_path) or is_stdout(markdown_path) else None)
+        returncode, stopped_by = script.wait()
         if ranks.ending.seen:
-            ranks.stop_all()  # each rank runs in a session of its own: it outlives the launcher
             _merge_ranks(result, ranks.ending, failed=stopped_by is None and returncode != 0)
         merge_children(result)  # a child process of the script's that trained and faulted first
         if not result.is_file():
@@ -118,70 +114,23 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
     return 1 if report.exit_code else (returncode or 0)
 
 
-# A script sent SIGINT/SIGTERM gets this long to run its own handlers (save a checkpoint, flush logs)
-# before nandoctor kills its process group: `NANDOCTOR_GRACE_SECONDS` overrides it.
-GRACE_SECONDS = 30.0
+def _start(command: list[str], env: dict[str, str], ranks: RankWatch, stdout: int | None) -> Supervisor:
+    """The user's command in its own process group, so a signal to `nandoctor run` reaches it once: SIGINT and
+    SIGTERM are passed on to the group, and only after the grace period is it killed. The ranks of a launch
+    it may start are looked at meanwhile: when none has moved for the hang limit, every process of the
+    command is killed; when it ends, the ranks left (each in a session of its own) are."""
+    try:
+        return Supervisor(command, ranks, forward_signals=True, on_forward=_said_forwarded, env=env, stdout=stdout)
+    except FileNotFoundError:
+        raise SpecError(f"cannot run {command[0]!r}: no such program. Give the full command after --, e.g. "
+                        "`nandoctor run -- python train.py`.") from None
+    except PermissionError:
+        raise SpecError(f"cannot run {command[0]!r}: it is not executable.") from None
 
 
-class _Script:
-    """The user's command in its own process group, so a signal to `nandoctor run` reaches it once:
-    SIGINT and SIGTERM are forwarded to the group, and only after the grace period is it killed."""
-
-    def __init__(self, command: list[str], env: dict[str, str], stdout: int | None = None) -> None:
-        try:
-            self.proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=stdout)
-        except FileNotFoundError:
-            raise SpecError(f"cannot run {command[0]!r}: no such program. Give the full command after --, e.g. "
-                            "`nandoctor run -- python train.py`.") from None
-        except PermissionError:
-            raise SpecError(f"cannot run {command[0]!r}: it is not executable.") from None
-        self.signal: int | None = None
-
-    def wait(self, ranks: RankWatch) -> tuple[int | None, int | None]:
-        """(the script's exit status, the signal that stopped nandoctor run or None), looking at the ranks of
-        a launch meanwhile: when none has moved for the hang limit, every process of the command is killed."""
-        previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-        hung = False  # (after that, ranks gone are ours: no more looks)
-        try:
-            while True:
-                try:
-                    code = self.proc.wait(timeout=LOOK_SECONDS)
-                    if self.signal is None and not hung:
-                        ranks.look()  # a rank that died right before the launcher ended
-                    return code, self.signal
-                except subprocess.TimeoutExpired:
-                    pass
-                except KeyboardInterrupt:  # a handler of ours raised it (the interrupt module's): forward
-                    self._forward(signal.SIGINT, None)
-                if self.signal is None and not hung and ranks.look():
-                    hung = True
-                    ranks.stopped()
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(self.proc.pid, signal.SIGKILL)
-                    ranks.stop_all()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _forward(self, signum: int, _frame: Any) -> None:
-        first = self.signal is None
-        self.signal = self.signal or signum
-        try:
-            os.killpg(self.proc.pid, signum)
-        except ProcessLookupError:
-            return
-        if first:
-            grace = float(os.environ.get("NANDOCTOR_GRACE_SECONDS", GRACE_SECONDS))
-            threading.Thread(target=self._kill_after, args=(grace,), daemon=True).start()
-            _stderr().print(f"nandoctor run: {_signal_name(signum)} passed to the script; it has {grace:g} s to "
-                            "stop on its own (its handlers, a checkpoint save) before it is killed.", markup=False)
-
-    def _kill_after(self, grace: float) -> None:
-        try:
-            self.proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+def _said_forwarded(signum: int, grace: float) -> None:
+    _stderr().print(f"nandoctor run: {_signal_name(signum)} passed to the script; it has {grace:g} s to "
+                    "stop on its own (its handlers, a checkpoint save) before it is killed.", markup=False)
 
 
 def _merge_ranks(result: Path, ending: Ending, *, failed: bool) -> None:
