@@ -41,8 +41,34 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
                markdown_path: Path | None = None, bundle: Path | None = None, keep_going: bool = False,
                quiet: bool = False, force: bool = False) -> int:
     """Run `command` watched; the exit status `nandoctor run` returns."""
+    from nandoctor.report.writer import is_stdout
+
+    _check_before(command, json_path, markdown_path, bundle, force)
+    with tempfile.TemporaryDirectory(prefix="nandoctor-run-") as tmp:
+        result = Path(tmp) / "report.json"
+        # the ranks of a launch in the command each keep their position there (rank_progress.py)
+        ranks = RankWatch(Path(tmp) / "progress", whole_loop=False)
+        env = _script_env(result, ranks, bundle, keep_going)
+        # `--json -` gives standard output to the report: the script's own output goes to standard error
+        script = _start(command, env, ranks, stdout=2 if is_stdout(json_path) or is_stdout(markdown_path) else None)
+        returncode, stopped_by = script.wait()
+        if ranks.ending.seen:
+            _merge_ranks(result, ranks.ending, failed=stopped_by is None and returncode != 0)
+        merge_children(result)  # a child process of the script's that trained and faulted first
+        if not result.is_file():
+            return _without_report(command, Path(tmp), returncode, stopped_by)
+        report = _read_report(result, stopped_by)
+    report.run["command_line"] = shlex.join(command)
+    _write(report, console, bundle=bundle, ranks_seen=ranks.ending.seen, json_path=json_path,
+           markdown_path=markdown_path, quiet=quiet)
+    return _exit_status(report, returncode, stopped_by)
+
+
+def _check_before(command: list[str], json_path: Path | None, markdown_path: Path | None, bundle: Path | None,
+                  force: bool) -> None:
+    """A command to run, and outputs that can be written, before the script starts."""
     from nandoctor.report.bundle import check_bundle_target
-    from nandoctor.report.writer import check_writable_file, is_stdout, write_outputs
+    from nandoctor.report.writer import check_writable_file
 
     if not command:
         raise SpecError("nothing to run: give the command after --, e.g. `nandoctor run -- python train.py`.")
@@ -51,67 +77,17 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
             check_writable_file(path)
     if bundle is not None:  # as probe and scan do: never over a folder of the user's, never found out late
         check_bundle_target(bundle, force)
-    with tempfile.TemporaryDirectory(prefix="nandoctor-run-") as tmp:
-        result = Path(tmp) / "report.json"
-        config = {"result": str(result), "report_dir": str(bundle.resolve()) if bundle is not None else None,
-                  "keep_going": keep_going}
-        env = dict(os.environ)
-        env["NANDOCTOR_RUN"] = json.dumps(config)
-        env["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, [env.get("PYTHONPATH")])])
-        # the ranks of a launch in the command each keep their position there (rank_progress.py)
-        ranks = RankWatch(Path(tmp) / "progress", whole_loop=False)
-        env[RANK_PROGRESS] = str(ranks.folder)
-        # `--json -` gives standard output to the report: the script's own output goes to standard error
-        script = _start(command, env, ranks, stdout=2 if is_stdout(json_path) or is_stdout(markdown_path) else None)
-        returncode, stopped_by = script.wait()
-        if ranks.ending.seen:
-            _merge_ranks(result, ranks.ending, failed=stopped_by is None and returncode != 0)
-        merge_children(result)  # a child process of the script's that trained and faulted first
-        if not result.is_file():
-            if stopped_by is not None:
-                _stderr().print(f"nandoctor run: {_signal_name(stopped_by)} stopped the script before it wrote a "
-                                "report (before its first training step, or a library it imports had taken over "
-                                "the signal); no report.", markup=False)
-                return 128 + stopped_by
-            if returncode is not None and returncode < 0:
-                return _killed(-returncode)
-            own_error = Path(tmp) / OWN_ERROR
-            if own_error.is_file():
-                _stderr().print(f"nandoctor run: nandoctor failed while writing the report at the script's end "
-                                f"({own_error.read_text(encoding='utf-8')[:300]}). This is a bug in nandoctor, "
-                                "not in your script; no report was written. The command's own exit status "
-                                "follows.", markup=False)
-                return returncode
-            if not (Path(tmp) / "watched").exists():
-                _stderr().print(f"nandoctor run: nothing was watched: {' '.join(command[:3])} never stepped a "
-                                "Paddle optimizer on a model in training mode (or its Python cannot import "
-                                "nandoctor). The command's own exit status follows.", markup=False)
-            return returncode  # nothing found: the script's own status
-        try:
-            report = Report.from_dict(json.loads(result.read_text(encoding="utf-8")))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise OutputError(f"the watched run's report could not be read ({exc}).") from None
-        if stopped_by is not None and not report.first_fault:
-            from nandoctor.engine.interrupt import interrupted_finding
 
-            report.partial = True
-            steps = f"{report.run.get('steps_run', 0)} step(s)"
-            report.findings.append(interrupted_finding("nandoctor run", steps, signum=stopped_by))
-    report.run["command_line"] = shlex.join(command)
-    if bundle is not None and ranks.ending.seen and report.exit_code and not (bundle / "report.json").is_file():
-        from nandoctor.report.writer import write_folder
 
-        write_folder(report, bundle)  # the job's report, beside the ones ranks wrote alone (rank-N/)
-    # A clean run's output stays the script's own: one line on stderr; the files are written all the same
-    write_outputs(report, _stderr() if report.verdict == Verdict.HEALTHY else console, json_path=json_path,
-                  markdown_path=markdown_path, quiet=quiet or report.verdict == Verdict.HEALTHY)
-    if bundle is not None and (bundle / "report.json").is_file():
-        console.print(f"Report folder written to [bold]{bundle}[/].")
-    if stopped_by is not None:
-        return 128 + stopped_by
-    if returncode is not None and returncode < 0 and not report.exit_code:
-        return _killed(-returncode)
-    return 1 if report.exit_code else (returncode or 0)
+def _script_env(result: Path, ranks: RankWatch, bundle: Path | None, keep_going: bool) -> dict[str, str]:
+    """The script's environment: the watcher preloaded (site/), where it writes, where ranks keep their place."""
+    config = {"result": str(result), "report_dir": str(bundle.resolve()) if bundle is not None else None,
+              "keep_going": keep_going}
+    env = dict(os.environ)
+    env["NANDOCTOR_RUN"] = json.dumps(config)
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, [env.get("PYTHONPATH")])])
+    env[RANK_PROGRESS] = str(ranks.folder)
+    return env
 
 
 def _start(command: list[str], env: dict[str, str], ranks: RankWatch, stdout: int | None) -> Supervisor:
@@ -131,6 +107,69 @@ def _start(command: list[str], env: dict[str, str], ranks: RankWatch, stdout: in
 def _said_forwarded(signum: int, grace: float) -> None:
     _stderr().print(f"nandoctor run: {_signal_name(signum)} passed to the script; it has {grace:g} s to "
                     "stop on its own (its handlers, a checkpoint save) before it is killed.", markup=False)
+
+
+def _without_report(command: list[str], tmp: Path, returncode: int, stopped_by: int | None) -> int:
+    """The exit status when the script left no report, and why there is none."""
+    if stopped_by is not None:
+        _stderr().print(f"nandoctor run: {_signal_name(stopped_by)} stopped the script before it wrote a "
+                        "report (before its first training step, or a library it imports had taken over "
+                        "the signal); no report.", markup=False)
+        return 128 + stopped_by
+    if returncode < 0:
+        return _killed(-returncode)
+    own_error = tmp / OWN_ERROR
+    if own_error.is_file():
+        _stderr().print(f"nandoctor run: nandoctor failed while writing the report at the script's end "
+                        f"({own_error.read_text(encoding='utf-8')[:300]}). This is a bug in nandoctor, "
+                        "not in your script; no report was written. The command's own exit status "
+                        "follows.", markup=False)
+        return returncode
+    if not (tmp / "watched").exists():
+        _stderr().print(f"nandoctor run: nothing was watched: {' '.join(command[:3])} never stepped a "
+                        "Paddle optimizer on a model in training mode (or its Python cannot import "
+                        "nandoctor). The command's own exit status follows.", markup=False)
+    return returncode  # nothing found: the script's own status
+
+
+def _read_report(result: Path, stopped_by: int | None) -> Report:
+    """The watched run's report; partial, with what stopped it, when a signal did before any fault."""
+    try:
+        report = Report.from_dict(json.loads(result.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise OutputError(f"the watched run's report could not be read ({exc}).") from None
+    if stopped_by is not None and not report.first_fault:
+        from nandoctor.engine.interrupt import interrupted_finding
+
+        report.partial = True
+        steps = f"{report.run.get('steps_run', 0)} step(s)"
+        report.findings.append(interrupted_finding("nandoctor run", steps, signum=stopped_by))
+    return report
+
+
+def _write(report: Report, console: Console, *, bundle: Path | None, ranks_seen: bool, json_path: Path | None,
+           markdown_path: Path | None, quiet: bool) -> None:
+    """The report shown and written: --json, --markdown, and the job's report in the --bundle folder."""
+    from nandoctor.report.writer import write_outputs
+
+    if bundle is not None and ranks_seen and report.exit_code and not (bundle / "report.json").is_file():
+        from nandoctor.report.writer import write_folder
+
+        write_folder(report, bundle)  # the job's report, beside the ones ranks wrote alone (rank-N/)
+    # A clean run's output stays the script's own: one line on stderr; the files are written all the same
+    write_outputs(report, _stderr() if report.verdict == Verdict.HEALTHY else console, json_path=json_path,
+                  markdown_path=markdown_path, quiet=quiet or report.verdict == Verdict.HEALTHY)
+    if bundle is not None and (bundle / "report.json").is_file():
+        console.print(f"Report folder written to [bold]{bundle}[/].")
+
+
+def _exit_status(report: Report, returncode: int, stopped_by: int | None) -> int:
+    """128 + the signal passed on; 128 + a signal nandoctor did not send; 1 for a fault; else the script's."""
+    if stopped_by is not None:
+        return 128 + stopped_by
+    if returncode < 0 and not report.exit_code:
+        return _killed(-returncode)
+    return 1 if report.exit_code else (returncode or 0)
 
 
 def _merge_ranks(result: Path, ending: Ending, *, failed: bool) -> None:
