@@ -12,16 +12,13 @@ Rank 0 writes the merged report as JSON for the parent, which renders and writes
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +30,7 @@ from nandoctor.errors import SpecError
 from nandoctor.findings import Mode, Report
 
 if TYPE_CHECKING:
-    from nandoctor.parallel.rank_progress import Ending, RankWatch
+    from nandoctor.parallel.rank_progress import Ending
 
 TIMEOUT = 3600  # seconds for the whole launch; a rank left waiting must not hang the command for ever
 
@@ -43,6 +40,7 @@ def launch_probe(config: Path, steps: int, seed: int, nproc: int, device: str = 
     stopped moving is named in a report of its own (distributed.rank_failure); a launch that left nothing
     to read is a SpecError with the ranks' last output."""
     from nandoctor.parallel.rank_progress import ENV, RankWatch
+    from nandoctor.parallel.supervisor import Supervisor
 
     with tempfile.TemporaryDirectory(prefix="nandoctor-nproc-") as tmp:
         out = Path(tmp) / "report.json"
@@ -52,9 +50,12 @@ def launch_probe(config: Path, steps: int, seed: int, nproc: int, device: str = 
         env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_")}
         watch = RankWatch(out.with_name("ranks"), nproc)
         env[ENV] = str(watch.folder)  # each rank's position, and how its processes are found
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        _wait(proc, watch)
+        # every rank's position looked at; a hang, TIMEOUT, Ctrl-C or SIGTERM kill every process of the launch,
+        # and so does the launcher's end (it ends at its first failed rank; the others may wait in a collective)
+        launch = Supervisor(cmd, watch, time_limit=TIMEOUT, kill_at_end=True, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+        launch.wait()
+        proc = launch.proc
         launcher_out = proc.stdout.read() if proc.stdout is not None else ""
         if out.is_file():
             report = Report.from_dict(json.loads(out.read_text(encoding="utf-8")))
@@ -71,40 +72,6 @@ def launch_probe(config: Path, steps: int, seed: int, nproc: int, device: str = 
                                               "would replay its own share): run `nandoctor probe` without --nproc "
                                               "to have them tried"}
     return report
-
-
-def _wait(proc: subprocess.Popen, watch: RankWatch) -> None:
-    """Wait for the launch, looking at every rank's position (rank_progress.RankWatch): a rank whose process
-    is gone while its loop was running died without a word; when none moved for the hang limit, or the
-    whole launch passed TIMEOUT, every process of the launch is stopped."""
-    from nandoctor.parallel.rank_progress import LOOK_SECONDS
-
-    started = time.monotonic()
-    try:
-        while True:
-            try:
-                proc.wait(timeout=LOOK_SECONDS)
-                watch.look()  # a rank that died right before the launcher ended
-                # the launcher ends at its first failed rank; the others may still wait in a collective
-                _stop(proc, watch)
-                return
-            except subprocess.TimeoutExpired:
-                pass
-            if watch.look() or time.monotonic() - started > TIMEOUT:
-                watch.stopped()
-                _stop(proc, watch)
-                return
-    except BaseException:  # Ctrl-C, SIGTERM: no rank trains on as an orphan
-        _stop(proc, watch)
-        raise
-
-
-def _stop(proc: subprocess.Popen, watch: RankWatch) -> None:
-    """Kill the launcher's process group and every rank (each in a session of its own), and wait for them."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    watch.stop_all()
 
 
 def _without_agreement(ranks: Path, ending: Ending) -> Report | None:

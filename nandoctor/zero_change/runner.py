@@ -13,23 +13,20 @@ first fault of any process is the one shown (processes.py).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
 import signal
-import subprocess
 import tempfile
-import threading
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 
 from nandoctor.errors import OutputError, SpecError
 from nandoctor.findings import Report, Verdict
 from nandoctor.parallel.rank_progress import ENV as RANK_PROGRESS
-from nandoctor.parallel.rank_progress import LOOK_SECONDS, Ending, RankWatch
+from nandoctor.parallel.rank_progress import Ending, RankWatch
+from nandoctor.parallel.supervisor import Supervisor
 from nandoctor.zero_change.processes import merge_children
 from nandoctor.zero_change.runtime import OWN_ERROR
 
@@ -44,8 +41,34 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
                markdown_path: Path | None = None, bundle: Path | None = None, keep_going: bool = False,
                quiet: bool = False, force: bool = False) -> int:
     """Run `command` watched; the exit status `nandoctor run` returns."""
+    from nandoctor.report.writer import is_stdout
+
+    _check_before(command, json_path, markdown_path, bundle, force)
+    with tempfile.TemporaryDirectory(prefix="nandoctor-run-") as tmp:
+        result = Path(tmp) / "report.json"
+        # the ranks of a launch in the command each keep their position there (rank_progress.py)
+        ranks = RankWatch(Path(tmp) / "progress", whole_loop=False)
+        env = _script_env(result, ranks, bundle, keep_going)
+        # `--json -` gives standard output to the report: the script's own output goes to standard error
+        script = _start(command, env, ranks, stdout=2 if is_stdout(json_path) or is_stdout(markdown_path) else None)
+        returncode, stopped_by = script.wait()
+        if ranks.ending.seen:
+            _merge_ranks(result, ranks.ending, failed=stopped_by is None and returncode != 0)
+        merge_children(result)  # a child process of the script's that trained and faulted first
+        if not result.is_file():
+            return _without_report(command, Path(tmp), returncode, stopped_by)
+        report = _read_report(result, stopped_by)
+    report.run["command_line"] = shlex.join(command)
+    _write(report, console, bundle=bundle, ranks_seen=ranks.ending.seen, json_path=json_path,
+           markdown_path=markdown_path, quiet=quiet)
+    return _exit_status(report, returncode, stopped_by)
+
+
+def _check_before(command: list[str], json_path: Path | None, markdown_path: Path | None, bundle: Path | None,
+                  force: bool) -> None:
+    """A command to run, and outputs that can be written, before the script starts."""
     from nandoctor.report.bundle import check_bundle_target
-    from nandoctor.report.writer import check_writable_file, is_stdout, write_outputs
+    from nandoctor.report.writer import check_writable_file
 
     if not command:
         raise SpecError("nothing to run: give the command after --, e.g. `nandoctor run -- python train.py`.")
@@ -54,55 +77,82 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
             check_writable_file(path)
     if bundle is not None:  # as probe and scan do: never over a folder of the user's, never found out late
         check_bundle_target(bundle, force)
-    with tempfile.TemporaryDirectory(prefix="nandoctor-run-") as tmp:
-        result = Path(tmp) / "report.json"
-        config = {"result": str(result), "report_dir": str(bundle.resolve()) if bundle is not None else None,
-                  "keep_going": keep_going}
-        env = dict(os.environ)
-        env["NANDOCTOR_RUN"] = json.dumps(config)
-        env["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, [env.get("PYTHONPATH")])])
-        # the ranks of a launch in the command each keep their position there (rank_progress.py)
-        ranks = RankWatch(Path(tmp) / "progress", whole_loop=False)
-        env[RANK_PROGRESS] = str(ranks.folder)
-        # `--json -` gives standard output to the report: the script's own output goes to standard error
-        script = _Script(command, env, stdout=2 if is_stdout(json_path) or is_stdout(markdown_path) else None)
-        returncode, stopped_by = script.wait(ranks)
-        if ranks.ending.seen:
-            ranks.stop_all()  # each rank runs in a session of its own: it outlives the launcher
-            _merge_ranks(result, ranks.ending, failed=stopped_by is None and returncode != 0)
-        merge_children(result)  # a child process of the script's that trained and faulted first
-        if not result.is_file():
-            if stopped_by is not None:
-                _stderr().print(f"nandoctor run: {_signal_name(stopped_by)} stopped the script before it wrote a "
-                                "report (before its first training step, or a library it imports had taken over "
-                                "the signal); no report.", markup=False)
-                return 128 + stopped_by
-            if returncode is not None and returncode < 0:
-                return _killed(-returncode)
-            own_error = Path(tmp) / OWN_ERROR
-            if own_error.is_file():
-                _stderr().print(f"nandoctor run: nandoctor failed while writing the report at the script's end "
-                                f"({own_error.read_text(encoding='utf-8')[:300]}). This is a bug in nandoctor, "
-                                "not in your script; no report was written. The command's own exit status "
-                                "follows.", markup=False)
-                return returncode
-            if not (Path(tmp) / "watched").exists():
-                _stderr().print(f"nandoctor run: nothing was watched: {' '.join(command[:3])} never stepped a "
-                                "Paddle optimizer on a model in training mode (or its Python cannot import "
-                                "nandoctor). The command's own exit status follows.", markup=False)
-            return returncode  # nothing found: the script's own status
-        try:
-            report = Report.from_dict(json.loads(result.read_text(encoding="utf-8")))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise OutputError(f"the watched run's report could not be read ({exc}).") from None
-        if stopped_by is not None and not report.first_fault:
-            from nandoctor.engine.interrupt import interrupted_finding
 
-            report.partial = True
-            steps = f"{report.run.get('steps_run', 0)} step(s)"
-            report.findings.append(interrupted_finding("nandoctor run", steps, signum=stopped_by))
-    report.run["command_line"] = shlex.join(command)
-    if bundle is not None and ranks.ending.seen and report.exit_code and not (bundle / "report.json").is_file():
+
+def _script_env(result: Path, ranks: RankWatch, bundle: Path | None, keep_going: bool) -> dict[str, str]:
+    """The script's environment: the watcher preloaded (site/), where it writes, where ranks keep their place."""
+    config = {"result": str(result), "report_dir": str(bundle.resolve()) if bundle is not None else None,
+              "keep_going": keep_going}
+    env = dict(os.environ)
+    env["NANDOCTOR_RUN"] = json.dumps(config)
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, [env.get("PYTHONPATH")])])
+    env[RANK_PROGRESS] = str(ranks.folder)
+    return env
+
+
+def _start(command: list[str], env: dict[str, str], ranks: RankWatch, stdout: int | None) -> Supervisor:
+    """The user's command in its own process group, so a signal to `nandoctor run` reaches it once: SIGINT and
+    SIGTERM are passed on to the group, and only after the grace period is it killed. The ranks of a launch
+    it may start are looked at meanwhile: when none has moved for the hang limit, every process of the
+    command is killed; when it ends, the ranks left (each in a session of its own) are."""
+    try:
+        return Supervisor(command, ranks, forward_signals=True, on_forward=_said_forwarded, env=env, stdout=stdout)
+    except FileNotFoundError:
+        raise SpecError(f"cannot run {command[0]!r}: no such program. Give the full command after --, e.g. "
+                        "`nandoctor run -- python train.py`.") from None
+    except PermissionError:
+        raise SpecError(f"cannot run {command[0]!r}: it is not executable.") from None
+
+
+def _said_forwarded(signum: int, grace: float) -> None:
+    _stderr().print(f"nandoctor run: {_signal_name(signum)} passed to the script; it has {grace:g} s to "
+                    "stop on its own (its handlers, a checkpoint save) before it is killed.", markup=False)
+
+
+def _without_report(command: list[str], tmp: Path, returncode: int, stopped_by: int | None) -> int:
+    """The exit status when the script left no report, and why there is none."""
+    if stopped_by is not None:
+        _stderr().print(f"nandoctor run: {_signal_name(stopped_by)} stopped the script before it wrote a "
+                        "report (before its first training step, or a library it imports had taken over "
+                        "the signal); no report.", markup=False)
+        return 128 + stopped_by
+    if returncode < 0:
+        return _killed(-returncode)
+    own_error = tmp / OWN_ERROR
+    if own_error.is_file():
+        _stderr().print(f"nandoctor run: nandoctor failed while writing the report at the script's end "
+                        f"({own_error.read_text(encoding='utf-8')[:300]}). This is a bug in nandoctor, "
+                        "not in your script; no report was written. The command's own exit status "
+                        "follows.", markup=False)
+        return returncode
+    if not (tmp / "watched").exists():
+        _stderr().print(f"nandoctor run: nothing was watched: {' '.join(command[:3])} never stepped a "
+                        "Paddle optimizer on a model in training mode (or its Python cannot import "
+                        "nandoctor). The command's own exit status follows.", markup=False)
+    return returncode  # nothing found: the script's own status
+
+
+def _read_report(result: Path, stopped_by: int | None) -> Report:
+    """The watched run's report; partial, with what stopped it, when a signal did before any fault."""
+    try:
+        report = Report.from_dict(json.loads(result.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise OutputError(f"the watched run's report could not be read ({exc}).") from None
+    if stopped_by is not None and not report.first_fault:
+        from nandoctor.engine.interrupt import interrupted_finding
+
+        report.partial = True
+        steps = f"{report.run.get('steps_run', 0)} step(s)"
+        report.findings.append(interrupted_finding("nandoctor run", steps, signum=stopped_by))
+    return report
+
+
+def _write(report: Report, console: Console, *, bundle: Path | None, ranks_seen: bool, json_path: Path | None,
+           markdown_path: Path | None, quiet: bool) -> None:
+    """The report shown and written: --json, --markdown, and the job's report in the --bundle folder."""
+    from nandoctor.report.writer import write_outputs
+
+    if bundle is not None and ranks_seen and report.exit_code and not (bundle / "report.json").is_file():
         from nandoctor.report.writer import write_folder
 
         write_folder(report, bundle)  # the job's report, beside the ones ranks wrote alone (rank-N/)
@@ -111,77 +161,15 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
                   markdown_path=markdown_path, quiet=quiet or report.verdict == Verdict.HEALTHY)
     if bundle is not None and (bundle / "report.json").is_file():
         console.print(f"Report folder written to [bold]{bundle}[/].")
+
+
+def _exit_status(report: Report, returncode: int, stopped_by: int | None) -> int:
+    """128 + the signal passed on; 128 + a signal nandoctor did not send; 1 for a fault; else the script's."""
     if stopped_by is not None:
         return 128 + stopped_by
-    if returncode is not None and returncode < 0 and not report.exit_code:
+    if returncode < 0 and not report.exit_code:
         return _killed(-returncode)
     return 1 if report.exit_code else (returncode or 0)
-
-
-# A script sent SIGINT/SIGTERM gets this long to run its own handlers (save a checkpoint, flush logs)
-# before nandoctor kills its process group: `NANDOCTOR_GRACE_SECONDS` overrides it.
-GRACE_SECONDS = 30.0
-
-
-class _Script:
-    """The user's command in its own process group, so a signal to `nandoctor run` reaches it once:
-    SIGINT and SIGTERM are forwarded to the group, and only after the grace period is it killed."""
-
-    def __init__(self, command: list[str], env: dict[str, str], stdout: int | None = None) -> None:
-        try:
-            self.proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=stdout)
-        except FileNotFoundError:
-            raise SpecError(f"cannot run {command[0]!r}: no such program. Give the full command after --, e.g. "
-                            "`nandoctor run -- python train.py`.") from None
-        except PermissionError:
-            raise SpecError(f"cannot run {command[0]!r}: it is not executable.") from None
-        self.signal: int | None = None
-
-    def wait(self, ranks: RankWatch) -> tuple[int | None, int | None]:
-        """(the script's exit status, the signal that stopped nandoctor run or None), looking at the ranks of
-        a launch meanwhile: when none has moved for the hang limit, every process of the command is killed."""
-        previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-        hung = False  # (after that, ranks gone are ours: no more looks)
-        try:
-            while True:
-                try:
-                    code = self.proc.wait(timeout=LOOK_SECONDS)
-                    if self.signal is None and not hung:
-                        ranks.look()  # a rank that died right before the launcher ended
-                    return code, self.signal
-                except subprocess.TimeoutExpired:
-                    pass
-                except KeyboardInterrupt:  # a handler of ours raised it (the interrupt module's): forward
-                    self._forward(signal.SIGINT, None)
-                if self.signal is None and not hung and ranks.look():
-                    hung = True
-                    ranks.stopped()
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(self.proc.pid, signal.SIGKILL)
-                    ranks.stop_all()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _forward(self, signum: int, _frame: Any) -> None:
-        first = self.signal is None
-        self.signal = self.signal or signum
-        try:
-            os.killpg(self.proc.pid, signum)
-        except ProcessLookupError:
-            return
-        if first:
-            grace = float(os.environ.get("NANDOCTOR_GRACE_SECONDS", GRACE_SECONDS))
-            threading.Thread(target=self._kill_after, args=(grace,), daemon=True).start()
-            _stderr().print(f"nandoctor run: {_signal_name(signum)} passed to the script; it has {grace:g} s to "
-                            "stop on its own (its handlers, a checkpoint save) before it is killed.", markup=False)
-
-    def _kill_after(self, grace: float) -> None:
-        try:
-            self.proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 def _merge_ranks(result: Path, ending: Ending, *, failed: bool) -> None:
