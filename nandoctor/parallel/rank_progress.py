@@ -1,8 +1,8 @@
 """Where each rank of a launch is, for the parent to name a rank that hangs or dies without a word.
 
 A rank writes its step and phase into a small file it maps into memory: a store, no system call, so a
-0.3 ms step pays nothing measurable. Two parents read them through one supervisor (supervisor.py, `RankWatch` every 50 ms):
-`probe --nproc`, whose ranks run nandoctor's own loop and mark every phase, and `nandoctor run` over the
+0.3 ms step pays nothing measurable. Two parents read them through one supervisor (supervisor.py;
+`RankWatch` every 50 ms): `probe --nproc`, whose ranks run nandoctor's own loop and mark every phase, and `nandoctor run` over the
 user's own `paddle.distributed.launch`, whose ranks start their writer with the process (the parent's
 `NANDOCTOR_RANK_PROGRESS` names the folder) and are moved on by the ranks' agreement at each check
 (distributed.py) and by hooks on the model (`follow`: its forward, and the backward back to its
