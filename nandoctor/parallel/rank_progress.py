@@ -2,12 +2,12 @@
 
 A rank writes its step and phase into a small file it maps into memory: a store, no system call, so a
 0.3 ms step pays nothing measurable. Two parents read them through one supervisor (supervisor.py;
-`RankWatch` every 50 ms): `probe --nproc`, whose ranks run nandoctor's own loop and mark every phase, and `nandoctor run` over the
-user's own `paddle.distributed.launch`, whose ranks start their writer with the process (the parent's
-`NANDOCTOR_RANK_PROGRESS` names the folder) and are moved on by the ranks' agreement at each check
-(distributed.py) and by hooks on the model (`follow`: its forward, and the backward back to its
-outputs). A rank whose process is gone while its loop ran died without a word; when no rank has moved
-for the hang limit, the job is stopped and the rank furthest behind is named: the others are waiting for
+`RankWatch` every 50 ms): `probe --nproc`, whose ranks run nandoctor's own loop and mark every phase,
+and `nandoctor run` over the user's own `paddle.distributed.launch`, whose ranks start their writer with
+the process (the parent's `NANDOCTOR_RANK_PROGRESS` names the folder) and are moved on by the ranks'
+agreement at each check (distributed.py) and by hooks on the model (`follow`: its forward, and the
+backward back to its outputs). A rank whose process is gone while its loop ran died without a word; when
+no rank has moved for the hang limit, the job is stopped and the rank furthest behind is named: the others are waiting for
 it at a collective (DataParallel's gradient all-reduce, or the doctor's agreement).
 """
 
