@@ -7,8 +7,8 @@ and `nandoctor run` over the user's own `paddle.distributed.launch`, whose ranks
 the process (the parent's `NANDOCTOR_RANK_PROGRESS` names the folder) and are moved on by the ranks'
 agreement at each check (distributed.py) and by hooks on the model (`follow`: its forward, and the
 backward back to its outputs). A rank whose process is gone while its loop ran died without a word; when
-no rank has moved for the hang limit, the job is stopped and the rank furthest behind is named: the others are waiting for
-it at a collective (DataParallel's gradient all-reduce, or the doctor's agreement).
+no rank has moved for the hang limit, the job is stopped and the rank furthest behind is named: the others
+are waiting for it at a collective (DataParallel's gradient all-reduce, or the doctor's agreement).
 """
 
 from __future__ import annotations
