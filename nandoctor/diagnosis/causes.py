@@ -139,6 +139,9 @@ _SYMPTOMS = (Code.ACTIVATION_NONFINITE, Code.LOSS_NONFINITE, Code.GRAD_NONFINITE
 _INIT_STEPS = 3  # a forward overflow this early still follows from the initial scale
 
 
+_Cause = tuple[str, str]  # (code, text): what led to the fault, as the symptom's message says it
+
+
 def _name_causes(report: Report, fault_step: int, records: list[Any] | None = None, lr: float | None = None,
                  scales: list[dict[str, Any]] | None = None, optimizer: Any = None) -> None:
     """The fault's own finding says what led to it, so the first thing read is cause and symptom together;
@@ -146,14 +149,36 @@ def _name_causes(report: Report, fault_step: int, records: list[Any] | None = No
     symptom = next((f for f in report.findings if f.code in _SYMPTOMS and f.location.step == fault_step), None)
     if symptom is None:
         return
-    causes: list[tuple[str, str]] = []  # (code, text)
+    causes: list[_Cause] = []
     facts: dict[str, Any] = {"learning_rate": lr, "mode": report.mode, "scales": scales, "optimizer": optimizer}
-    read = [f for f in report.findings if f.code == Code.PARAM_NONFINITE
-            and f.evidence.get("first_read_step") == fault_step and f.location.parameter == symptom.location.parameter]
+    read = _params_read(report, fault_step, symptom)
     if read:
         facts["parameter"] = read[0].location.parameter
         causes.append((Code.PARAM_NONFINITE.value, f"{facts['parameter']} held NaN/Inf before training and this "
                        "op read it (param.nonfinite)"))
+    causes += _growth_causes(report, fault_step, facts)
+    if not any(code == Code.GRAD_EXPLOSION.value for code, _ in causes) and not read \
+            and not _samples_named(report):
+        jump = _loss_jump_cause(records, fault_step, lr)
+        if jump is not None:
+            causes.append(jump)
+    init = _init_scale_cause(report, fault_step, symptom)
+    if init is not None:
+        causes.append(init)
+    if causes:
+        _tell_causes(symptom, causes, facts)
+
+
+def _params_read(report: Report, fault_step: int, symptom: Finding) -> list[Finding]:
+    """The param.nonfinite findings whose parameter the symptom's op read at its step (nan_params.py)."""
+    return [f for f in report.findings if f.code == Code.PARAM_NONFINITE
+            and f.evidence.get("first_read_step") == fault_step and f.location.parameter == symptom.location.parameter]
+
+
+def _growth_causes(report: Report, fault_step: int, facts: dict[str, Any]) -> list[_Cause]:
+    """Each gradient-norm (or loss) growth warned of up to the fault; the learning rate and clip threshold
+    it saw go into `facts`, so the advice is written for the values the run had."""
+    causes: list[_Cause] = []
     for f in report.findings:
         if f.code == Code.GRAD_EXPLOSION and f.severity != Severity.INFO and (f.location.step or 0) <= fault_step:
             ev = f.evidence
@@ -164,28 +189,41 @@ def _name_causes(report: Report, fault_step: int, records: list[Any] | None = No
                 facts["learning_rate"], facts["lr_step"] = ev["learning_rate"], f.location.step
             if ev.get("clip_threshold"):
                 facts["clip_norm"] = ev["clip_threshold"]
-    if not any(code == Code.GRAD_EXPLOSION.value for code, _ in causes) and not read \
-            and not _samples_named(report):
-        jump = _loss_jump(records or [], fault_step)
-        if jump is not None:
-            (s0, v0), (s1, v1) = jump
-            at_lr = f" at learning rate {lr:g}" if lr is not None else ""
-            causes.append(("loss.jump", f"the loss jumped {v1 / v0:.3g}x in one update{at_lr} ({v0:.3g} at step "
-                           f"{s0}, {v1:.3g} at step {s1}): the step size threw the weights out of range"))
+    return causes
+
+
+def _loss_jump_cause(records: list[Any] | None, fault_step: int, lr: float | None) -> _Cause | None:
+    """One update that multiplied the loss (`_loss_jump`), said with the learning rate that made it."""
+    jump = _loss_jump(records or [], fault_step)
+    if jump is None:
+        return None
+    (s0, v0), (s1, v1) = jump
+    at_lr = f" at learning rate {lr:g}" if lr is not None else ""
+    return ("loss.jump", f"the loss jumped {v1 / v0:.3g}x in one update{at_lr} ({v0:.3g} at step "
+            f"{s0}, {v1:.3g} at step {s1}): the step size threw the weights out of range")
+
+
+def _init_scale_cause(report: Report, fault_step: int, symptom: Finding) -> _Cause | None:
+    """Weights initialised far above their fan-in's scale, for a forward or loss fault within the first
+    `_INIT_STEPS` steps (an overflow this early still follows from the initial scale)."""
     inits = [f for f in report.findings if f.code == Code.PARAM_INIT_SCALE and f.evidence.get("ratio", 1) > 1]
     if inits and fault_step < _INIT_STEPS and symptom.location.phase is not None \
             and symptom.location.phase.value in ("forward", "loss"):
         names = ", ".join(f"{f.location.parameter} ({f.evidence['ratio']:.3g}x)" for f in inits[:3])
-        causes.append((Code.PARAM_INIT_SCALE.value,
-                       f"weights initialised far above their fan-in's scale: {names} (param.init_scale)"))
-    if causes:
-        said = [text for code, text in causes  # the NaN parameter's read is said already (nan_params.py)
-                if not (code == Code.PARAM_NONFINITE.value and "NaN before training" in symptom.message)]
-        if said:
-            symptom.message += " Likely cause: " + "; ".join(said) + "."
-        symptom.evidence["causes"] = [code for code, _ in causes]
-        op = symptom.location.op
-        symptom.advice = list(dict.fromkeys(advice_for(symptom.code.value, op=op, cause=causes[0][0], **facts)))
+        return (Code.PARAM_INIT_SCALE.value,
+                f"weights initialised far above their fan-in's scale: {names} (param.init_scale)")
+    return None
+
+
+def _tell_causes(symptom: Finding, causes: list[_Cause], facts: dict[str, Any]) -> None:
+    """Write the causes into the symptom's message and evidence; its advice starts from the first cause."""
+    said = [text for code, text in causes  # the NaN parameter's read is said already (nan_params.py)
+            if not (code == Code.PARAM_NONFINITE.value and "NaN before training" in symptom.message)]
+    if said:
+        symptom.message += " Likely cause: " + "; ".join(said) + "."
+    symptom.evidence["causes"] = [code for code, _ in causes]
+    op = symptom.location.op
+    symptom.advice = list(dict.fromkeys(advice_for(symptom.code.value, op=op, cause=causes[0][0], **facts)))
 
 
 _LOSS_JUMP = 5.0  # a finite loss this many times the one before, right before the fault

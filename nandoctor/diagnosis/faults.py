@@ -97,14 +97,43 @@ def update_fault(report: Report, fault: Fault, optimizer: Any) -> None:
 
 def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: list[int] | None,
                     sample_notes: list[str], scope: str | None = None, reason: str | None = None) -> None:
-    from nandoctor.diagnosis.samples import EVERY_SAMPLE, REST_FAULTS, WHOLE_BATCH
-
-    st = fault.stats
+    """A replayed forward, loss or backward fault (`localize`, samples.py) -> its finding and first_fault."""
     phase = loc_.phase
     code = {Phase.FORWARD: Code.ACTIVATION_NONFINITE, Phase.LOSS: Code.LOSS_NONFINITE,
             Phase.BACKWARD: Code.GRAD_NONFINITE}[phase]
     loc = Location(step=fault.step, phase=phase, layer=loc_.layer, op=loc_.op, parameter=loc_.parameter,
                    batch_index=fault.batch_index, sample_indices=samples)
+    what = _nonfinite_what(fault, loc_, _samples_said(fault.batch_index, samples, reason))
+    evidence = _nonfinite_evidence(fault, loc_, sample_notes, scope, reason)
+    if loc_.source:
+        report.details["source"] = loc_.source  # the first-fault panel shows it beside layer and op
+    report.findings.append(Finding(code, Severity.ERROR, what, loc, evidence, advice_for(code.value, op=loc_.op)))
+    if loc_.offending:
+        report.details["offending_tensor"] = loc_.offending
+    set_first(report, loc)
+
+
+def _samples_said(b: int | None, samples: list[int] | None, reason: str | None) -> str:
+    """Which samples of batch `b` made the fault, or why none alone did (samples.py's reasons)."""
+    from nandoctor.diagnosis.samples import EVERY_SAMPLE, REST_FAULTS, WHOLE_BATCH
+
+    if samples:
+        return f"Caused by sample(s) {', '.join(str(s) for s in samples[:10])} of batch {b}."
+    if reason == EVERY_SAMPLE:
+        return f"Not sample-specific: every sample of batch {b} faults on its own."
+    if reason == WHOLE_BATCH:
+        return f"Not sample-specific: only batch {b} together faults (no subset of its samples faults alone)."
+    if reason == REST_FAULTS:
+        return (f"Not sample-specific: parts of batch {b} fault on their own, and so does the rest of the batch "
+                "without them.")
+    return f"Caused by batch {b} (its samples could not be tried apart)."
+
+
+def _nonfinite_what(fault: Fault, loc_: Localization, who: str) -> str:
+    """The finding's message: what went non-finite in which phase, where and by which op, then `who` (the
+    samples) and the user's line that created the op."""
+    st = fault.stats
+    phase = loc_.phase
     if loc_.layer:
         where = f"in layer {loc_.layer}"
     elif loc_.model_forward:
@@ -114,18 +143,6 @@ def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: l
     op = f" (op {loc_.op})" if loc_.op else ""
     if loc_.op and loc_.nan_op:  # the harmful Inf came first; the op that made NaN of it follows
         op = f" (op {loc_.op}, whose Inf op {loc_.nan_op} then turned into NaN)"
-    b = fault.batch_index
-    if samples:
-        who = f"Caused by sample(s) {', '.join(str(s) for s in samples[:10])} of batch {b}."
-    elif reason == EVERY_SAMPLE:
-        who = f"Not sample-specific: every sample of batch {b} faults on its own."
-    elif reason == WHOLE_BATCH:
-        who = f"Not sample-specific: only batch {b} together faults (no subset of its samples faults alone)."
-    elif reason == REST_FAULTS:
-        who = (f"Not sample-specific: parts of batch {b} fault on their own, and so does the rest of the batch "
-               "without them.")
-    else:
-        who = f"Caused by batch {b} (its samples could not be tried apart)."
     if phase == Phase.BACKWARD:
         par = f"; first non-finite parameter gradient: {loc_.parameter}" if loc_.parameter else ""
         what = (f"A gradient became NaN/Inf in the backward pass at step {fault.step}, {where}{op}{par}, while the "
@@ -139,12 +156,18 @@ def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: l
                 f"{who}")
     if loc_.source:
         what += f" The op was created at {loc_.source}."
+    return what
+
+
+def _nonfinite_evidence(fault: Fault, loc_: Localization, sample_notes: list[str], scope: str | None,
+                        reason: str | None) -> dict[str, Any]:
+    """The finding's evidence: the step's numbers, and whatever the localization and the bisection found."""
+    st = fault.stats
     evidence: dict[str, Any] = {"epoch": fault.epoch, "loss": st.loss, "grad_norm": st.grad_norm}
     if loc_.nan_op:
         evidence["nan_op"] = loc_.nan_op
     if loc_.source:
         evidence["source"] = loc_.source
-        report.details["source"] = loc_.source  # the first-fault panel shows it beside layer and op
     if scope is not None:
         evidence["samples_scope"] = scope
     if reason is not None:
@@ -156,10 +179,7 @@ def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: l
     notes = loc_.notes + sample_notes
     if notes:
         evidence["notes"] = notes
-    report.findings.append(Finding(code, Severity.ERROR, what, loc, evidence, advice_for(code.value, op=loc_.op)))
-    if loc_.offending:
-        report.details["offending_tensor"] = loc_.offending
-    set_first(report, loc)
+    return evidence
 
 
 def interrupted(report: Report, steps_run: int) -> None:
@@ -221,45 +241,69 @@ def detection_only(report: Report, fault: Fault, model: Any, mode: str) -> None:
 def loss_code_fault(report: Report, fault: Fault, outside: Any, mode: str) -> None:
     """A fault that began in the user's loss code, outside the model (`diagnose.LossCodeFault`): its phase,
     its samples from the rows of the gradient at the model's output, and its op where a pass saw it."""
-    st = fault.stats
     phase = outside.phase
     code = Code.LOSS_NONFINITE if phase == Phase.LOSS else Code.GRAD_NONFINITE
     rows = outside.rows
     specific = bool(rows) and outside.batch_size is not None and len(rows) < outside.batch_size
     loc = Location(step=fault.step, phase=phase, layer=None, op=outside.op, batch_index=fault.batch_index,
                    sample_indices=list(rows) if specific else [] if rows else None)
+    what = (_loss_code_what(fault, outside) + _output_rows_said(rows, specific, fault.batch_index)
+            + _loss_code_source_said(outside, mode))
+    evidence = _loss_code_evidence(fault, outside, specific)
+    if outside.source:
+        report.details["source"] = outside.source
+    report.findings.append(Finding(code, Severity.ERROR, what, loc, evidence, advice_for(code.value, op=outside.op)))
+    set_first(report, loc)
+
+
+def _loss_code_what(fault: Fault, outside: Any) -> str:
+    """What went non-finite in the loss code: a value the loss's reduction left out, the loss, or a gradient."""
+    st = fault.stats
     op = f" (op {outside.op})" if outside.op else ""
     loss_ok = st is not None and math.isfinite(st.loss)
-    if phase == Phase.LOSS and loss_ok:  # the forward made a NaN/Inf the loss's reduction left out
-        what = (f"A value in the loss code became NaN/Inf at step {fault.step}, outside the model{op}: the model's "
+    if outside.phase == Phase.LOSS and loss_ok:  # the forward made a NaN/Inf the loss's reduction left out
+        return (f"A value in the loss code became NaN/Inf at step {fault.step}, outside the model{op}: the model's "
                 f"outputs were finite, and the loss itself stayed finite ({st.loss:.4g}) but not its gradient.")
-    elif phase == Phase.LOSS:
-        what = (f"The loss became NaN/Inf at step {fault.step} in the loss code, outside the model{op}: the model's "
+    if outside.phase == Phase.LOSS:
+        return (f"The loss became NaN/Inf at step {fault.step} in the loss code, outside the model{op}: the model's "
                 "outputs were finite.")
-    else:
-        what = (f"A gradient became NaN/Inf at step {fault.step} in the backward pass of the loss code, outside the "
-                f"model{op}, while the loss was finite ({st.loss:.4g}) and the model's outputs were finite.")
+    return (f"A gradient became NaN/Inf at step {fault.step} in the backward pass of the loss code, outside the "
+            f"model{op}, while the loss was finite ({st.loss:.4g}) and the model's outputs were finite.")
+
+
+def _output_rows_said(rows: Any, specific: bool, batch_index: int | None) -> str:
+    """The samples whose rows of the gradient at the model's output are non-finite, or that all rows are."""
     if specific:
         shown = ", ".join(str(r) for r in rows[:10]) + ("…" if len(rows) > 10 else "")
-        what += (f" Caused by sample(s) {shown} of batch {fault.batch_index}: theirs are the rows of the gradient "
-                 "that came back to the model's output as NaN/Inf.")
-    elif rows:
-        what += (f" Not sample-specific: every row of the gradient that came back to the model's output is NaN/Inf "
-                 f"(batch {fault.batch_index} as a whole).")
+        return (f" Caused by sample(s) {shown} of batch {batch_index}: theirs are the rows of the gradient "
+                "that came back to the model's output as NaN/Inf.")
+    if rows:
+        return (f" Not sample-specific: every row of the gradient that came back to the model's output is NaN/Inf "
+                f"(batch {batch_index} as a whole).")
+    return ""
+
+
+def _loss_code_source_said(outside: Any, mode: str) -> str:
+    """The user's line that created the op, or why nandoctor run cannot name one."""
     if outside.source:
-        what += f" The op was created at {outside.source}."
-    elif mode == "run":
-        what += (" nandoctor run sees the model's outputs and the gradient that comes back to them, not your loss "
-                 "code's ops, so no op is named here.")
+        return f" The op was created at {outside.source}."
+    if mode == "run":
+        return (" nandoctor run sees the model's outputs and the gradient that comes back to them, not your loss "
+                "code's ops, so no op is named here.")
+    return ""
+
+
+def _loss_code_evidence(fault: Fault, outside: Any, specific: bool) -> dict[str, Any]:
+    """The finding's evidence: the step's numbers, the output gradient's bad rows and the pass's notes."""
+    st = fault.stats
+    rows = outside.rows
     evidence: dict[str, Any] = {"epoch": fault.epoch, "loss": st.loss if st else None,
                                 "grad_norm": st.grad_norm if st else None, "localised": "outside_model"}
     if outside.source:
         evidence["source"] = outside.source
-        report.details["source"] = outside.source
     if rows:
         evidence["nonfinite_output_grad_rows"] = list(rows[:100])
         evidence["samples_scope"] = "samples" if specific else "not_sample_specific"
     if outside.notes:
         evidence["notes"] = list(outside.notes)
-    report.findings.append(Finding(code, Severity.ERROR, what, loc, evidence, advice_for(code.value, op=outside.op)))
-    set_first(report, loc)
+    return evidence

@@ -87,17 +87,31 @@ def layers_on_stack(frames: list[tuple[str, int, str]], sublayers: list[tuple[st
     for file, line, func in frames:
         if _machinery(file):
             continue
-        matches = []
-        for name, rng in ranges.items():
-            if rng is None or rng[0] != file or not rng[1] <= line <= rng[2] or func != "forward":
-                continue
-            parents = [c for c in current if c == "" or name.startswith(c + ".")]
-            if parents and name not in current:
-                matches.append(name)
+        matches = _forwards_at(ranges, current, file, line, func)
         if matches:
-            called = [m for m in matches if caller is not None and caller in sites.sites.get(m, set())]
-            matches = called or matches
-            depth = min(m.count(".") for m in matches)
-            current = [m for m in matches if m.count(".") == depth]
+            current = _outermost_called(matches, caller, sites)
         caller = (file, line)
     return [] if current == [""] else current
+
+
+def _forwards_at(ranges: dict[str, tuple[str, int, int] | None], current: list[str], file: str, line: int,
+                 func: str) -> list[str]:
+    """The sublayers below `current` (the layers the stack is in so far; "" the model) whose class's
+    `forward` holds this frame: the next layer down the stack, one of them."""
+    matches = []
+    for name, rng in ranges.items():
+        if rng is None or rng[0] != file or not rng[1] <= line <= rng[2] or func != "forward":
+            continue
+        parents = [c for c in current if c == "" or name.startswith(c + ".")]
+        if parents and name not in current:
+            matches.append(name)
+    return matches
+
+
+def _outermost_called(matches: list[str], caller: tuple[str, int] | None, sites: CallSites) -> list[str]:
+    """Of the matches, those the previous frame's line called (when the replay saw any called from it),
+    and of those the outermost: the layers the stack is in now."""
+    called = [m for m in matches if caller is not None and caller in sites.sites.get(m, set())]
+    matches = called or matches
+    depth = min(m.count(".") for m in matches)
+    return [m for m in matches if m.count(".") == depth]

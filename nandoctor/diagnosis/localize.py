@@ -364,46 +364,79 @@ def localize(target: Any, fields: dict[str, Any], rng: Any, loss_finite: bool) -
         loc = rp.forward_origin(fields, tr)
         loc.source = rp.source
         return loc, rp
+    return _backward_localization(rp, fields), rp
+
+
+@dataclass
+class _BackwardLayer:
+    """The backward fault's layer as each step settles it (the gradient hooks', then the creation stack's,
+    then none for the root's own forward), with the offending gradient's stats and why it moved."""
+
+    layer: str | None
+    grad_stats: dict[str, Any] | None
+    note: str | None = None  # why the layer is not the one the gradient hooks named
+
+
+def _backward_localization(rp: Replayer, fields: dict[str, Any]) -> Localization:
+    """Op, layer and parameters of a non-finite gradient under a finite loss: the checker's op and creation
+    stack, the gradient hooks' layer and parameters, and which of the two names the layer."""
     op, on_stack = rp.checked_backward(fields)
     layer, params, grad_stats = rp.traced_backward(fields)
     # A layer on the stack is the culprit only if a non-finite gradient leaves it (its input's or its
     # parameters'): an Inf its own backward discards (clip's, where's gradient) stops the checker too.
     confirmed = [n for n in on_stack if n in rp.bad_input_grads or any(p.startswith(n + ".") for p in params)]
-    notes = []
+    notes: list[str] = []
     if on_stack and not confirmed:
-        first_nan = rp.first_nan_backward_op(fields)
-        notes.append(f"the checker first stopped at {op} inside {on_stack[-1]}, an Inf that layer's own backward "
-                     "discards; the first NaN that reaches the gradients is named instead")
-        if first_nan is not None and first_nan != op:
-            op, rp.source = first_nan, None
-    named = _pick_branch(confirmed, layer)
-    if named is not None and named != layer:
-        g = rp.bad_input_grads.get(named)
-        grad_stats = tensor_stats(g, f"gradient of the input of {named}") if g is not None else grad_stats
-        if layer is not None:
-            loc_note = (f"the gradient hooks alone would have named {layer}; the op was created inside "
-                        f"{named}'s forward")
-        else:
-            loc_note = f"the op was created inside {named}'s forward"
-        layer = named
-    else:
-        loc_note = None
+        op = _past_discarded_inf(rp, fields, op, on_stack, notes)
+    found = _layer_from_stack(rp, confirmed, _BackwardLayer(layer, grad_stats))
     if rp.model_forward and not confirmed:
-        # The op was made in the root model's own forward, outside every sublayer: the root is the layer (null),
-        # not a sublayer the gradient hooks saw (a sibling sharing that tensor sees its gradient too).
-        if layer is not None:
-            notes.append(f"the op was created in the model's own forward, outside every sublayer; the gradient "
-                         f"hooks alone would have named {layer}")
-        layer, loc_note = None, None
-    loc = Localization(Phase.BACKWARD, layer=layer, op=op, parameter=params[0] if params else None,
-                       bad_parameters=params, offending=grad_stats, source=rp.source,
-                       model_forward=rp.model_forward and layer is None)
+        _in_model_forward(found, notes)
+    loc = Localization(Phase.BACKWARD, layer=found.layer, op=op, parameter=params[0] if params else None,
+                       bad_parameters=params, offending=found.grad_stats, source=rp.source,
+                       model_forward=rp.model_forward and found.layer is None)
     loc.notes += notes
-    if loc_note:
-        loc.notes.append(loc_note)
+    if found.note:
+        loc.notes.append(found.note)
     if op is None:
         loc.notes.append("the tensor checker did not fire on the replayed backward pass")
-    return loc, rp
+    return loc
+
+
+def _past_discarded_inf(rp: Replayer, fields: dict[str, Any], op: str | None, on_stack: list[str],
+                        notes: list[str]) -> str | None:
+    """The checker stopped at an Inf that the stack's layer's own backward discards: the op is the first
+    NaN that reaches the gradients instead (its source line unknown), when the log names another."""
+    first_nan = rp.first_nan_backward_op(fields)
+    notes.append(f"the checker first stopped at {op} inside {on_stack[-1]}, an Inf that layer's own backward "
+                 "discards; the first NaN that reaches the gradients is named instead")
+    if first_nan is not None and first_nan != op:
+        op, rp.source = first_nan, None
+    return op
+
+
+def _layer_from_stack(rp: Replayer, confirmed: list[str], hooked: _BackwardLayer) -> _BackwardLayer:
+    """The layer the op's creation stack names, over the gradient hooks' when they differ (with that
+    layer's input gradient as the offending tensor, when it has one)."""
+    layer, grad_stats = hooked.layer, hooked.grad_stats
+    named = _pick_branch(confirmed, layer)
+    if named is None or named == layer:
+        return hooked
+    g = rp.bad_input_grads.get(named)
+    grad_stats = tensor_stats(g, f"gradient of the input of {named}") if g is not None else grad_stats
+    if layer is not None:
+        note = f"the gradient hooks alone would have named {layer}; the op was created inside {named}'s forward"
+    else:
+        note = f"the op was created inside {named}'s forward"
+    return _BackwardLayer(named, grad_stats, note)
+
+
+def _in_model_forward(found: _BackwardLayer, notes: list[str]) -> None:
+    """The op was made in the root model's own forward, outside every sublayer: the root is the layer (null),
+    not a sublayer the gradient hooks saw (a sibling sharing that tensor sees its gradient too)."""
+    if found.layer is not None:
+        notes.append(f"the op was created in the model's own forward, outside every sublayer; the gradient "
+                     f"hooks alone would have named {found.layer}")
+    found.layer, found.note = None, None
 
 
 def _pick_branch(on_stack: list[str], hooked: str | None) -> str | None:

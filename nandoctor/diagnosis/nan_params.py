@@ -19,7 +19,7 @@ from nandoctor.advice import advice_for
 from nandoctor.diagnosis import faults
 from nandoctor.diagnosis.params import NonfiniteParam, nonfinite_facts, owners
 from nandoctor.engine.watcher import FaultKind
-from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity
+from nandoctor.findings import Code, Finding, FirstFault, Location, Phase, Report, Severity
 
 _FAULT_CODES = (Code.ACTIVATION_NONFINITE, Code.LOSS_NONFINITE, Code.GRAD_NONFINITE)
 _BN_STATS = ("_mean", "_variance")
@@ -44,34 +44,52 @@ class BadParam:
         return self.facts.wholly and not self.buffer and not self.frozen
 
 
+@dataclass
+class _ModelIndex:
+    """What `inspect` reads of the model and optimizer once, to look each bad name up in."""
+
+    own: dict[int, tuple[str, Any]]  # id(parameter) -> (layer name, layer) of the outermost layer holding it
+    params: dict[str, Any]
+    trained: set[int]  # ids of the optimizer's parameters (empty: it lists none)
+    layers: dict[str, Any]
+    state: dict[str, Any]
+
+
 def inspect(model: Any, optimizer: Any, names: list[str]) -> list[BadParam]:
     """The facts for each non-finite state-dict entry in `names` (from monitors.param_nonfinite)."""
-    own = owners(model)
-    params = dict(model.named_parameters())
-    trained = {id(p) for p in optimizer_params(optimizer)}
-    layers = dict(model.named_sublayers(include_self=True))
-    state = model.state_dict()
+    index = _ModelIndex(owners(model), dict(model.named_parameters()), {id(p) for p in optimizer_params(optimizer)},
+                        dict(model.named_sublayers(include_self=True)), model.state_dict())
     out = []
     seen: set[int] = set()
     for name in names:
-        p = params.get(name)
+        p = index.params.get(name)
         if p is None:  # a tied weight appears in the state dict under each layer that holds it
-            p = next((q for q in params.values() if q is state[name]), None)
+            p = next((q for q in index.params.values() if q is index.state[name]), None)
             if p is not None and id(p) in seen:
                 continue
         if p is not None:
             seen.add(id(p))
-        t = p if p is not None else state[name]
-        layer_name, layer = own.get(id(p), (None, None)) if p is not None else _buffer_owner(name, layers)
-        # Paddle keeps batch-norm running statistics as frozen parameters: they are state, like buffers
-        stats = p is not None and "BatchNorm" in type(layer).__name__ and name.rsplit(".", 1)[-1] in _BN_STATS
-        frozen = p is not None and not stats and (bool(p.stop_gradient) or (bool(trained) and id(p) not in trained))
-        facts = nonfinite_facts(name, np.asarray(t.numpy()), layer)
-        users = [n for n, lay in layers.items() if p is not None
-                 and any(q is p for _, q in lay.named_parameters(include_sublayers=False))]
-        out.append(BadParam(facts, layer_name, buffer=p is None or stats, frozen=frozen,
-                            users=users or ([layer_name] if layer_name is not None else [])))
+        out.append(_bad_param(index, name, p))
     return out
+
+
+def _bad_param(index: _ModelIndex, name: str, p: Any) -> BadParam:
+    """One entry's facts: `p` is its parameter, or None for a buffer (then read from the state dict)."""
+    t = p if p is not None else index.state[name]
+    layer_name, layer = index.own.get(id(p), (None, None)) if p is not None else _buffer_owner(name, index.layers)
+    # Paddle keeps batch-norm running statistics as frozen parameters: they are state, like buffers
+    stats = p is not None and "BatchNorm" in type(layer).__name__ and name.rsplit(".", 1)[-1] in _BN_STATS
+    frozen = p is not None and not stats and _untrained(p, index.trained)
+    facts = nonfinite_facts(name, np.asarray(t.numpy()), layer)
+    users = [n for n, lay in index.layers.items() if p is not None
+             and any(q is p for _, q in lay.named_parameters(include_sublayers=False))]
+    return BadParam(facts, layer_name, buffer=p is None or stats, frozen=frozen,
+                    users=users or ([layer_name] if layer_name is not None else []))
+
+
+def _untrained(p: Any, trained: set[int]) -> bool:
+    """stop_gradient, or left out of an optimizer that lists its parameters: training does not change it."""
+    return bool(p.stop_gradient) or (bool(trained) and id(p) not in trained)
 
 
 def optimizer_params(optimizer: Any) -> list[Any]:
@@ -134,9 +152,8 @@ def after_run(report: Report, bad: list[BadParam], fault: Any, target: Any, step
     """Tie the run's first fault to the bad parameter it read, or say that no step read it (and when no
     gradient ever reached it, that the loss does not use it: a warning, like a frozen one)."""
     ff = report.first_fault
-    read = None
-    if fault is not None and fault.kind == FaultKind.NONFINITE and ff is not None:
-        read = next((b for b in bad if any(_inside(u, ff.layer) for u in b.users)), None)
+    located = ff if fault is not None and fault.kind == FaultKind.NONFINITE else None
+    read = _read_by(bad, located) if located is not None else None
     unused = _never_got_a_gradient(target.model, records)
     for b in bad:
         if b.finding is None:
@@ -144,29 +161,50 @@ def after_run(report: Report, bad: list[BadParam], fault: Any, target: Any, step
         if b is read:
             _first_read(report, b, fault, target)
         elif b.name in unused and b.finding.severity == Severity.ERROR:
-            b.finding.severity = Severity.WARNING
-            b.finding.message += (f" No gradient reached it in the {len(records)} step(s) probed: the loss does not "
-                                  "use it, so it is not trained (and the NaN does no harm until something reads it).")
-            b.finding.evidence["unused"] = True
-            b.finding.advice = advice_for(Code.PARAM_NONFINITE.value, frozen=True)
+            _say_unused(b.finding, len(records))
         elif b.finding.severity == Severity.ERROR:
-            if fault is not None and fault.kind == FaultKind.NONFINITE and ff is not None:
-                where = f"layer {ff.layer}" if ff.layer else "outside every layer"
-                b.finding.message += (f" The first fault (step {fault.step}, {where}) is outside the layers that "
-                                      "hold it, so it is not known to read it.")
-            elif b.buffer:
-                b.finding.message += (f" No training step read it in the {steps_run} step(s) probed; evaluation "
-                                      "(model.eval()) or inference that uses it will go NaN.")
-            else:
-                until = (f"before the fault at step {fault.step}" if fault is not None
-                         else f"in the {steps_run} step(s) probed")
-                which = "No batch held these ids" if b.facts.token_ids else "No step read these entries"
-                b.finding.message += f" {which} {until}; a later one will go NaN."
-            b.finding.evidence["first_read_step"] = None
-    if report.first_fault is None and any(b.finding is not None and b.finding.severity == Severity.ERROR
-                                          for b in bad):
+            _say_unread(b, fault, located, steps_run)
+    if report.first_fault is None:
+        _first_fault_at_error(report, bad)
+
+
+def _read_by(bad: list[BadParam], located: FirstFault) -> BadParam | None:
+    """The first bad parameter held by the fault's layer or a layer around it: the op that faulted could read it."""
+    return next((b for b in bad if any(_inside(u, located.layer) for u in b.users)), None)
+
+
+def _first_fault_at_error(report: Report, bad: list[BadParam]) -> None:
+    """No first fault yet: the first bad parameter whose finding is still an error becomes it."""
+    if any(b.finding is not None and b.finding.severity == Severity.ERROR for b in bad):
         first = next(b for b in bad if b.finding is not None and b.finding.severity == Severity.ERROR)
         faults.set_first(report, first.finding.location)
+
+
+def _say_unused(finding: Finding, steps: int) -> None:
+    """No gradient reached the parameter in any step read: the loss does not use it, so it is a warning."""
+    finding.severity = Severity.WARNING
+    finding.message += (f" No gradient reached it in the {steps} step(s) probed: the loss does not "
+                        "use it, so it is not trained (and the NaN does no harm until something reads it).")
+    finding.evidence["unused"] = True
+    finding.advice = advice_for(Code.PARAM_NONFINITE.value, frozen=True)
+
+
+def _say_unread(b: BadParam, fault: Any, located: FirstFault | None, steps_run: int) -> None:
+    """No step is known to read it: say why (the first fault is elsewhere, it is state, or no batch reached
+    its bad entries yet). `located`: the run's first fault when it is a non-finite value, else None."""
+    if located is not None:
+        where = f"layer {located.layer}" if located.layer else "outside every layer"
+        b.finding.message += (f" The first fault (step {fault.step}, {where}) is outside the layers that "
+                              "hold it, so it is not known to read it.")
+    elif b.buffer:
+        b.finding.message += (f" No training step read it in the {steps_run} step(s) probed; evaluation "
+                              "(model.eval()) or inference that uses it will go NaN.")
+    else:
+        until = (f"before the fault at step {fault.step}" if fault is not None
+                 else f"in the {steps_run} step(s) probed")
+        which = "No batch held these ids" if b.facts.token_ids else "No step read these entries"
+        b.finding.message += f" {which} {until}; a later one will go NaN."
+    b.finding.evidence["first_read_step"] = None
 
 
 def _never_got_a_gradient(model: Any, records: list[Any]) -> set[str]:
@@ -189,25 +227,39 @@ def _inside(owner: str, layer: str | None) -> bool:
 
 
 def _first_read(report: Report, b: BadParam, fault: Any, target: Any) -> None:
+    """The first fault read `b`: name it in the fault's findings, and the step, samples and token ids that
+    read it in `b`'s own finding (the samples from the token ids when the bisection found none)."""
     ff = report.first_fault
     ff.parameter = b.name
     symptoms = [f for f in report.findings if f.code in _FAULT_CODES and f.location.step == ff.step]
-    ids_hit: list[int] = []
+    hits = _bad_ids_per_sample(b, fault, target)
+    ids_hit = sorted({t for ts in hits.values() for t in ts})
     samples = ff.sample_indices
-    if b.facts.token_ids:
-        per_sample = _embedding_ids(target, fault, b) if target.replay_loss is not None else None
-        if per_sample is not None:
-            bad_ids = set(b.facts.rows)
-            hits = {i: sorted(bad_ids & ids) for i, ids in enumerate(per_sample) if bad_ids & ids}
-            ids_hit = sorted({t for ts in hits.values() for t in ts})
-            if hits and not samples:
-                samples = ff.sample_indices = sorted(hits)
-                for f in symptoms:
-                    f.location.sample_indices = samples
+    if hits and not samples:
+        samples = ff.sample_indices = sorted(hits)
+        for f in symptoms:
+            f.location.sample_indices = samples
     what = f"token id(s) {', '.join(str(t) for t in ids_hit[:10])}" if ids_hit else b.facts.where()
     for f in symptoms:
         f.location.parameter = b.name
         f.message += f" It read {what} of {b.name}, NaN before training."
+    _say_first_read(b, ff, samples, ids_hit)
+
+
+def _bad_ids_per_sample(b: BadParam, fault: Any, target: Any) -> dict[int, list[int]]:
+    """Sample index -> the bad token ids (rows of `b`) it fed the embedding; empty when `b` has no token
+    ids, the step cannot be replayed or its samples cannot be told apart (`_embedding_ids`)."""
+    if not b.facts.token_ids:
+        return {}
+    per_sample = _embedding_ids(target, fault, b) if target.replay_loss is not None else None
+    if per_sample is None:
+        return {}
+    bad_ids = set(b.facts.rows)
+    return {i: sorted(bad_ids & ids) for i, ids in enumerate(per_sample) if bad_ids & ids}
+
+
+def _say_first_read(b: BadParam, ff: FirstFault, samples: list[int] | None, ids_hit: list[int]) -> None:
+    """`b`'s finding names the step that first read it, by which samples and token ids, and its evidence too."""
     who = f"sample(s) {', '.join(str(s) for s in samples[:10])} of batch {ff.batch_index}" if samples else \
         f"batch {ff.batch_index}"
     ids = f", which carry token id(s) {', '.join(str(t) for t in ids_hit[:10])}" if ids_hit else ""

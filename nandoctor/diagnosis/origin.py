@@ -69,21 +69,28 @@ class Trace:
         inf = next((c for c in self.calls if c.output == INF and c.inputs is None), None)
         if nan is not None and nan.inputs == INF and inf is None:
             # No layer call made that Inf: the code of an enclosing call did, between its sublayer calls
-            # (`log(x)` in the model's own forward, then a Linear). Walk out to the first enclosing call
-            # whose inputs were clean; the op to find in it is the Inf.
-            later = self.calls[self.calls.index(nan) + 1:]
-            outer, name = None, nan.parent
-            while name is not None:
-                outer = next((c for c in later if c.name == name), None)
-                if outer is None or outer.inputs is None:
-                    break
-                name = outer.parent
-            if outer is not None and outer.inputs is None:
+            # (`log(x)` in the model's own forward, then a Linear); the op to find in it is the Inf.
+            outer = _clean_enclosing_call(self.calls, nan)
+            if outer is not None:
                 outer.seek = INF
                 return outer
         if nan is not None and not (nan.inputs == INF and inf is not None):
             return nan
         return inf
+
+
+def _clean_enclosing_call(calls: list[LayerCall], nan: LayerCall) -> LayerCall | None:
+    """Walking out from `nan`'s call, the first enclosing call whose inputs were clean, or None when the walk
+    reaches the outermost call (or one that did not complete) first. An enclosing call completes after
+    `nan`'s, so it is looked for among the later calls."""
+    later = calls[calls.index(nan) + 1:]
+    outer, name = None, nan.parent
+    while name is not None:
+        outer = next((c for c in later if c.name == name), None)
+        if outer is None or outer.inputs is None:
+            break
+        name = outer.parent
+    return outer if outer is not None and outer.inputs is None else None
 
 
 @dataclass
