@@ -142,7 +142,7 @@ def _write_bundle(report: Report, spec: Any, bundle: Path, console: Console, *, 
     from nandoctor.report.bundle import write_bundle
 
     written = write_bundle(report, spec, bundle, force=force, include_code=include_code)
-    console.print(f"Bundle written to [bold]{written}[/] (attach it to the bug ticket).")
+    console.print(f"Bundle written to [bold]{written}[/] (attach it to the bug ticket).", soft_wrap=True)
 
 
 def check_nproc(nproc: int, device: str) -> None:
@@ -206,7 +206,7 @@ def rerender(report_json: Path, console: Console, *, markdown_path: Path | None 
         write_text(markdown_path, markdown_report.render(report, report_dir=report_json.parent,
                                                          markdown_dir=markdown_path.parent))
         if not is_stdout(markdown_path):
-            console.print(f"Markdown written to {markdown_path}", markup=False)
+            console.print(f"Markdown written to {markdown_path}", markup=False, soft_wrap=True)  # a path unbroken
     else:
         from nandoctor.report import console as console_report
 

@@ -89,7 +89,7 @@ def test_the_checker_finds_a_broken_link_and_a_broken_anchor(tmp_path):
     page = tmp_path / "README.md"
     page.write_text(
         "See [the spec](docs/spec.md), [keys](docs/spec.md#every-key), [again](docs/spec.md#every-key-1)\n"
-        "and [this page](#top) and [the web](https://example.org/missing.md).\n"
+        "and [this page](#top) and [the web](https://docs.python.org/3/missing.md).\n"
         "# Top\n"
         "`[not a link](missing-in-code.md)`\n"
         "```\n[not a link](missing-in-fence.md)\n```\n"

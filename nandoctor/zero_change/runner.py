@@ -160,7 +160,7 @@ def _write(report: Report, console: Console, *, bundle: Path | None, ranks_seen:
     write_outputs(report, _stderr() if report.verdict == Verdict.HEALTHY else console, json_path=json_path,
                   markdown_path=markdown_path, quiet=quiet or report.verdict == Verdict.HEALTHY)
     if bundle is not None and (bundle / "report.json").is_file():
-        console.print(f"Report folder written to [bold]{bundle}[/].")
+        console.print(f"Report folder written to [bold]{bundle}[/].", soft_wrap=True)
 
 
 def _exit_status(report: Report, returncode: int, stopped_by: int | None) -> int:
