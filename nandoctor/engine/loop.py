@@ -1,23 +1,24 @@
 """The probe's training loop: the user's calls in order, each behind the boundary that makes its
 exception a finding; everything nandoctor does per step is the watcher's (watcher.py).
 
-Only the user's own calls sit inside that boundary: `iter()`/`next()` on the loader, the forward and
+Only the user's own calls sit inside that boundary (`user_call`, batch_source.py): `iter()`/`next()` on the
+loader (the loop draws its batches from a `BatchSource`, as the ranks and the replays do), the forward and
 loss (`Workload.compute_loss`), `backward`, `optimizer.step`/`clear_grad` and the scheduler's step. An
-exception anywhere else is nandoctor's own and propagates (the CLI reports it as an internal error),
-so a bug of ours is never blamed on the user's optimizer.
+exception anywhere else is nandoctor's own and propagates (the CLI reports it as an internal error), so a
+bug of ours is never blamed on the user's optimizer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, Callable
+from typing import Any
 
-from nandoctor.engine.interrupt import reassert, stop_loader
+from nandoctor.engine.batch_source import BatchSource, UserRaised, user_call
+from nandoctor.engine.interrupt import reassert
 from nandoctor.engine.snapshots import MIN_EVERY
 from nandoctor.engine.step import StepEngine
 from nandoctor.engine.watcher import Fault, FaultKind, StatsSchedule, StepRecord, StepWatcher, current_lr
-from nandoctor.errors import NandoctorError, UserCodeError
 from nandoctor.findings import Phase
 from nandoctor.workload import Workload
 
@@ -38,28 +39,6 @@ class LoopResult:
     epochs: int = 1
     stats_every: list[int] = field(default_factory=list)
     start_step: int = 0  # a resumed run's first step (steps_run counts from it)
-
-
-class UserRaised(Exception):
-    """The user's call raised `exc` (SystemExit included) in `phase`; carries it out of `user_call`."""
-
-    def __init__(self, exc: BaseException, phase: Phase) -> None:
-        super().__init__(str(exc))
-        self.exc = exc
-        self.phase = phase
-
-
-def user_call(phase: Phase, fn: Callable[..., Any], *args: Any, what: str | None = None) -> Any:
-    """Call the user's code: its exception (or sys.exit) becomes `UserRaised`; ours and Ctrl-C pass through.
-    `what` names the call in the finding when the phase alone would not (the LR scheduler's step)."""
-    try:
-        return fn(*args)
-    except NandoctorError:  # a spec mistake found while calling (a loader that is not iterable): exit 2
-        raise
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code raised: that is the finding
-        if isinstance(exc, StopIteration):
-            exc = RuntimeError("the data iterator raised StopIteration from inside a batch")
-        raise UserRaised(UserCodeError(what, exc) if what else exc, phase) from None
 
 
 class ProbeLoop:
@@ -88,9 +67,7 @@ class ProbeLoop:
         res = LoopResult(start_step=self.start_step)
         watch = self.watcher
         engine = self.engine
-        epoch, batch_index, step = 0, 0, self.start_step
-        first_epoch, end = 0, self.start_step + self.steps
-        it: Any = None
+        batches = self._batches()
         fields: dict[str, Any] | None = None
         ring = self.snapshots
         # bound once: a 0.3 ms step pays for the calls, not for looking them up
@@ -104,15 +81,7 @@ class ProbeLoop:
         # a window of 16 MB batches held whole was +68 MB on wide_batch)
         quiet_fields: list[dict[str, Any] | None] = []
         quiet_until, in_quiet = 0, False
-        can_quiet = False
-        if ring is not None and ring.disabled is None:
-            # a fault on a step whose gradients (or whole read) went unread can be replayed from the ring
-            # (rollback.py), as long as no more steps go unread in a row than the ring's interval
-            watch.defer_grads(DEFER_EVERY)
-            watch.defer_reads(ring)
-            can_quiet = engine.accumulate == 1
-            if ring.batches is not None:  # an update fault's batch is read back from the tape (read_batch)
-                watch.keep_update_batches = False
+        can_quiet = self._defer_reads()
 
         def settle() -> None:
             if quiet:
@@ -121,25 +90,7 @@ class ProbeLoop:
                 quiet_fields.clear()
 
         try:
-            if self.start_step:  # the loader past the batches trained before the checkpoint (workload.py)
-                epoch, batch_index, it = user_call(Phase.DATA, self.w.resume_at, self.start_step, self._on_epoch)
-                first_epoch = epoch
-                reassert()
-            while step < end:
-                fields = None
-                if it is None:
-                    if ring is not None:
-                        ring.on_epoch(epoch)
-                    it = user_call(Phase.DATA, lambda: iter(self.w.make_loader()))
-                    reassert()  # the data entry's imports may have reset SIGTERM in C (once an epoch)
-                batch = _next(it)
-                if batch is _END:
-                    if batch_index == 0:  # an empty loader: nothing to train on
-                        break
-                    engine.end_epoch()
-                    epoch, batch_index, it = epoch + 1, 0, None
-                    res.epochs = epoch + 1 - first_epoch
-                    continue
+            for step, epoch, batch_index, batch in batches:
                 fields = name_fields(batch, batch_index)
                 loss = None
                 if step < quiet_until:
@@ -154,10 +105,9 @@ class ProbeLoop:
                             quiet_fields[-1] = None
                         quiet_fields.append(fields)
                         in_quiet = False
-                        step += 1
-                        batch_index += 1
-                        res.steps_run = step - start
-                        if step >= quiet_until:
+                        fields = None  # (an exception drawing the next batch is not this batch's)
+                        res.steps_run = step + 1 - start
+                        if step + 1 >= quiet_until:
                             settle()
                         progress(res.steps_run, total, "probe step")
                         continue
@@ -180,25 +130,18 @@ class ProbeLoop:
                 if stepped:
                     engine.update()
                 watch.after_update(stepped=stepped)
-                step += 1
-                batch_index += 1
                 if can_quiet:
-                    quiet_until = watch.quiet_until(step)
-                res.steps_run = step - start
+                    quiet_until = watch.quiet_until(step + 1)
+                fields = None
+                res.steps_run = step + 1 - start
                 progress(res.steps_run, total, "probe step")
             settle()
             if res.fault is None:
                 res.fault = watch.finish()
         except UserRaised as raised:
             settle()
-            if in_quiet:  # raised in a quiet step: the watcher begins it, as it would have before its forward
-                watch.begin_step(step, fields or {}, batch_index=batch_index, epoch=epoch)
-            # a NaN in the batch that made the model's code raise is the data's fault, named as such; a
-            # non-finite loss on an earlier, unread step came first
-            bad_data = watch.data_fault(raised.exc) if fields is not None and raised.phase in _STEP_PHASES else None
-            res.fault = watch.flush() or bad_data or Fault(FaultKind.CRASH, step, batch_index, epoch,
-                                          fields if raised.phase != Phase.DATA else None, exc=raised.exc,
-                                          phase=raised.phase)
+            batches.close()  # closed, it says where it stopped: the step being trained, or whose batch was drawn
+            res.fault = self._crash(raised, batches, fields, in_quiet)
         except KeyboardInterrupt:
             settle()
             res.interrupted = True
@@ -206,11 +149,49 @@ class ProbeLoop:
             watch.flush()
         finally:
             watch.monitor.begin_step(False)  # detach the stats hooks before any replay
-            stop_loader(it)
+            batches.close()  # the loader's workers end now
             self.release_batches()  # the fault holds its own batch: the replays after the loop read theirs
+        res.epochs = batches.epochs
         res.records = watch.records
         res.stats_every = watch.stats_every
         return res
+
+    def _batches(self) -> BatchSource:
+        """The loop's batches: the loader from its start, or past the batches trained before the checkpoint
+        (workload.resume_at). The ring keeps the RNG each epoch's loader is made with (its shuffle); the
+        data entry's imports may reset SIGTERM in C (`reassert`, once an epoch)."""
+        w, start = self.w, self.start_step
+        resume = (lambda: w.resume_at(start, self._on_epoch)) if start else None
+        return BatchSource(start + self.steps, start=start, make_loader=w.make_loader, resume=resume,
+                           before_epoch=self._on_epoch, opened=reassert, end_epoch=self.engine.end_epoch)
+
+    def _defer_reads(self) -> bool:
+        """With a snapshot ring, what the watcher may leave unread; whether the loop may run quiet steps."""
+        ring = self.snapshots
+        if ring is None or ring.disabled is not None:
+            return False
+        # a fault on a step whose gradients (or whole read) went unread can be replayed from the ring
+        # (rollback.py), as long as no more steps go unread in a row than the ring's interval
+        self.watcher.defer_grads(DEFER_EVERY)
+        self.watcher.defer_reads(ring)
+        if ring.batches is not None:  # an update fault's batch is read back from the tape (read_batch)
+            self.watcher.keep_update_batches = False
+        return self.engine.accumulate == 1
+
+    def _crash(self, raised: UserRaised, batches: BatchSource, fields: dict[str, Any] | None,
+               in_quiet: bool) -> Fault:
+        """The fault of the user's exception, where the (closed) batches stopped: at the step the loop was
+        training, or drawing the batch of."""
+        watch = self.watcher
+        step, batch_index, epoch = batches.step, batches.batch_index, batches.epoch
+        if in_quiet:  # raised in a quiet step: the watcher begins it, as it would have before its forward
+            watch.begin_step(step, fields or {}, batch_index=batch_index, epoch=epoch)
+        # a NaN in the batch that made the model's code raise is the data's fault, named as such; a
+        # non-finite loss on an earlier, unread step came first
+        bad_data = watch.data_fault(raised.exc) if fields is not None and raised.phase in _STEP_PHASES else None
+        return watch.flush() or bad_data or Fault(FaultKind.CRASH, step, batch_index, epoch,
+                                                  fields if raised.phase != Phase.DATA else None, exc=raised.exc,
+                                                  phase=raised.phase)
 
     def _on_epoch(self, epoch: int) -> None:
         if self.snapshots is not None:
@@ -227,18 +208,4 @@ class ProbeLoop:
         self.release_batches()
 
 
-_END = object()
 _STEP_PHASES = (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD)
-
-
-def _next(it: Any) -> Any:
-    """`next(it)` behind the boundary (as `user_call(Phase.DATA, ...)`, one call less a step), with the loader's
-    normal end as a sentinel rather than StopIteration."""
-    try:
-        return next(it)
-    except StopIteration:
-        return _END
-    except NandoctorError:
-        raise
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's loader raised: that is the finding
-        raise UserRaised(exc, Phase.DATA) from None

@@ -13,14 +13,14 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from nandoctor.engine.batch_tape import END
-from nandoctor.engine.interrupt import stop_loader
+from nandoctor.engine.batch_source import END, BatchSource
+from nandoctor.engine.batch_tape import BatchTape
 from nandoctor.engine.op_guards import Guard, guarded
 from nandoctor.engine.snapshots import Snapshot, SnapshotRing, restore
 from nandoctor.tensors.sizes import subset
@@ -121,7 +121,8 @@ def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, en
 
 
 def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change, deadline: float,
-         set_factor: Any, out: Replay, record: bool = False, now: list[int] | None = None) -> None:
+         set_factor: Any, out: Replay, record: bool, now: list[int]) -> None:
+    """Train from `snap` to `end_step` with `change` into `out`; `now[0]`: the step running."""
     import paddle
 
     from nandoctor.engine.step import StepEngine
@@ -130,32 +131,17 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
     engine = StepEngine.for_workload(w, opt, device=str(paddle.get_device())).fresh_scaler()
     named = [(n, p) for n, p in w.model.named_parameters() if not p.stop_gradient]
     params = [p for _, p in named]
-    epoch, batch_index, step = snap.epoch, snap.batch_index, snap.step
     before = _nonfinite_counts(params)  # NaN the weights already held (a corrupt checkpoint) is not new
-    feed = _batches(w, ring, snap)
+
+    def late(_step: int) -> bool:  # checked before each batch is drawn
+        out.cut = time.perf_counter() > deadline
+        return out.cut
+
+    feed = _batches(w, ring, snap, end_step, engine.end_epoch, late)
     opt.clear_grad()
     try:
-        while step < end_step:
-            if time.perf_counter() > deadline:
-                out.cut = True
-                break
-            # the last step's batch (a subset: a copy), its loss and gradients let go before the next batch is
-            # drawn: a plain loop holds one batch then, and a 100 MB batch or a large model's gradients count
-            item = batch = fields = here = loss = grads = engine.fields = None
-            item = next(feed, None)
-            if item is None:  # the kept batches ended and the loader cannot give the same ones again
-                out.ended = True
-                out.data_note = getattr(ring.batches, "stream", None)
-                break
-            epoch, batch_index, batch = item
-            if now is not None:
-                now[0] = step
-            if batch is END:
-                if batch_index == 0:
-                    out.ended = True
-                    break
-                engine.end_epoch()
-                continue
+        for step, epoch, batch_index, batch in feed:
+            now[0] = step
             records = ring.batches.records.get((epoch, batch_index)) if ring.batches is not None else None
             fields = _changed_fields(w.layout.fields(batch, batch_index), change, epoch, batch_index, step, out,
                                      records)
@@ -174,20 +160,36 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
             out.losses.append(value)
             if engine.updates_after(step):
                 engine.update()
-                if record:
-                    now = _nonfinite_counts(params)
-                    if any(n > b for n, b in zip(now, before)):
-                        _failed(out, step, "update", here, value,
-                                [n for (n, _), c, b in zip(named, now, before) if c > b])
-                        return
-            step += 1
-            batch_index += 1
+                if record and _update_failed(out, step, here, value, named, before):
+                    return
             out.steps_run += 1
+            # the step's batch (a subset: a copy), its loss and gradients let go before the next batch is drawn:
+            # a plain loop holds one batch then, and a 100 MB batch or a large model's gradients count
+            batch = fields = here = loss = grads = engine.fields = None
+        _data_ended(out, feed, ring)
         after = _nonfinite_counts(params)
         if out.steps_run and any(n > b for n, b in zip(after, before)):
-            out.finite, out.failed_at = False, step  # the last update wrote (more) NaN/Inf
+            out.finite, out.failed_at = False, feed.step  # the last update wrote (more) NaN/Inf
     finally:
         feed.close()  # a DataLoader's worker processes end with the replay
+
+
+def _data_ended(out: Replay, feed: BatchSource, ring: SnapshotRing) -> None:
+    """The data ran out before `end_step`: an epoch without a batch, or the kept batches ended and the loader
+    cannot give the same ones again (the tape says why)."""
+    if feed.ended:
+        out.ended = True
+        out.data_note = getattr(ring.batches, "stream", None) if feed.exhausted else None
+
+
+def _update_failed(out: Replay, step: int, here: tuple[Any, ...] | None, loss: float,
+                   named: list[tuple[str, Any]], before: list[int]) -> bool:
+    """With `record`: whether the update turned weights (more) non-finite; the replay stops there, naming them."""
+    counts = _nonfinite_counts([p for _, p in named])
+    if not any(n > b for n, b in zip(counts, before)):
+        return False
+    _failed(out, step, "update", here, loss, [n for (n, _), c, b in zip(named, counts, before) if c > b])
+    return True
 
 
 def _failed(out: Replay, step: int, kind: str, here: tuple[Any, ...] | None, loss: float,
@@ -221,31 +223,25 @@ def _changed_fields(fields: dict[str, Any], change: Change, epoch: int, batch_in
     return fields
 
 
-def _batches(w: Any, ring: SnapshotRing, snap: Snapshot) -> Iterator[tuple[int, int, Any]]:
-    """(epoch, batch_index, batch) from the snapshot's position, `END` where an epoch ended: the batches
-    the probe kept (batch_tape.py) where there are any, else a fresh loader at the position."""
+def _batches(w: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, end_epoch: Any, late: Any) -> BatchSource:
+    """The replay's batches from the snapshot's position to `end_step`: the batches the probe kept
+    (batch_tape.py) where there are any, else a fresh loader at the position. No boundary: the replay's
+    caller makes any exception the replay's error."""
     tape = ring.batches
     if tape is not None:
-        snap.rng.restore()
-        yield from tape.read(snap.epoch, snap.batch_index, ring.epoch_rng)
-        return
-    it = _loader_at(w, ring, snap)
-    epoch, batch_index = snap.epoch, snap.batch_index
-    try:
-        while True:
-            batch = next(it, _END)
-            if batch is _END:
-                yield epoch, batch_index, END
-                stop_loader(it)
-                epoch, batch_index, it = epoch + 1, 0, iter(w.make_loader())
-                continue
-            yield epoch, batch_index, batch
-            batch_index += 1
-    finally:
-        stop_loader(it)
+        return BatchSource(end_step, start=snap.step, positions=_kept(tape, ring, snap), end_epoch=end_epoch,
+                           before_step=late)
+    return BatchSource(end_step, start=snap.step, make_loader=w.make_loader, resume=lambda: _loader_at(w, ring, snap),
+                       user=False, end_epoch=end_epoch, before_step=late)
 
 
-def _loader_at(w: Any, ring: SnapshotRing, snap: Snapshot) -> Iterator[Any]:
+def _kept(tape: BatchTape, ring: SnapshotRing, snap: Snapshot) -> Generator[tuple[int, int, Any], None, None]:
+    """The tape's (epoch, batch_index, batch) from the snapshot's position, the step's RNG restored first."""
+    snap.rng.restore()
+    yield from tape.read(snap.epoch, snap.batch_index, ring.epoch_rng)
+
+
+def _loader_at(w: Any, ring: SnapshotRing, snap: Snapshot) -> tuple[int, int, Iterator[Any]]:
     """A fresh loader at the snapshot's position: the epoch's RNG restored before it is made (its shuffle
     order), the batches before the position skipped, then the step's own RNG restored."""
     rng = ring.epoch_rng.get(snap.epoch)
@@ -253,10 +249,10 @@ def _loader_at(w: Any, ring: SnapshotRing, snap: Snapshot) -> Iterator[Any]:
         rng.restore()
     it = iter(w.make_loader())
     for _ in range(snap.batch_index):
-        if next(it, _END) is _END:
+        if next(it, END) is END:
             break
     snap.rng.restore()
-    return it
+    return snap.epoch, snap.batch_index, it
 
 
 @contextlib.contextmanager
@@ -402,5 +398,3 @@ def _rows(fields: dict[str, Any]) -> int:
 
     return batch_size(fields) or 0
 
-
-_END = object()

@@ -93,7 +93,7 @@ def rank_main(config: Path, steps: int, seed: int, out: Path, device: str = "aut
     import paddle
     import paddle.distributed as dist
 
-    from nandoctor.engine.loop import UserRaised, user_call
+    from nandoctor.engine.batch_source import BatchSource, UserRaised, user_call
     from nandoctor.engine.step import StepEngine
     from nandoctor.findings import Phase
     from nandoctor.inloop.doctor import Doctor
@@ -125,19 +125,12 @@ def rank_main(config: Path, steps: int, seed: int, out: Path, device: str = "aut
     doctor = Doctor(dp, optimizer, step_fn=workload.compute_loss, report_dir=ranks_dir, sync=RankSync(),
                     target=spec_target(workload), scaler=engine.scaler, fp16=fp16, mode=Mode.PROBE)
     loop = engine.with_boundary(user_call)  # the user's calls: their exception is this rank's finding, ours is not
+    # this rank's share of each epoch, drawn behind the same boundary; an epoch without a batch ends the data
+    batches = BatchSource(steps, make_loader=lambda: _shard(workload.make_loader(), rank, world),
+                          end_epoch=loop.end_epoch, before_step=lambda step: progress.at(step, Phase.DATA))
     fields: dict[str, Any] | None = None
     try:
-        it = iter(user_call(Phase.DATA, lambda: iter(_shard(workload.make_loader(), rank, world))))
-        for step in range(steps):
-            progress.at(step, Phase.DATA)
-            fields = None
-            batch = user_call(Phase.DATA, next, it, _END)
-            if batch is _END:  # a new epoch
-                loop.end_epoch()
-                it = user_call(Phase.DATA, lambda: iter(_shard(workload.make_loader(), rank, world)))
-                batch = user_call(Phase.DATA, next, it, _END)
-                if batch is _END:
-                    break
+        for step, _, _, batch in batches:
             fields = workload.layout.fields(batch, step)
             progress.at(step, Phase.FORWARD)
             loss = loop.loss(fields)
@@ -148,12 +141,14 @@ def rank_main(config: Path, steps: int, seed: int, out: Path, device: str = "aut
                 break
             if loop.updates_after(step):
                 loop.update()
+            fields = None  # (an exception drawing the next batch, or at the epoch's end, is not this batch's)
     except UserRaised as raised:  # this rank alone: its report in ranks/rank-N/, the parent merges
         progress.at(doctor.step, None)  # out of its loop: not a rank the others wait for, nor one that died
         doctor.crashed(raised.exc, fields if raised.phase != Phase.DATA else None)
         doctor.close()
         return 1
     finally:
+        batches.close()  # the loader's workers end now
         doctor.close()
     progress.at(doctor.step, None)
     report = doctor.report
@@ -185,9 +180,6 @@ def _shard(loader: Any, rank: int, world: int) -> Any:
                                                              rank=rank, shuffle=False, drop_last=drop_last)
             return paddle.io.DataLoader(dataset, batch_sampler=dist_sampler, collate_fn=loader.collate_fn)
     return itertools.islice(loader, rank, None, world)
-
-
-_END = object()
 
 
 def main() -> None:
