@@ -69,10 +69,12 @@ dist-check: install
 bench: install
 	$(BIN)/python benchmarks/run.py
 
-# ruff, then the layers and the import rules of pyproject.toml's [tool.importlinter] (docs/architecture.md)
+# ruff; the layers and the import rules of pyproject.toml's [tool.importlinter] (docs/architecture.md); no
+# function, method or class above cyclomatic complexity 20 (xenon's rank C, radon's measure)
 lint: install
 	$(BIN)/ruff check nandoctor tests benchmarks
 	$(BIN)/lint-imports
+	$(BIN)/xenon --max-absolute C nandoctor
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
