@@ -1,22 +1,26 @@
 """Parity: `nandoctor probe`, `nandoctor run` and `nandoctor.watch` name the same first fault on the same workload.
 
-Every sample config is trained three ways, each as a real subprocess:
+Every sample config is trained three ways:
 
-- probe: `python -m nandoctor probe CONFIG --no-try-fixes --device cpu --json P` (the reference: its answers
-  are held against a float64 / tensor-checker ground truth by tests/test_probe_samples.py);
-- run:   `python -m nandoctor run --json R -- python tests/parity/plain_train.py CONFIG`, a plain Paddle
-  script that never imports nandoctor (what a user's unmodified script is);
-- watch: `python tests/parity/plain_train.py CONFIG --watch DIR`, the same loop with `nandoctor.watch`,
-  its report read from DIR/report.json.
+- probe: `nandoctor probe CONFIG --no-try-fixes --device cpu --json P`, through the CLI in this process (typer's
+  CliRunner; the reference: its answers are held against a float64 / tensor-checker ground truth by
+  tests/test_probe_samples.py);
+- run:   `python -m nandoctor run --json R -- python tests/parity/plain_train.py CONFIG`, as a real subprocess:
+  `run` watches a child process, a plain Paddle script that never imports nandoctor (what a user's
+  unmodified script is);
+- watch: `python tests/parity/plain_train.py CONFIG --watch DIR`, the same loop with `nandoctor.watch`, its
+  report read from DIR/report.json; its `main` runs in this process (tests/in_process.py), which puts back
+  what the script changed: what is checked is the report and the exit status `main` gives, not a process.
 
 For a config whose probe reports a first fault, each other entry point must report the same step, phase,
 layer, op and sample_indices. For a config the probe finds no fault in, each entry point must exit 0 and
 report no first fault. A combination that does not match today is a strict xfail whose reason says what
 was measured, so a fix turns it into an XPASS failure and the list below has to be brought up to date.
-`test_plain_script_trains_like_the_probe` holds the script itself: its losses are the probe's, step for
-step, so a mismatch above is the entry point's and not a different workload's.
+`test_plain_script_trains_like_the_probe` holds the script itself (in this process too): its losses are the
+probe's, step for step, so a mismatch above is the entry point's and not a different workload's.
 
-Cost: each probe runs once per module (a cache); the rest is one subprocess per (config, entry point).
+Cost: each probe runs once per module (a cache); `run` is one real subprocess per config (the `nandoctor run`
+process and its child); the rest runs in this process, which saves a Python and Paddle start-up (3-4 s) each.
 """
 
 from __future__ import annotations
@@ -27,15 +31,20 @@ import os
 import re
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
+from in_process import run_script
+from typer.testing import CliRunner
+
+from nandoctor.cli import app
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_configs"
 SCRIPT = ROOT / "tests" / "parity" / "plain_train.py"
-LIMIT = 300  # seconds per subprocess; each takes a few seconds on 2 cores
+LIMIT = 300  # seconds per subprocess (`run`); each takes a few seconds on 2 cores
 KEYS = ("step", "phase", "layer", "op", "parameter", "sample_indices")
 ENTRIES = ("run", "watch")
 
@@ -71,6 +80,12 @@ KNOWN[("target_scale_divergence", "run")] = ("probe: samples [1, 3, 5, ...] (eac
                                              "loss code is outside the model, no bisection)")
 
 
+# paddle.io.DataLoader(num_workers > 0): its worker processes are forked from the process that trains. Forked
+# from pytest's, a worker the crash leaves waiting is joined by a later garbage collection, which then waits for
+# ever; their process ends them. These configs run every entry point as a real subprocess.
+WORKER_LOADERS = {"loader_worker_crash"}
+
+
 def config_of(name: str) -> Path:
     return SAMPLES / (f"{name}.yaml" if "/" in name else f"{name}/config.yaml")
 
@@ -100,19 +115,44 @@ def _fault(report: dict[str, Any] | None) -> dict[str, Any] | None:
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory: pytest.TempPathFactory):
-    """probe(name) -> (exit status, JSON report or None); each config is probed once per module."""
+    """probe(name) -> (exit status, JSON report or None, the end of its output); each config is probed once per
+    module, by the CLI in this process (from the folder a subprocess would have run in; WORKER_LOADERS in one)."""
     cache: dict[str, tuple[int, dict[str, Any] | None, str]] = {}
     folder = tmp_path_factory.mktemp("parity_probe")
 
     def run(name: str) -> tuple[int, dict[str, Any] | None, str]:
         if name not in cache:
             out = folder / f"{name.replace('/', '__')}.json"
-            proc = _sub([sys.executable, "-m", "nandoctor", "probe", str(config_of(name)), "--no-try-fixes",
-                         "--device", "cpu", "--json", str(out)], folder)
-            cache[name] = (proc.returncode, _read(out), proc.stderr[-3000:])
+            args = ["probe", str(config_of(name)), "--no-try-fixes", "--device", "cpu", "--json", str(out)]
+            if name in WORKER_LOADERS:
+                proc = _sub([sys.executable, "-m", "nandoctor", *args], folder)
+                cache[name] = (proc.returncode, _read(out), proc.stderr[-3000:])
+            else:
+                status, output = _cli(args, folder)
+                cache[name] = (status, _read(out), output[-3000:])
         return cache[name]
 
     return run
+
+
+def _cli(args: list[str], cwd: Path) -> tuple[int, str]:
+    """`nandoctor ARGS` in this process, from `cwd`: (exit status, its output and any traceback of nandoctor's)."""
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner(env={"COLUMNS": "120"}).invoke(app, args)
+    finally:
+        os.chdir(here)
+    crash = "" if result.exc_info is None or isinstance(result.exception, SystemExit) else "".join(
+        traceback.format_exception(*result.exc_info))
+    return result.exit_code, result.output + crash
+
+
+def _script(args: list[str], name: str, cwd: Path) -> Any:
+    """`python tests/parity/plain_train.py ARGS`: its `main` in this process, or a subprocess for WORKER_LOADERS."""
+    if name in WORKER_LOADERS:
+        return _sub([sys.executable, str(SCRIPT), *args], cwd)
+    return run_script(SCRIPT, args, cwd, (SAMPLES,))
 
 
 def entry_point(entry: str, name: str, tmp_path: Path) -> tuple[int, dict[str, Any] | None, str]:
@@ -120,11 +160,11 @@ def entry_point(entry: str, name: str, tmp_path: Path) -> tuple[int, dict[str, A
     config = str(config_of(name))
     if entry == "run":
         out = tmp_path / "run.json"
-        proc = _sub([sys.executable, "-m", "nandoctor", "run", "--json", str(out), "--",
-                     sys.executable, str(SCRIPT), config], tmp_path)
+        proc: Any = _sub([sys.executable, "-m", "nandoctor", "run", "--json", str(out), "--",
+                          sys.executable, str(SCRIPT), config], tmp_path)
     else:
         out = tmp_path / "watch" / "report.json"
-        proc = _sub([sys.executable, str(SCRIPT), config, "--watch", str(tmp_path / "watch")], tmp_path)
+        proc = _script([config, "--watch", str(tmp_path / "watch")], name, tmp_path)
     return proc.returncode, _read(out), (proc.stdout[-1500:] + "\n" + proc.stderr[-3000:])
 
 
@@ -167,7 +207,6 @@ def test_no_fault_where_the_probe_finds_none(name: str, entry: str, probe, tmp_p
     assert _fault(report) is None, report and report["first_fault"]
 
 
-WORKER_LOADERS = {"loader_worker_crash"}  # paddle.io.DataLoader(num_workers > 0)
 _STEP = re.compile(r"^step (\d+) loss (\S+)$", re.M)
 
 
@@ -177,7 +216,7 @@ def test_plain_script_trains_like_the_probe(name: str, probe, tmp_path: Path) ->
     workloads are the same, so a difference above is the entry point's."""
     _, report, _ = probe(name)
     assert report is not None
-    proc = _sub([sys.executable, str(SCRIPT), str(config_of(name))], tmp_path)
+    proc = _script([str(config_of(name))], name, tmp_path)
     losses = {int(s): float(v) for s, v in _STEP.findall(proc.stdout)}
     # non-finite losses are strings in the JSON ("NaN", "Infinity")
     expected = {p["step"]: float(p["loss"]) for p in report["timeline"] if p.get("loss") is not None}

@@ -1,0 +1,116 @@
+"""Run a test script's `main(argv)` in this process, as `python SCRIPT ARGS` would, without a new interpreter.
+
+A subprocess pays 3-4 s of Python and Paddle start-up before the first line of the script; the parity suite
+ran ~100 of them for scripts whose process is not what it checks (their losses and their report are). This
+runs the script's `main` instead, with what a fresh process would give it and what it would take away:
+
+- a fresh copy of the script's module (its module-level caches start empty);
+- its own working folder; stdout and stderr captured; `sys.exit(main())`'s status, 1 and the traceback on
+  stderr for an exception, as the interpreter reports an uncaught one;
+- afterwards, the process state a script (or the user code it imports) changes is put back: sys.path,
+  the modules it imported from outside the installed packages, argv, the device, the default dtype, grad
+  mode, the Paddle flags nandoctor's checks set, the RNGs, the signal and exception hooks, the warning
+  filters, so that no test after it sees a trace of it.
+
+Kept for a real process: anything whose process is the point (signals, a real exit status, stdout/stderr
+separation, `nandoctor run`'s child, ranks, reproduce.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import itertools
+import os
+import random
+import signal
+import sys
+import threading
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+_FLAGS = ("FLAGS_check_nan_inf", "FLAGS_check_nan_inf_level", "FLAGS_call_stack_level")
+_count = itertools.count()
+
+
+@dataclass
+class Ran:
+    """What `subprocess.run(..., capture_output=True, text=True)` returns, for the fields the tests read."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _status(code: object, err: io.StringIO) -> int:
+    """sys.exit(code)'s exit status: None is 0, an int is itself, anything else is printed and is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=err)
+    return 1
+
+
+def _user_module(module: object, user_dirs: tuple[Path, ...]) -> bool:
+    file = getattr(module, "__file__", None)
+    if not file:
+        return False
+    path = Path(file).resolve()
+    return any(path.is_relative_to(d) for d in user_dirs)
+
+
+def run_script(script: Path, args: list[str], cwd: Path, user_dirs: tuple[Path, ...] = ()) -> Ran:
+    """`python SCRIPT ARGS` in `cwd`, run here: the script's `main(args)` -> Ran(status, stdout, stderr).
+    Modules imported from a file under `user_dirs` (the samples' own code) are forgotten afterwards, as
+    they would be with the process."""
+    import numpy as np
+    import paddle
+
+    user_dirs = tuple(d.resolve() for d in user_dirs)
+    saved_path, saved_modules, saved_argv = list(sys.path), set(sys.modules), list(sys.argv)
+    saved_device, saved_dtype, saved_grad = paddle.get_device(), paddle.get_default_dtype(), paddle.is_grad_enabled()
+    saved_flags = paddle.get_flags(list(_FLAGS))
+    saved_rng = (random.getstate(), np.random.get_state(), paddle.get_rng_state())
+    saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    saved_hooks = (sys.excepthook, threading.excepthook)
+    saved_cwd = os.getcwd()
+    out, err = io.StringIO(), io.StringIO()
+    name = f"in_process_{script.stem}_{next(_count)}"
+    try:
+        spec = importlib.util.spec_from_file_location(name, script)
+        assert spec is not None and spec.loader is not None, script
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        os.chdir(cwd)
+        sys.argv = [str(script), *args]
+        with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = _status(module.main(list(args)), err)
+            except SystemExit as exc:
+                status = _status(exc.code, err)
+            except Exception:  # noqa: BLE001 - an uncaught exception: the interpreter prints it, exit 1
+                traceback.print_exc(file=err)
+                status = 1
+    finally:
+        os.chdir(saved_cwd)
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        for key in set(sys.modules) - saved_modules:
+            if key == name or _user_module(sys.modules[key], user_dirs):
+                del sys.modules[key]
+        paddle.set_device(saved_device)
+        paddle.set_default_dtype(saved_dtype)
+        paddle.set_grad_enabled(saved_grad)
+        paddle.set_flags(saved_flags)
+        random.setstate(saved_rng[0])
+        np.random.set_state(saved_rng[1])
+        paddle.set_rng_state(saved_rng[2])
+        for signum, handler in saved_signals.items():
+            signal.signal(signum, handler)
+        sys.excepthook, threading.excepthook = saved_hooks
+    return Ran(status, out.getvalue(), err.getvalue())
