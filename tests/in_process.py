@@ -1,29 +1,29 @@
-"""Run a test script's `main(argv)` in this process, as `python SCRIPT ARGS` would, without a new interpreter.
+"""Run a test script as `python SCRIPT ARGS` would, in this process: no new interpreter, no Paddle start-up.
 
 A subprocess pays 3-4 s of Python and Paddle start-up before the first line of the script; the parity suite
 ran ~100 of them for scripts whose process is not what it checks (their losses and their report are). This
-runs the script's `main` instead, with what a fresh process would give it and what it would take away:
+runs the script as `__main__` instead (runpy), with what a fresh process would give it and what it would
+take away:
 
-- a fresh copy of the script's module (its module-level caches start empty);
-- its own working folder; stdout and stderr captured; `sys.exit(main())`'s status, 1 and the traceback on
-  stderr for an exception, as the interpreter reports an uncaught one;
+- its folder first on sys.path, argv, its own working folder; stdout and stderr captured; the exit status
+  `sys.exit` gives, and 1 with the traceback on stderr for an uncaught exception, as the interpreter does;
 - afterwards, the process state a script (or the user code it imports) changes is put back: sys.path,
-  the modules it imported from outside the installed packages, argv, the device, the default dtype, grad
-  mode, the Paddle flags nandoctor's checks set, the RNGs, the signal and exception hooks, the warning
+  the modules it imported from its own folder or `user_dirs`, argv, the device, the default dtype, grad
+  mode, the Paddle flags of the tensor checker, the RNGs, the signal and exception hooks, the warning
   filters, so that no test after it sees a trace of it.
 
 Kept for a real process: anything whose process is the point (signals, a real exit status, stdout/stderr
-separation, `nandoctor run`'s child, ranks, reproduce.py).
+separation, `nandoctor run`'s child, ranks, reproduce.py), and DataLoader worker processes (forked from
+pytest, a worker left waiting by a crash is joined by a later garbage collection, for ever).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
-import itertools
 import os
 import random
+import runpy
 import signal
 import sys
 import threading
@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _FLAGS = ("FLAGS_check_nan_inf", "FLAGS_check_nan_inf_level", "FLAGS_call_stack_level")
-_count = itertools.count()
 
 
 @dataclass
@@ -55,22 +54,19 @@ def _status(code: object, err: io.StringIO) -> int:
     return 1
 
 
-def _user_module(module: object, user_dirs: tuple[Path, ...]) -> bool:
+def _from(module: object, dirs: tuple[Path, ...]) -> bool:
     file = getattr(module, "__file__", None)
-    if not file:
-        return False
-    path = Path(file).resolve()
-    return any(path.is_relative_to(d) for d in user_dirs)
+    return bool(file) and any(Path(file).resolve().is_relative_to(d) for d in dirs)
 
 
-def run_script(script: Path, args: list[str], cwd: Path, user_dirs: tuple[Path, ...] = ()) -> Ran:
-    """`python SCRIPT ARGS` in `cwd`, run here: the script's `main(args)` -> Ran(status, stdout, stderr).
-    Modules imported from a file under `user_dirs` (the samples' own code) are forgotten afterwards, as
+def run_in_process(script: Path, args: list[str], cwd: Path, user_dirs: tuple[Path, ...] = ()) -> Ran:
+    """`python SCRIPT ARGS` in `cwd`, run here -> Ran(exit status, stdout, stderr). Modules imported from
+    the script's folder or a file under `user_dirs` (the samples' own code) are forgotten afterwards, as
     they would be with the process."""
     import numpy as np
     import paddle
 
-    user_dirs = tuple(d.resolve() for d in user_dirs)
+    dirs = tuple(d.resolve() for d in (script.parent, *user_dirs))
     saved_path, saved_modules, saved_argv = list(sys.path), set(sys.modules), list(sys.argv)
     saved_device, saved_dtype, saved_grad = paddle.get_device(), paddle.get_default_dtype(), paddle.is_grad_enabled()
     saved_flags = paddle.get_flags(list(_FLAGS))
@@ -79,18 +75,14 @@ def run_script(script: Path, args: list[str], cwd: Path, user_dirs: tuple[Path, 
     saved_hooks = (sys.excepthook, threading.excepthook)
     saved_cwd = os.getcwd()
     out, err = io.StringIO(), io.StringIO()
-    name = f"in_process_{script.stem}_{next(_count)}"
     try:
-        spec = importlib.util.spec_from_file_location(name, script)
-        assert spec is not None and spec.loader is not None, script
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
         os.chdir(cwd)
         sys.argv = [str(script), *args]
+        sys.path.insert(0, str(script.parent))  # as `python SCRIPT` does
         with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                status = _status(module.main(list(args)), err)
+                runpy.run_path(str(script), run_name="__main__")
+                status = 0
             except SystemExit as exc:
                 status = _status(exc.code, err)
             except Exception:  # noqa: BLE001 - an uncaught exception: the interpreter prints it, exit 1
@@ -101,7 +93,7 @@ def run_script(script: Path, args: list[str], cwd: Path, user_dirs: tuple[Path, 
         sys.argv = saved_argv
         sys.path[:] = saved_path
         for key in set(sys.modules) - saved_modules:
-            if key == name or _user_module(sys.modules[key], user_dirs):
+            if _from(sys.modules[key], dirs):
                 del sys.modules[key]
         paddle.set_device(saved_device)
         paddle.set_default_dtype(saved_dtype)

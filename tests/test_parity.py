@@ -9,8 +9,8 @@ Every sample config is trained three ways:
   `run` watches a child process, a plain Paddle script that never imports nandoctor (what a user's
   unmodified script is);
 - watch: `python tests/parity/plain_train.py CONFIG --watch DIR`, the same loop with `nandoctor.watch`, its
-  report read from DIR/report.json; its `main` runs in this process (tests/in_process.py), which puts back
-  what the script changed: what is checked is the report and the exit status `main` gives, not a process.
+  report read from DIR/report.json; the script runs in this process, as `python` would run it
+  (tests/in_process.py puts back what it changed): what is checked is its report and exit status, not a process.
 
 For a config whose probe reports a first fault, each other entry point must report the same step, phase,
 layer, op and sample_indices. For a config the probe finds no fault in, each entry point must exit 0 and
@@ -21,6 +21,7 @@ probe's, step for step, so a mismatch above is the entry point's and not a diffe
 
 Cost: each probe runs once per module (a cache); `run` is one real subprocess per config (the `nandoctor run`
 process and its child); the rest runs in this process, which saves a Python and Paddle start-up (3-4 s) each.
+A config whose DataLoader has worker processes (WORKER_LOADERS) runs every entry point as a real subprocess.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from in_process import run_script
+from in_process import run_in_process
 from typer.testing import CliRunner
 
 from nandoctor.cli import app
@@ -152,7 +153,7 @@ def _script(args: list[str], name: str, cwd: Path) -> Any:
     """`python tests/parity/plain_train.py ARGS`: its `main` in this process, or a subprocess for WORKER_LOADERS."""
     if name in WORKER_LOADERS:
         return _sub([sys.executable, str(SCRIPT), *args], cwd)
-    return run_script(SCRIPT, args, cwd, (SAMPLES,))
+    return run_in_process(SCRIPT, args, cwd, (SAMPLES,))
 
 
 def entry_point(entry: str, name: str, tmp_path: Path) -> tuple[int, dict[str, Any] | None, str]:
