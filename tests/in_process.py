@@ -1,4 +1,5 @@
-"""Run a test script as `python SCRIPT ARGS` would, in this process: no new interpreter, no Paddle start-up.
+"""Run a test script as `python SCRIPT ARGS` would, or `nandoctor ARGS`, in this process: no new interpreter,
+no Paddle start-up.
 
 A subprocess pays 3-4 s of Python and Paddle start-up before the first line of the script; the parity suite
 ran ~100 of them for scripts whose process is not what it checks (their losses and their report are). This
@@ -11,6 +12,9 @@ take away:
   the modules it imported from its own folder or `user_dirs`, argv, the device, the default dtype, grad
   mode, the Paddle flags of the tensor checker, the RNGs, the signal and exception hooks, the warning
   filters, so that no test after it sees a trace of it.
+
+`run_cli` is typer's CliRunner from a given folder; the CLI itself puts back what it changes (signal handlers,
+the tensor checker, the user's import path), which the in-process CLI tests rely on already.
 
 Kept for a real process: anything whose process is the point (signals, a real exit status, stdout/stderr
 separation, `nandoctor run`'s child, ranks, reproduce.py), and DataLoader worker processes (forked from
@@ -106,3 +110,21 @@ def run_in_process(script: Path, args: list[str], cwd: Path, user_dirs: tuple[Pa
             signal.signal(signum, handler)
         sys.excepthook, threading.excepthook = saved_hooks
     return Ran(status, out.getvalue(), err.getvalue())
+
+
+def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> Ran:
+    """`nandoctor ARGS` from `cwd`, through typer's CliRunner -> Ran(exit status, stdout, stderr), with the
+    traceback of an exception of nandoctor's on stderr, as the interpreter would print it."""
+    from typer.testing import CliRunner
+
+    from nandoctor.cli import app
+
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner(env=env).invoke(app, args)
+    finally:
+        os.chdir(here)
+    crash = "" if result.exc_info is None or isinstance(result.exception, SystemExit) else "".join(
+        traceback.format_exception(*result.exc_info))
+    return Ran(result.exit_code, result.stdout, result.stderr + crash)

@@ -32,15 +32,11 @@ import os
 import re
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
-from in_process import run_in_process
-from typer.testing import CliRunner
-
-from nandoctor.cli import app
+from in_process import run_cli, run_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_configs"
@@ -129,24 +125,11 @@ def probe(tmp_path_factory: pytest.TempPathFactory):
                 proc = _sub([sys.executable, "-m", "nandoctor", *args], folder)
                 cache[name] = (proc.returncode, _read(out), proc.stderr[-3000:])
             else:
-                status, output = _cli(args, folder)
-                cache[name] = (status, _read(out), output[-3000:])
+                ran = run_cli(args, folder, {"COLUMNS": "120"})
+                cache[name] = (ran.returncode, _read(out), ran.stderr[-3000:])
         return cache[name]
 
     return run
-
-
-def _cli(args: list[str], cwd: Path) -> tuple[int, str]:
-    """`nandoctor ARGS` in this process, from `cwd`: (exit status, its output and any traceback of nandoctor's)."""
-    here = os.getcwd()
-    os.chdir(cwd)
-    try:
-        result = CliRunner(env={"COLUMNS": "120"}).invoke(app, args)
-    finally:
-        os.chdir(here)
-    crash = "" if result.exc_info is None or isinstance(result.exception, SystemExit) else "".join(
-        traceback.format_exception(*result.exc_info))
-    return result.exit_code, result.output + crash
 
 
 def _script(args: list[str], name: str, cwd: Path) -> Any:
