@@ -8,13 +8,14 @@ take away:
 
 - its folder first on sys.path, argv, its own working folder; stdout and stderr captured; the exit status
   `sys.exit` gives, and 1 with the traceback on stderr for an uncaught exception, as the interpreter does;
-- afterwards, the process state a script (or the user code it imports) changes is put back: sys.path,
-  the modules it imported from its own folder or `user_dirs`, argv, the device, the default dtype, grad
-  mode, the Paddle flags of the tensor checker, the RNGs, the signal and exception hooks, the warning
-  filters, so that no test after it sees a trace of it.
+- the modules of its own folder and of `user_dirs` imported afresh, and forgotten afterwards;
+- afterwards, the rest of the process state a script (or the user code it imports) changes is put back:
+  sys.path, argv, the device, the default dtype, grad mode, the Paddle flags of the tensor checker, the
+  RNGs, the signal and exception hooks, the warning filters, so that no test after it sees a trace of it.
 
-`run_cli` is typer's CliRunner from a given folder; the CLI itself puts back what it changes (signal handlers,
-the tensor checker, the user's import path), which the in-process CLI tests rely on already.
+`run_cli` is typer's CliRunner from a given folder, the spec's modules imported afresh as above; the CLI
+itself puts back what else it changes (signal handlers, the tensor checker, the user's import path), which
+the in-process CLI tests rely on already.
 
 Kept for a real process: anything whose process is the point (signals, a real exit status, stdout/stderr
 separation, `nandoctor run`'s child, ranks, reproduce.py), and DataLoader worker processes (forked from
@@ -33,6 +34,7 @@ import sys
 import threading
 import traceback
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,20 +60,35 @@ def _status(code: object, err: io.StringIO) -> int:
     return 1
 
 
-def _from(module: object, dirs: tuple[Path, ...]) -> bool:
-    file = getattr(module, "__file__", None)
-    return bool(file) and any(Path(file).resolve().is_relative_to(d) for d in dirs)
+def _in(dirs: tuple[str, ...]) -> list[str]:
+    """The names of the modules imported from a file under one of `dirs` (resolved, ending in a separator)."""
+    return [name for name, module in list(sys.modules.items())
+            if str(getattr(module, "__file__", None) or "").startswith(dirs)]
+
+
+@contextlib.contextmanager
+def _own_modules(dirs: tuple[Path, ...]) -> Iterator[None]:
+    """The modules of the files under `dirs` as a new process has them: none imported before, all forgotten
+    after (the ones this process had are put back). A sample's module holds state (a stream's read position)
+    that a second run in the same process would otherwise start from."""
+    prefixes = tuple(str(d.resolve()) + os.sep for d in dirs)
+    before = {name: sys.modules.pop(name) for name in _in(prefixes)}
+    try:
+        yield
+    finally:
+        for name in _in(prefixes):
+            del sys.modules[name]
+        sys.modules.update(before)
 
 
 def run_in_process(script: Path, args: list[str], cwd: Path, user_dirs: tuple[Path, ...] = ()) -> Ran:
-    """`python SCRIPT ARGS` in `cwd`, run here -> Ran(exit status, stdout, stderr). Modules imported from
-    the script's folder or a file under `user_dirs` (the samples' own code) are forgotten afterwards, as
-    they would be with the process."""
+    """`python SCRIPT ARGS` in `cwd`, run here -> Ran(exit status, stdout, stderr). The modules of the
+    script's folder and of `user_dirs` (the samples' own code) are imported afresh and forgotten after, as
+    with a process."""
     import numpy as np
     import paddle
 
-    dirs = tuple(d.resolve() for d in (script.parent, *user_dirs))
-    saved_path, saved_modules, saved_argv = list(sys.path), set(sys.modules), list(sys.argv)
+    saved_path, saved_argv = list(sys.path), list(sys.argv)
     saved_device, saved_dtype, saved_grad = paddle.get_device(), paddle.get_default_dtype(), paddle.is_grad_enabled()
     saved_flags = paddle.get_flags(list(_FLAGS))
     saved_rng = (random.getstate(), np.random.get_state(), paddle.get_rng_state())
@@ -83,7 +100,8 @@ def run_in_process(script: Path, args: list[str], cwd: Path, user_dirs: tuple[Pa
         os.chdir(cwd)
         sys.argv = [str(script), *args]
         sys.path.insert(0, str(script.parent))  # as `python SCRIPT` does
-        with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with _own_modules((script.parent, *user_dirs)), warnings.catch_warnings(), contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err):
             try:
                 runpy.run_path(str(script), run_name="__main__")
                 status = 0
@@ -96,9 +114,6 @@ def run_in_process(script: Path, args: list[str], cwd: Path, user_dirs: tuple[Pa
         os.chdir(saved_cwd)
         sys.argv = saved_argv
         sys.path[:] = saved_path
-        for key in set(sys.modules) - saved_modules:
-            if _from(sys.modules[key], dirs):
-                del sys.modules[key]
         paddle.set_device(saved_device)
         paddle.set_default_dtype(saved_dtype)
         paddle.set_grad_enabled(saved_grad)
@@ -112,9 +127,10 @@ def run_in_process(script: Path, args: list[str], cwd: Path, user_dirs: tuple[Pa
     return Ran(status, out.getvalue(), err.getvalue())
 
 
-def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> Ran:
+def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None, user_dirs: tuple[Path, ...] = ()) -> Ran:
     """`nandoctor ARGS` from `cwd`, through typer's CliRunner -> Ran(exit status, stdout, stderr), with the
-    traceback of an exception of nandoctor's on stderr, as the interpreter would print it."""
+    traceback of an exception of nandoctor's on stderr, as the interpreter would print it. The modules of
+    files under `user_dirs` (the spec's code) are imported afresh and forgotten after, as with a process."""
     from typer.testing import CliRunner
 
     from nandoctor.cli import app
@@ -122,7 +138,8 @@ def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> Ra
     here = os.getcwd()
     os.chdir(cwd)
     try:
-        result = CliRunner(env=env).invoke(app, args)
+        with _own_modules(user_dirs):
+            result = CliRunner(env=env).invoke(app, args)
     finally:
         os.chdir(here)
     crash = "" if result.exc_info is None or isinstance(result.exception, SystemExit) else "".join(

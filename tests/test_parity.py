@@ -125,7 +125,7 @@ def probe(tmp_path_factory: pytest.TempPathFactory):
                 proc = _sub([sys.executable, "-m", "nandoctor", *args], folder)
                 cache[name] = (proc.returncode, _read(out), proc.stderr[-3000:])
             else:
-                ran = run_cli(args, folder, {"COLUMNS": "120"})
+                ran = run_cli(args, folder, {"COLUMNS": "120"}, (SAMPLES,))
                 cache[name] = (ran.returncode, _read(out), ran.stderr[-3000:])
         return cache[name]
 

@@ -59,7 +59,7 @@ def lr_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Report, str, str]:
     folder = tmp_path_factory.mktemp("lr")
     # in this process (the command's output and files are what count, not a process), from its own folder
     ran = run_cli(["probe", str(SAMPLES / "lr_divergence" / "config.yaml"), "--json", "report.json", "--markdown",
-                   "report.md"], folder, {"COLUMNS": "80"})
+                   "report.md"], folder, {"COLUMNS": "80"}, (SAMPLES,))
     assert ran.returncode == 1, ran.stderr
     report = Report.from_dict(json.loads((folder / "report.json").read_text()))
     assert [r["outcome"] for r in report.remedies[:3]] == ["fixed"] * 3  # lr_x0.1, grad_clip, warmup
