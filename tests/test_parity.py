@@ -1,22 +1,27 @@
 """Parity: `nandoctor probe`, `nandoctor run` and `nandoctor.watch` name the same first fault on the same workload.
 
-Every sample config is trained three ways, each as a real subprocess:
+Every sample config is trained three ways:
 
-- probe: `python -m nandoctor probe CONFIG --no-try-fixes --device cpu --json P` (the reference: its answers
-  are held against a float64 / tensor-checker ground truth by tests/test_probe_samples.py);
-- run:   `python -m nandoctor run --json R -- python tests/parity/plain_train.py CONFIG`, a plain Paddle
-  script that never imports nandoctor (what a user's unmodified script is);
-- watch: `python tests/parity/plain_train.py CONFIG --watch DIR`, the same loop with `nandoctor.watch`,
-  its report read from DIR/report.json.
+- probe: `nandoctor probe CONFIG --no-try-fixes --device cpu --json P`, through the CLI in this process (typer's
+  CliRunner; the reference: its answers are held against a float64 / tensor-checker ground truth by
+  tests/test_probe_samples.py);
+- run:   `python -m nandoctor run --json R -- python tests/parity/plain_train.py CONFIG`, as a real subprocess:
+  `run` watches a child process, a plain Paddle script that never imports nandoctor (what a user's
+  unmodified script is);
+- watch: `python tests/parity/plain_train.py CONFIG --watch DIR`, the same loop with `nandoctor.watch`, its
+  report read from DIR/report.json; the script runs in this process, as `python` would run it
+  (tests/in_process.py puts back what it changed): what is checked is its report and exit status, not a process.
 
 For a config whose probe reports a first fault, each other entry point must report the same step, phase,
 layer, op and sample_indices. For a config the probe finds no fault in, each entry point must exit 0 and
 report no first fault. A combination that does not match today is a strict xfail whose reason says what
 was measured, so a fix turns it into an XPASS failure and the list below has to be brought up to date.
-`test_plain_script_trains_like_the_probe` holds the script itself: its losses are the probe's, step for
-step, so a mismatch above is the entry point's and not a different workload's.
+`test_plain_script_trains_like_the_probe` holds the script itself (in this process too): its losses are the
+probe's, step for step, so a mismatch above is the entry point's and not a different workload's.
 
-Cost: each probe runs once per module (a cache); the rest is one subprocess per (config, entry point).
+Cost: each probe runs once per module (a cache); `run` is one real subprocess per config (the `nandoctor run`
+process and its child); the rest runs in this process, which saves a Python and Paddle start-up (3-4 s) each.
+A config whose DataLoader has worker processes (WORKER_LOADERS) runs every entry point as a real subprocess.
 """
 
 from __future__ import annotations
@@ -31,11 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from in_process import run_cli, run_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_configs"
 SCRIPT = ROOT / "tests" / "parity" / "plain_train.py"
-LIMIT = 300  # seconds per subprocess; each takes a few seconds on 2 cores
+LIMIT = 300  # seconds per subprocess (`run`); each takes a few seconds on 2 cores
 KEYS = ("step", "phase", "layer", "op", "parameter", "sample_indices")
 ENTRIES = ("run", "watch")
 
@@ -71,6 +77,12 @@ KNOWN[("target_scale_divergence", "run")] = ("probe: samples [1, 3, 5, ...] (eac
                                              "loss code is outside the model, no bisection)")
 
 
+# paddle.io.DataLoader(num_workers > 0): its worker processes are forked from the process that trains. Forked
+# from pytest's, a worker the crash leaves waiting is joined by a later garbage collection, which then waits for
+# ever; their process ends them. These configs run every entry point as a real subprocess.
+WORKER_LOADERS = {"loader_worker_crash"}
+
+
 def config_of(name: str) -> Path:
     return SAMPLES / (f"{name}.yaml" if "/" in name else f"{name}/config.yaml")
 
@@ -100,19 +112,31 @@ def _fault(report: dict[str, Any] | None) -> dict[str, Any] | None:
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory: pytest.TempPathFactory):
-    """probe(name) -> (exit status, JSON report or None); each config is probed once per module."""
+    """probe(name) -> (exit status, JSON report or None, the end of its output); each config is probed once per
+    module, by the CLI in this process (from the folder a subprocess would have run in; WORKER_LOADERS in one)."""
     cache: dict[str, tuple[int, dict[str, Any] | None, str]] = {}
     folder = tmp_path_factory.mktemp("parity_probe")
 
     def run(name: str) -> tuple[int, dict[str, Any] | None, str]:
         if name not in cache:
             out = folder / f"{name.replace('/', '__')}.json"
-            proc = _sub([sys.executable, "-m", "nandoctor", "probe", str(config_of(name)), "--no-try-fixes",
-                         "--device", "cpu", "--json", str(out)], folder)
-            cache[name] = (proc.returncode, _read(out), proc.stderr[-3000:])
+            args = ["probe", str(config_of(name)), "--no-try-fixes", "--device", "cpu", "--json", str(out)]
+            if name in WORKER_LOADERS:
+                proc = _sub([sys.executable, "-m", "nandoctor", *args], folder)
+                cache[name] = (proc.returncode, _read(out), proc.stderr[-3000:])
+            else:
+                ran = run_cli(args, folder, {"COLUMNS": "120"}, (SAMPLES,))
+                cache[name] = (ran.returncode, _read(out), ran.stderr[-3000:])
         return cache[name]
 
     return run
+
+
+def _script(args: list[str], name: str, cwd: Path) -> Any:
+    """`python tests/parity/plain_train.py ARGS`: its `main` in this process, or a subprocess for WORKER_LOADERS."""
+    if name in WORKER_LOADERS:
+        return _sub([sys.executable, str(SCRIPT), *args], cwd)
+    return run_in_process(SCRIPT, args, cwd, (SAMPLES,))
 
 
 def entry_point(entry: str, name: str, tmp_path: Path) -> tuple[int, dict[str, Any] | None, str]:
@@ -120,11 +144,11 @@ def entry_point(entry: str, name: str, tmp_path: Path) -> tuple[int, dict[str, A
     config = str(config_of(name))
     if entry == "run":
         out = tmp_path / "run.json"
-        proc = _sub([sys.executable, "-m", "nandoctor", "run", "--json", str(out), "--",
-                     sys.executable, str(SCRIPT), config], tmp_path)
+        proc: Any = _sub([sys.executable, "-m", "nandoctor", "run", "--json", str(out), "--",
+                          sys.executable, str(SCRIPT), config], tmp_path)
     else:
         out = tmp_path / "watch" / "report.json"
-        proc = _sub([sys.executable, str(SCRIPT), config, "--watch", str(tmp_path / "watch")], tmp_path)
+        proc = _script([config, "--watch", str(tmp_path / "watch")], name, tmp_path)
     return proc.returncode, _read(out), (proc.stdout[-1500:] + "\n" + proc.stderr[-3000:])
 
 
@@ -167,7 +191,6 @@ def test_no_fault_where_the_probe_finds_none(name: str, entry: str, probe, tmp_p
     assert _fault(report) is None, report and report["first_fault"]
 
 
-WORKER_LOADERS = {"loader_worker_crash"}  # paddle.io.DataLoader(num_workers > 0)
 _STEP = re.compile(r"^step (\d+) loss (\S+)$", re.M)
 
 
@@ -177,11 +200,13 @@ def test_plain_script_trains_like_the_probe(name: str, probe, tmp_path: Path) ->
     workloads are the same, so a difference above is the entry point's."""
     _, report, _ = probe(name)
     assert report is not None
-    proc = _sub([sys.executable, str(SCRIPT), str(config_of(name))], tmp_path)
+    ff = report.get("first_fault")
+    # past the probe's first fault nothing is compared: the script stops after that step
+    until = ["--steps", str(ff["step"] + 1)] if ff is not None and ff.get("step") is not None else []
+    proc = _script([str(config_of(name)), *until], name, tmp_path)
     losses = {int(s): float(v) for s, v in _STEP.findall(proc.stdout)}
     # non-finite losses are strings in the JSON ("NaN", "Infinity")
     expected = {p["step"]: float(p["loss"]) for p in report["timeline"] if p.get("loss") is not None}
-    ff = report.get("first_fault")
     if ff is not None and ff.get("step") is not None:  # the faulty step's loss too, when the probe got that far
         expected = {s: v for s, v in expected.items() if s <= ff["step"]}
     else:

@@ -20,6 +20,7 @@ from typing import Any
 import jsonschema
 import paddle
 import pytest
+from in_process import run_in_process
 from inloop_helpers import ROOT
 from run_truth import first_backward_fault, run_script
 
@@ -95,10 +96,10 @@ def test_a_healthy_gan_exits_0(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["g", "d"])
 def test_two_watch_calls_in_one_script(tmp_path: Path, kind: str, capfd: pytest.CaptureFixture) -> None:
-    """`nandoctor.watch` once per model: the faulting model's doctor writes its own report folder."""
+    """`nandoctor.watch` once per model: the faulting model's doctor writes its own report folder. The script
+    runs in this process, as `python gan.py KIND --watch` would (its report and exit status are what count)."""
     model, expected = ground_truth(kind, capfd)
-    proc = subprocess.run([sys.executable, str(SCRIPT), kind, "--watch"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300, env=_env())
+    proc = run_in_process(SCRIPT, [kind, "--watch"], tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     folder = {"Generator": "report_g", "Discriminator": "report_d"}[model]
     assert sorted(p.name for p in tmp_path.iterdir()) == [folder]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from in_process import run_cli
 from inloop_helpers import ROOT
 from report_samples import probe_nan_report, scan_report
 from rich.console import Console
@@ -56,14 +57,13 @@ def lr_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Report, str, str]:
     """The probe's own report of lr_divergence (SGD at 0.03 on unstandardised features), read back, with
     what the command printed at 80 columns and the Markdown it wrote."""
     folder = tmp_path_factory.mktemp("lr")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "80"}
-    proc = subprocess.run([sys.executable, "-m", "nandoctor", "probe", str(SAMPLES / "lr_divergence" / "config.yaml"),
-                           "--json", "report.json", "--markdown", "report.md"], cwd=folder, capture_output=True,
-                          text=True, timeout=LIMIT, env=env)
-    assert proc.returncode == 1, proc.stderr
+    # in this process (the command's output and files are what count, not a process), from its own folder
+    ran = run_cli(["probe", str(SAMPLES / "lr_divergence" / "config.yaml"), "--json", "report.json", "--markdown",
+                   "report.md"], folder, {"COLUMNS": "80"}, (SAMPLES,))
+    assert ran.returncode == 1, ran.stderr
     report = Report.from_dict(json.loads((folder / "report.json").read_text()))
     assert [r["outcome"] for r in report.remedies[:3]] == ["fixed"] * 3  # lr_x0.1, grad_clip, warmup
-    return report, proc.stdout, (folder / "report.md").read_text()
+    return report, ran.stdout, (folder / "report.md").read_text()
 
 
 @pytest.fixture(scope="module")
