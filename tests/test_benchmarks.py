@@ -6,6 +6,8 @@ losses step for step), and the quick configs still point at the committed model 
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,10 +31,26 @@ EXPECTED_ROWS = (
 )
 
 
+# A hang guard, not a timing: the quick run took 100 s on this 2-core machine at load average 3-4 and 336 s at
+# 8 (two busy processes beside it), where the old 300 s limit failed it. Past the harness's own limits for a
+# hung child (1200 s; 1800 s for an in-process row), so that a hung child is ended and said by the harness.
+LIMIT = 2400
+
+
 @pytest.fixture(scope="module")
-def quick_output() -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH / "run.py"), "--quick"], capture_output=True, text=True,
-                          cwd=REPO, timeout=300)
+def quick_output(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess:
+    # run.py's nandoctor-bench-* folder in pytest's tree: a run stopped at the limit leaves it there, not in the
+    # session's $TMPDIR (a leak that failed the session's teardown besides this test)
+    env = {**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("bench_tmp"))}
+    proc = subprocess.Popen([sys.executable, str(BENCH / "run.py"), "--quick"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=LIMIT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # run.py and the pairs it started: none left on the cores
+        out, err = proc.communicate()
+        pytest.fail(f"benchmarks/run.py --quick did not finish in {LIMIT} s; its last words:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def table_rows(stdout: str) -> list[list[str]]:
