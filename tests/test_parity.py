@@ -133,7 +133,7 @@ def probe(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _script(args: list[str], name: str, cwd: Path) -> Any:
-    """`python tests/parity/plain_train.py ARGS`: its `main` in this process, or a subprocess for WORKER_LOADERS."""
+    """`python tests/parity/plain_train.py ARGS`, run in this process, or as a subprocess for WORKER_LOADERS."""
     if name in WORKER_LOADERS:
         return _sub([sys.executable, str(SCRIPT), *args], cwd)
     return run_in_process(SCRIPT, args, cwd, (SAMPLES,))
