@@ -87,6 +87,21 @@ def tmpdir_left_clean():
     assert not leftovers, f"files left in $TMPDIR by this test session: {leftovers}"
 
 
+SAMPLES_DIR = str(TESTS_DIR.parent / "sample_configs")
+
+
+@pytest.fixture(autouse=True)
+def fresh_sample_modules():
+    """Each test imports the samples' own modules afresh, as a new process would. A sample's module holds
+    state (stream_loader's read position): a test that ran a sample before, on the same worker, would
+    otherwise leave it moved on for the next (test_remedy_truth ran the stream to its end, and a later
+    probe of it on that worker found no batch)."""
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(SAMPLES_DIR):
+            del sys.modules[name]
+    yield
+
+
 @pytest.fixture
 def no_stats_steps():
     """Per-layer stats (which also read the gradients) only at step 0, so later steps of a many-tensor
