@@ -7,6 +7,7 @@ a bundle file is refused by reproduce.py, never unpickled. RNG state: JSON that 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pickle
@@ -229,3 +230,18 @@ def test_no_code_flag_on_the_command_line(tmp_path: Path):
     assert result.exit_code == 1, result.output
     assert not (out / "code").exists()
     assert "code/: left out (--no-code)" in (out / "README.txt").read_text()
+
+
+@pytest.mark.parametrize("name, text", [("report.json", "[1, 2]"), ("spec.yaml", "- just a list\n")])
+def test_reproduce_says_which_bundle_file_is_not_a_mapping(tmp_path: Path, name: str, text: str,
+                                                           capsys: pytest.CaptureFixture[str]):
+    """A hand-edited or truncated bundle file gets one line that names it, exit 2, not a TypeError."""
+    out = _scan_bundle(tmp_path)
+    (out / name).write_text(text)
+    spec = importlib.util.spec_from_file_location("_bundle_reproduce", out / "reproduce.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main([]) == 2
+    err = capsys.readouterr().err
+    assert f"{name} in {out}" in err and "is not the mapping nandoctor wrote" in err and "Traceback" not in err

@@ -106,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, yaml.YAMLError) as exc:
         print(f"reproduce.py: cannot read the bundle in {HERE}: {exc}", file=sys.stderr)
         return 2
+    for name, value in (("report.json", report), ("spec.yaml", spec)):
+        if not isinstance(value, dict):
+            print(f"reproduce.py: {name} in {HERE} is not the mapping nandoctor wrote (it holds a "
+                  f"{type(value).__name__}); restore it from the bundle nandoctor made.", file=sys.stderr)
+            return 2
     expected = report.get("first_fault") or {}
     if expected:
         print("nandoctor reported: " + describe(expected))
