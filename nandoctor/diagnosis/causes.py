@@ -22,9 +22,9 @@ from nandoctor.diagnosis import nan_params
 from nandoctor.diagnosis.params import init_scale_findings
 from nandoctor.engine.monitors import param_nonfinite
 from nandoctor.engine.warnings import growth_before_fault
-from nandoctor.tensors.convert import to_numpy
 from nandoctor.engine.watcher import FaultKind
 from nandoctor.findings import Code, Finding, Report, Severity
+from nandoctor.tensors.convert import to_numpy
 
 
 @dataclass
