@@ -219,6 +219,8 @@ _REPLAY_FAILED_HOW = {
     "run": "To have them, watch the loop with nandoctor.watch(model, optimizer, step_fn=...) in your script, with "
            "a step_fn that makes the model's inputs from the batch as your loop does before its model call, or "
            "run `nandoctor probe` on a spec of the same model, data and loss.",
+    "hapi": "Run `nandoctor probe` on a spec of the same network, data and loss for them.",
+    "trainer": "Run `nandoctor probe` on a spec of the same model and data for them.",
 }
 
 
@@ -227,9 +229,9 @@ def _no_replay_said(mode: str, failed: str | None) -> str:
     if failed is None:
         return _REPLAY_HOW.get(mode, _REPLAY_HOW["watch"])
     who = "nandoctor run" if mode == "run" else "nandoctor"
-    how = _REPLAY_FAILED_HOW.get(mode, _REPLAY_HOW.get(mode, _REPLAY_HOW["watch"]))
+    how = _REPLAY_FAILED_HOW.get(mode)
     return (f"{who} could not replay this step, so no layer, op, source line or samples are named: "
-            f"{failed.rstrip('.')}. {how}")
+            f"{failed.rstrip('.')}." + (f" {how}" if how else ""))
 
 
 def detection_only(report: Report, fault: Fault, model: Any, mode: str, failed: str | None = None) -> None:

@@ -489,7 +489,8 @@ class Doctor:
                     self.assemble_into(report, None if peer else fault, target)
                 except Exception as exc:  # noqa: BLE001 - inside the user's loop nothing of ours may raise
                     # the replay could not run (step_fn raised, or our replay failed): what the step's numbers say
-                    why = self.replay_failure(exc) if self.replay_failure is not None else _replay_failure(exc)
+                    why = (self.replay_failure(exc) if self.replay_failure is not None
+                           else _replay_failure(exc, _REPLAY_RAISER.get(self.mode, "your step_fn")))
                     log.warning("nandoctor: the failing step could not be replayed: %s", why)
                     report = new_report(device, self.mode)
                     self.assemble_into(report, None if peer else fault,
@@ -597,8 +598,13 @@ _REPLAYED_CODE = {Mode.WATCH: "your step_fn", Mode.RUN: "your model", Mode.HAPI:
                   Mode.TRAINER: "your model", Mode.PROBE: "your model and loss code"}
 
 
-def _replay_failure(exc: BaseException) -> str:
-    """Why a replay failed, and whose it is: the user's step_fn (their file and line) or nandoctor."""
+# Whose code raised when a replay failed in the user's code, in the words of each way in's users
+_REPLAY_RAISER = {Mode.WATCH: "your step_fn", Mode.HAPI: "your network or loss", Mode.TRAINER: "your model",
+                  Mode.PROBE: "your model or loss code"}
+
+
+def _replay_failure(exc: BaseException, raiser: str = "your step_fn") -> str:
+    """Why a replay failed, and whose it is: the user's code (`raiser`, their file and line) or nandoctor."""
     from nandoctor.workload.entrypoints import user_origin
 
     if isinstance(exc, ReplayError):
@@ -606,7 +612,7 @@ def _replay_failure(exc: BaseException) -> str:
     origin = user_origin(exc, None)
     text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
     if origin:
-        return f"your step_fn raised {text} at {origin} when called again on the failing batch"
+        return f"{raiser} raised {text} at {origin} when called again on the failing batch"
     return f"nandoctor's own replay failed ({text}); this is a nandoctor bug, please report it"
 
 
