@@ -32,6 +32,7 @@ class ModelWatch:
         self.index = 0  # its position among the models the process watched
         self._rows: Any = None  # the sample positions of the last batch size seen (never written to)
         self.site: tuple = ()  # the frames above the model's call in the script (capture.caller_frames)
+        self._model_raised: tuple = ()  # (type, message) of what the last replay's call of the model raised
 
     def start(self, call: Any, report_dir: str | None, sync: Any, on_fault: str, first_step: int = 0) -> None:
         """The Doctor on the model found, with the step whose forward already ran open from its RNG (step
@@ -135,7 +136,11 @@ class ModelWatch:
 
         inputs = [fields[n] for n in self.names]
         kwargs = {k: fields.get(k, v) for k, v in self.kwargs.items()}
-        out = model(*inputs, **kwargs)
+        try:
+            out = model(*inputs, **kwargs)
+        except Exception as exc:  # (what, not the exception: its traceback would hold the replay's tensors)
+            self._model_raised = (type(exc), str(exc))
+            raise
         if self.loss_layer is not None:
             labels = [fields[k] for k in fields if k.startswith("label") and k not in kwargs]
             return self.loss_layer(out, *labels)
@@ -170,16 +175,20 @@ class ModelWatch:
         if isinstance(exc, ReplayError):
             return str(exc)
         text = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
-        origin = user_origin(exc, Path.cwd())
-        if origin is None:
+        origin = user_origin(exc, Path.cwd())  # (None for a model of a library's: no frame of the user's)
+        by_model = self._model_raised == (type(exc), str(exc))
+        if not by_model and origin is None:
             return f"nandoctor's own replay failed ({text}); this is a nandoctor bug, please report it"
         args = ", ".join([*self.names, *(f"{k}={k}" for k in self.kwargs)])
         site = call_site(self.site)
         call = f"{type(self.model).__name__}({args})" + (f", as called at {site}" if site else "")
-        return (f"calling your model again with the inputs your script gave it ({call}) raised {text} at {origin}. "
-                "The same call ran in your script, so this is a limit of the replay, not an error in your code: "
-                "an input may have been changed in place by your script after the call (an object converted "
-                "back, reset or reused), or the model depends on state outside its inputs")
+        what = ("calling your model again" if by_model else "calling your loss layer again after your model"
+                if self.loss_layer is not None else "replaying the step of your model")
+        return (f"{what} with the inputs your script gave it ({call}) raised {text}"
+                + (f" at {origin}" if origin else "") + ". The same call ran in your script, so this is a limit of "
+                "the replay, not an error in your code: an input may have been changed in place by your script "
+                "after the call (an object converted back, reset or reused), or the model depends on state "
+                "outside its inputs")
 
     def loss_code_fault(self, fault: Any) -> Any:
         """A fault that began in loss code written as functions: the model's outputs finite, and the loss
