@@ -45,9 +45,11 @@ def bad_params(model: Any) -> list[str]:
 
 
 def first_backward_fault(phases: Iterable[Phase], script: Path, capfd: pytest.CaptureFixture,
-                         clear: Callable[[], None]) -> tuple[Any, dict[str, Any]]:
+                         clear: Callable[[], None], with_source: bool = False) -> tuple[Any, dict[str, Any]]:
     """(the faulting model, the first fault's step/phase/layer/op/parameter/sample_indices). `clear()`
-    clears every optimizer's gradients (a GAN's generator loss backpropagates into both models)."""
+    clears every optimizer's gradients (a GAN's generator loss backpropagates into both models).
+    `with_source`: also `source`, the line Paddle printed as the op's creator ('radial.py:18 in forward',
+    relative to the script's folder, where the model classes of these scripts live)."""
     from paddle.amp import debugging
 
     checker = debugging.TensorCheckerConfig(enable=True, debug_mode=debugging.DebugMode.CHECK_NAN_INF_AND_ABORT)
@@ -96,5 +98,9 @@ def first_backward_fault(phases: Iterable[Phase], script: Path, capfd: pytest.Ca
         if bad_params(model):
             samples.append(row)
         clear()
-    return model, {"step": step, "phase": "backward", "layer": owners[0] or None, "op": op,
-                   "parameter": bad[0] if bad else None, "sample_indices": samples}
+    found = {"step": step, "phase": "backward", "layer": owners[0] or None, "op": op,
+             "parameter": bad[0] if bad else None, "sample_indices": samples}
+    if with_source:
+        file, line = frames[-1]
+        found["source"] = f"{file.relative_to(script.resolve().parent)}:{line} in forward"
+    return model, found

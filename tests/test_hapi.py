@@ -33,7 +33,12 @@ class _Pairs(paddle.io.Dataset):
 
 
 class _Mse(paddle.nn.Layer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0  # hapi's training calls and the callback's replays alike
+
     def forward(self, out: Any, target: Any) -> Any:
+        self.calls += 1
         return paddle.nn.functional.mse_loss(out, target.reshape(out.shape))
 
 
@@ -45,6 +50,7 @@ class _Run:
     trained: int  # batches hapi's adapter ran (forward and backward), replays not counted
     begun: list[tuple[int, int]]  # (epoch, step) of every batch fit took from the loader and began
     eval_losses: list[float]  # hapi's eval loss, one entry per evaluation fit ran
+    loss: Any = None  # the loss layer (its calls counted)
 
 
 class _Counter(paddle.callbacks.Callback):
@@ -69,9 +75,10 @@ def _fit(tmp_path: Path, *, bad_batch: int = 6, stop: bool = True, epochs: int =
     model = paddle.Model(net, inputs=[InputSpec([None, 10], "float32", "a"), InputSpec([None, 10], "float32", "b")],
                          labels=[InputSpec([None, 1], "float32", "target")])
     opt = paddle.optimizer.Adam(learning_rate=0.003, parameters=net.parameters())
-    model.prepare(opt, _Mse())
+    loss = _Mse()
+    model.prepare(opt, loss)
     cb = NanDoctorCallback(report_dir=tmp_path / "report", stop_training=stop)
-    run = _Run(cb, net, [], 0, [], [])
+    run = _Run(cb, net, [], 0, [], [], loss)
     real, adapter = opt._apply_optimize, model._adapter
     real_batch = adapter.train_batch
 
@@ -110,6 +117,8 @@ def test_fit_stops_at_the_probes_first_fault(tmp_path: Path) -> None:
     assert data["first_fault"]["layer"] == "head.distance"
     batch = np.load(tmp_path / "report" / "batch.npz", allow_pickle=False)
     assert sorted(batch.files) == ["a", "b", "target"]
+    extra = run.loss.calls - run.trained  # the replays' calls of the network and loss, as the loss counted them
+    assert extra > 0 and data["details"]["replay_calls"] == {"count": extra, "code": "your network and loss"}
 
 
 def test_fit_trains_no_batch_after_the_fault(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from nandoctor.engine.monitors import param_nonfinite
 from nandoctor.engine.warnings import growth_before_fault
 from nandoctor.engine.watcher import FaultKind
 from nandoctor.findings import Code, Finding, Report, Severity
+from nandoctor.tensors.convert import to_numpy
 
 
 @dataclass
@@ -81,7 +82,9 @@ def field_scales(fault: Any, label: str | None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for name, value in (getattr(fault, "fields", None) or {}).items():
         try:
-            arr = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+            arr = to_numpy(value)  # (None for an object of the user's, even one with a numpy() of its own)
+            if arr is None:
+                continue
         except Exception:  # noqa: BLE001 - a field that is no array (text, a nested structure): nothing to measure
             continue
         if arr.dtype.kind != "f" or arr.size == 0:

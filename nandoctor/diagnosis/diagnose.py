@@ -64,6 +64,8 @@ class StepTarget:
     label_bounds: tuple[float, float] | None = None
     # Before any replay: a fault that began in loss code no replay can reach (`nandoctor run`), else None
     loss_code_fault: Callable[[Fault], LossCodeFault | None] | None = None
+    # Why the replay failed, in the user's terms, when it was tried and could not run (replay_loss is then None)
+    replay_failed: str | None = None
 
 
 def spec_target(workload: Any) -> StepTarget:
@@ -109,7 +111,7 @@ def diagnose(report: Report, fault: Fault | None, target: StepTarget, optimizer:
         if outside is not None:
             faults.loss_code_fault(report, fault, outside, target.mode.value)
         else:
-            faults.detection_only(report, fault, model, target.mode.value)
+            faults.detection_only(report, fault, model, target.mode.value, target.replay_failed)
         if fault.fields:
             capture(report, fault.fields, step=fault.step, batch_index=fault.batch_index, model=model,
                     rng=fault.rng)

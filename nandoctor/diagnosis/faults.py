@@ -212,9 +212,31 @@ _REPLAY_HOW = {
 }
 
 
-def detection_only(report: Report, fault: Fault, model: Any, mode: str) -> None:
-    """No replay: what the step's numbers say (loss or gradient, the first parameter whose gradient is
-    non-finite), and how this way in gets the rest."""
+# How each way in gets the layer, op, line and samples when its replay was tried and failed (`failed`: why)
+_REPLAY_FAILED_HOW = {
+    "watch": "Make step_fn(model, batch) compute the loss from the batch given to check() exactly as your loop "
+             "does, and the step is replayed for them.",
+    "run": "To have them, watch the loop with nandoctor.watch(model, optimizer, step_fn=...) in your script, with "
+           "a step_fn that makes the model's inputs from the batch as your loop does before its model call, or "
+           "run `nandoctor probe` on a spec of the same model, data and loss.",
+    "hapi": "Run `nandoctor probe` on a spec of the same network, data and loss for them.",
+    "trainer": "Run `nandoctor probe` on a spec of the same model and data for them.",
+}
+
+
+def _no_replay_said(mode: str, failed: str | None) -> str:
+    """Why no layer, op, line or samples are named, and how this way in gets them."""
+    if failed is None:
+        return _REPLAY_HOW.get(mode, _REPLAY_HOW["watch"])
+    who = "nandoctor run" if mode == "run" else "nandoctor"
+    how = _REPLAY_FAILED_HOW.get(mode)
+    return (f"{who} could not replay this step, so no layer, op, source line or samples are named: "
+            f"{failed.rstrip('.')}." + (f" {how}" if how else ""))
+
+
+def detection_only(report: Report, fault: Fault, model: Any, mode: str, failed: str | None = None) -> None:
+    """No replay (none given, or `failed`: why it could not run): what the step's numbers say (loss or
+    gradient, the first parameter whose gradient is non-finite), and how this way in gets the rest."""
     import paddle
 
     from nandoctor.tensors.convert import float_dtypes
@@ -230,7 +252,7 @@ def detection_only(report: Report, fault: Fault, model: Any, mode: str) -> None:
     what = (f"A gradient became NaN/Inf at step {fault.step} while the loss was finite ({st.loss:.4g})"
             + (f"; first non-finite parameter gradient: {bad[0]}" if bad else "") if loss_ok else
             f"The loss became NaN/Inf at step {fault.step}")
-    what += ". " + _REPLAY_HOW.get(mode, _REPLAY_HOW["watch"])
+    what += ". " + _no_replay_said(mode, failed)
     report.findings.append(Finding(code, Severity.ERROR, what, loc,
                                    {"loss": st.loss if st else None, "grad_norm": st.grad_norm if st else None,
                                     "nonfinite_grad_parameters": bad[:50], "localised": False},

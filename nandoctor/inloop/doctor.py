@@ -70,7 +70,15 @@ class Doctor:
         self.wrapper = model
         self.model = getattr(model, "_layers", model) if isinstance(model, paddle.DataParallel) else model
         self.optimizer = optimizer
-        self.step_fn = step_fn
+        # Every call of step_fn is a replay's (the loop calls its own code itself): counted, so the report says
+        # how many more times the user's code ran than their loop ran it (`details.replay_calls`)
+        self.replay_calls = 0
+        self._user_step_fn = step_fn
+        self.step_fn = self._counted(step_fn) if step_fn is not None else None
+        # What a call of step_fn runs of the user's code, in the report's words (`nandoctor run`: their model)
+        self.replayed_code = _REPLAYED_CODE.get(mode, "your step_fn")
+        # `nandoctor run`: a replay's failure in its users' terms (their model's call), else None
+        self.replay_failure: Callable[[BaseException], str] | None = None
         self.report_dir = Path(report_dir) if report_dir is not None else None
         self.on_fault = on_fault
         self.names = fields
@@ -481,13 +489,17 @@ class Doctor:
                     self.assemble_into(report, None if peer else fault, target)
                 except Exception as exc:  # noqa: BLE001 - inside the user's loop nothing of ours may raise
                     # the replay could not run (step_fn raised, or our replay failed): what the step's numbers say
-                    why = _replay_failure(exc)
+                    why = (self.replay_failure(exc) if self.replay_failure is not None
+                           else _replay_failure(exc, _REPLAY_RAISER.get(self.mode, "your step_fn")))
                     log.warning("nandoctor: the failing step could not be replayed: %s", why)
                     report = new_report(device, self.mode)
-                    self.assemble_into(report, None if peer else fault, dataclasses.replace(target, replay_loss=None))
+                    self.assemble_into(report, None if peer else fault,
+                                       dataclasses.replace(target, replay_loss=None, replay_failed=why))
                     report.details["replay_failed"] = why
                 if rolled is not None:
                     report.details["rollback"] = rolled
+                if self.replay_calls:
+                    report.details["replay_calls"] = {"count": self.replay_calls, "code": self.replayed_code}
                 note_replay_writes(report, changed, "the rollback's replay of the unread steps")
         finally:
             self._busy = False
@@ -520,7 +532,7 @@ class Doctor:
                                        loss_code_fault=self.loss_code_fault)
         what = "step_fn" if self.step_fn is not None and self.mode != Mode.RUN else "your loss code"
         data = "your script's data loading" if self.mode == Mode.RUN else "the loop's batches"
-        return StepTarget(model=self.model, replay_loss=replay_loss, base_dir=_base_dir(self.step_fn, self.model),
+        return StepTarget(model=self.model, replay_loss=replay_loss, base_dir=_base_dir(self._user_step_fn, self.model),
                           mode=self.mode, loss_source=what, data_source=data,
                           label_name=lambda fields: "label" if "label" in fields else None,
                           loss_code_fault=self.loss_code_fault)
@@ -536,6 +548,14 @@ class Doctor:
             return step_fn(model, rebuilds.get(id(fields), rebuild)(fields))
 
         return compute
+
+    def _counted(self, step_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """`step_fn`, each call counted in `replay_calls` (a call that raises counts: the user's code ran)."""
+        def counted(model: Any, batch: Any) -> Any:
+            self.replay_calls += 1
+            return step_fn(model, batch)
+
+        return counted
 
     def _warn(self) -> None:
         """Warnings through `logging` as they appear (explosion, float16 headroom): host-side only."""
@@ -573,8 +593,18 @@ def watch(model: Any, optimizer: Any = None, step_fn: Callable[[Any, Any], Any] 
                   fields=fields, fp16=fp16, sync=sync, defer_reads=True)
 
 
-def _replay_failure(exc: BaseException) -> str:
-    """Why a replay failed, and whose it is: the user's step_fn (their file and line) or nandoctor."""
+# What one call of each way in's step_fn runs of the user's code (`details.replay_calls.code`)
+_REPLAYED_CODE = {Mode.WATCH: "your step_fn", Mode.RUN: "your model", Mode.HAPI: "your network and loss",
+                  Mode.TRAINER: "your model", Mode.PROBE: "your model and loss code"}
+
+
+# Whose code raised when a replay failed in the user's code, in the words of each way in's users
+_REPLAY_RAISER = {Mode.WATCH: "your step_fn", Mode.HAPI: "your network or loss", Mode.TRAINER: "your model",
+                  Mode.PROBE: "your model or loss code"}
+
+
+def _replay_failure(exc: BaseException, raiser: str = "your step_fn") -> str:
+    """Why a replay failed, and whose it is: the user's code (`raiser`, their file and line) or nandoctor."""
     from nandoctor.workload.entrypoints import user_origin
 
     if isinstance(exc, ReplayError):
@@ -582,7 +612,7 @@ def _replay_failure(exc: BaseException) -> str:
     origin = user_origin(exc, None)
     text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
     if origin:
-        return f"your step_fn raised {text} at {origin} when called again on the failing batch"
+        return f"{raiser} raised {text} at {origin} when called again on the failing batch"
     return f"nandoctor's own replay failed ({text}); this is a nandoctor bug, please report it"
 
 

@@ -131,11 +131,14 @@ class NanDoctorCallback(paddle.callbacks.Callback):
         """The replay of hapi's train step: the network on the inputs, hapi's loss on outputs + labels."""
         from paddle.hapi.model import to_list
 
+        from nandoctor.tensors.convert import to_tensor
+
         batch = list(batch)
         k = self._n_inputs if self._n_inputs is not None else len(self._batch[0]) if self._batch else 1
         inputs, labels = batch[:k], batch[k:]
-        outputs = net(*[paddle.to_tensor(x) for x in inputs])
-        losses = to_list(self._orig_loss(*(to_list(outputs) + [paddle.to_tensor(v) for v in labels])))
+        # (tensors as they are: paddle.to_tensor of a tensor copies it and warns on the user's stderr)
+        outputs = net(*[to_tensor(x) for x in inputs])
+        losses = to_list(self._orig_loss(*(to_list(outputs) + [to_tensor(v) for v in labels])))
         return paddle.add_n(losses)
 
     # ---- helpers --------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from nandoctor.findings import Report
 from nandoctor.report.bundle_code import copy_code
 from nandoctor.report.common import project_dir, public_paths
 from nandoctor.spec import Spec
+from nandoctor.tensors.convert import array_like, to_numpy
 
 REPRODUCE_SOURCE = Path(__file__).resolve().parent.parent / "standalone" / "reproduce.py"
 OP_GUARDS = "op_guards.json"  # the name reproduce_script.py reads
@@ -116,10 +117,10 @@ def _numeric(values: dict[str, Any]) -> tuple[dict[str, np.ndarray], list[str]]:
 
 
 def _as_array(value: Any) -> np.ndarray | None:
-    if isinstance(value, np.ndarray):
-        return value
-    if hasattr(value, "numpy") and callable(value.numpy):
-        return np.asarray(value.numpy())
+    if array_like(value):
+        return to_numpy(value)
+    if hasattr(value, "numpy"):  # an object of the user's with a numpy() of its own: not ours to call
+        return None
     try:
         return np.asarray(value)
     except (TypeError, ValueError):

@@ -363,6 +363,18 @@ def finding_advice(advice: Sequence[str], remedies: Sequence[dict[str, Any]]) ->
             for line in out]
 
 
+def replay_calls_text(report: Report) -> str | None:
+    """What nandoctor's replays did to the user's code: how many more times they called it than their training
+    did (`details.replay_calls`), for the first-fault section; None when no replay ran it."""
+    calls = report.details.get("replay_calls")
+    if not isinstance(calls, dict):
+        return None
+    count, code = calls.get("count"), calls.get("code")
+    if not isinstance(count, int) or isinstance(count, bool) or count <= 0 or not isinstance(code, str):
+        return None
+    return f"called {code} {count} more time{'s' if count != 1 else ''} than your training did"
+
+
 # --- the faulting source line ---------------------------------------------------------------------------
 
 _SOURCE = re.compile(r"^(?P<path>.+?\.py):(?P<line>\d+)(?: in \S+)?$")

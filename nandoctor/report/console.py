@@ -30,6 +30,7 @@ from nandoctor.report.common import (
     ordered_stats,
     overflowed_norm,
     range_text,
+    replay_calls_text,
     shown_report,
     shown_value,
     source_text,
@@ -159,6 +160,9 @@ def _first_fault_panel(report: Report) -> Panel:
             line = source_text(report) if label == "source" else None
             if line:
                 grid.add_row("", Text(line, style="cyan"))
+    replays = replay_calls_text(report)
+    if replays:
+        grid.add_row("replays", Text(replays))
     parts: list[Any] = [grid]
     stats = report.details.get("offending_tensor")
     if isinstance(stats, dict) and stats:

@@ -35,6 +35,7 @@ from nandoctor.report.common import (
     fmt_value,
     ordered_stats,
     overflowed_norm,
+    replay_calls_text,
     shown_report,
     summary_parts,
 )
@@ -142,6 +143,9 @@ def _first_fault(report: Report) -> list[str]:
     source = report.details.get("source")
     if source:
         out += [f"The offending op was created at {code(source)} (the user's code).", ""]
+    replays = replay_calls_text(report)
+    if replays:
+        out += [prose(f"nandoctor's replays {replays}."), ""]
     stats = report.details.get("offending_tensor")
     if isinstance(stats, dict) and stats:
         out += ["Offending tensor:", ""]

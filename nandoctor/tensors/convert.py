@@ -33,11 +33,20 @@ def not_a_tensor(value: Any) -> str | None:
     return None
 
 
+def array_like(value: Any) -> bool:
+    """A numpy array, or a tensor whose `numpy()` gives its values: it has a shape and a dtype too. Only these
+    have `numpy()` called: a library object with a method of that name may do something else with it (a
+    pgl.Graph's `numpy()` turns the graph back to numpy in place, and the model then refuses it)."""
+    if isinstance(value, np.ndarray):
+        return True
+    return hasattr(value, "shape") and hasattr(value, "dtype") and callable(getattr(value, "numpy", None))
+
+
 def to_numpy(value: Any) -> np.ndarray | None:
     """A field as a numpy array (no copy for numpy); None for things that are not array-like."""
     if isinstance(value, np.ndarray):
         return value
-    if hasattr(value, "numpy") and callable(value.numpy):
+    if array_like(value):
         if str(getattr(value, "dtype", "")) == "paddle.bfloat16":  # its numpy() is raw uint16 bits
             value = value.astype("float32")
         return np.asarray(value.numpy())

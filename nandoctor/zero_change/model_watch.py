@@ -8,10 +8,11 @@ that comes back to it) and its loss layer's labels, and replays the step's loss 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from nandoctor.tensors.convert import leaves
-from nandoctor.zero_change.capture import ROW, batch_rows, input_names, keep_grads
+from nandoctor.zero_change.capture import ROW, batch_rows, caller_frames, input_names, keep_grads
 
 
 class ModelWatch:
@@ -30,6 +31,8 @@ class ModelWatch:
         self.handles: list[Any] = []
         self.index = 0  # its position among the models the process watched
         self._rows: Any = None  # the sample positions of the last batch size seen (never written to)
+        self.site: tuple = ()  # the frames above the model's call in the script (capture.caller_frames)
+        self._model_raised: tuple = ()  # (type, message) of what the last replay's call of the model raised
 
     def start(self, call: Any, report_dir: str | None, sync: Any, on_fault: str, first_step: int = 0) -> None:
         """The Doctor on the model found, with the step whose forward already ran open from its RNG (step
@@ -38,10 +41,12 @@ class ModelWatch:
         from nandoctor.inloop.doctor import Doctor
 
         self.record(call.args, call.kwargs)
-        self.output, self.grads = call.output, call.grads
+        self.output, self.grads, self.site = call.output, call.grads, call.site
         self.doctor = Doctor(self.model, self.optimizer, step_fn=self.replay, report_dir=report_dir,
                              on_fault=on_fault, wrap_step=False, sync=sync, mode=Mode.RUN)
         self.doctor.loss_code_fault = self.loss_code_fault
+        self.doctor.replay_failure = self.replay_failed
+        self.doctor.replayed_code = "your model and its loss layer" if self.loss_layer is not None else "your model"
         self.doctor.step = first_step
         self.doctor.open_step(call.rng)
 
@@ -60,6 +65,8 @@ class ModelWatch:
             if not session.busy and self.model.training:
                 self.record(args, kwargs)
                 session.current = self
+                if not self.site:  # (once: a script calls its model from one place)
+                    self.site = caller_frames()
 
         def on_model_out(_layer: Any, _args: Any, out: Any) -> None:
             if session.busy or not self.model.training:
@@ -129,7 +136,11 @@ class ModelWatch:
 
         inputs = [fields[n] for n in self.names]
         kwargs = {k: fields.get(k, v) for k, v in self.kwargs.items()}
-        out = model(*inputs, **kwargs)
+        try:
+            out = model(*inputs, **kwargs)
+        except Exception as exc:  # (what, not the exception: its traceback would hold the replay's tensors)
+            self._model_raised = (type(exc), str(exc))
+            raise
         if self.loss_layer is not None:
             labels = [fields[k] for k in fields if k.startswith("label") and k not in kwargs]
             return self.loss_layer(out, *labels)
@@ -153,6 +164,31 @@ class ModelWatch:
             raise ReplayError("no loss to replay: the loss is not a paddle.nn.Layer and no gradient came back to a "
                               "tensor output of the model")
         return total
+
+    def replay_failed(self, exc: BaseException) -> str:
+        """Why the replay failed, in the terms of a script's user: the call of their model it repeated, what
+        that raised and where; a failure of nandoctor's own replay code said to be ours."""
+        from nandoctor.inloop.doctor import ReplayError
+        from nandoctor.workload.entrypoints import user_origin
+        from nandoctor.zero_change.capture import call_site
+
+        if isinstance(exc, ReplayError):
+            return str(exc)
+        text = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+        origin = user_origin(exc, Path.cwd())  # (None for a model of a library's: no frame of the user's)
+        by_model = self._model_raised == (type(exc), str(exc))
+        if not by_model and origin is None:
+            return f"nandoctor's own replay failed ({text}); this is a nandoctor bug, please report it"
+        args = ", ".join([*self.names, *(f"{k}={k}" for k in self.kwargs)])
+        site = call_site(self.site)
+        call = f"{type(self.model).__name__}({args})" + (f", as called at {site}" if site else "")
+        what = ("calling your model again" if by_model else "calling your loss layer again after your model"
+                if self.loss_layer is not None else "replaying the step of your model")
+        return (f"{what} with the inputs your script gave it ({call}) raised {text}"
+                + (f" at {origin}" if origin else "") + ". The same call ran in your script, so this is a limit of "
+                "the replay, not an error in your code: an input may have been changed in place by your script "
+                "after the call (an object converted back, reset or reused), or the model depends on state "
+                "outside its inputs")
 
     def loss_code_fault(self, fault: Any) -> Any:
         """A fault that began in loss code written as functions: the model's outputs finite, and the loss

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nandoctor.zero_change.capture import keep_grads
+from nandoctor.zero_change.capture import caller_frames, keep_grads
 from nandoctor.zero_change.model_watch import ModelWatch
 from nandoctor.zero_change.processes import in_pool_worker
 
@@ -54,6 +54,7 @@ class _Call:
 
     def __init__(self, layer: Any, args: tuple, kwargs: dict, rng: Any) -> None:
         self.layer, self.args, self.kwargs, self.rng = layer, args, kwargs, rng
+        self.site = caller_frames()  # where the script called it (named if a replay of this call fails)
         self.output: Any = None
         self.grads: dict[int, Any] = {}
 
