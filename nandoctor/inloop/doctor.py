@@ -120,6 +120,7 @@ class Doctor:
         # step) of the check whose gradient half waits for optimizer.step()
         self._check_before_backward = False
         self._waiting: tuple | None = None
+        self._loss_only = False  # a check's gradient half found no update to wait for (said once in the log)
         self._busy = False  # a replay is running: the pre-hook must not open steps
         self._closed = False
         self._inputs: Any = ()
@@ -143,6 +144,8 @@ class Doctor:
             return  # an evaluation pass between steps is not a training step
         self._settle()
         self._inputs = inputs  # a reference: what a crash in this step's code is asked about
+        if self._waiting is not None:
+            self._loss_only_step()
         if self._checked:  # accumulation: no optimizer step since the last check
             self._end_step(stepped=False)
             if self.history is not None:  # a replay steps once a batch: it could not stand in for the check
@@ -196,7 +199,7 @@ class Doctor:
 
     def _wrapped_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._waiting is not None and not self._closed and (self.fault is None or self.on_fault == "skip_step"):
-            loss, fields, rebuild, step = self._waiting  # check() ran before backward: its gradient half now
+            loss, fields, rebuild, step, _ = self._waiting  # check() ran before backward: its gradient half now
             self._waiting = None
             if not self._decide(self.watcher.after_backward(loss), fields, rebuild, step):
                 if self.on_fault != "skip_step":
@@ -269,11 +272,32 @@ class Doctor:
         if fault is None:
             # (only the first check can find the order out; written so that later ones make no call for it)
             if (self._check_before_backward or not step) and self._before_backward(loss):
-                self._waiting = (loss, fields, rebuild, step)  # the gradients are checked at optimizer.step()
-                self.step = step + 1
-                return True
+                return self._check_loss_first(loss, fields, rebuild, step)
             fault = watcher.after_backward(loss)
         return self._decide(fault, fields, rebuild, step)
+
+    def _check_loss_first(self, loss: Any, fields: Any, rebuild: Any, step: int) -> bool:
+        """A check with no gradient yet (before backward, or a loop that never calls it): the loss is judged
+        now (one sync), so a NaN loss is this check's fault, answered False here; a finite one leaves the
+        gradient half to `optimizer.step()`, before the update, or to nothing when no update comes."""
+        value, fault = self.watcher.read_loss(loss)
+        if fault is not None:
+            self._skip_next = True  # the update the loop may still call after backward() would train on it
+            return self._decide(fault, fields, rebuild, step)
+        self._waiting = (loss, fields, rebuild, step, value)  # the gradients are checked at optimizer.step()
+        self.step = step + 1
+        return True
+
+    def _loss_only_step(self) -> None:
+        """The last check's gradient half never ran (no optimizer.step() came before this forward or the
+        end): that step is over with its loss alone read, and no update."""
+        value = self._waiting[4]
+        self._waiting = None
+        if not self._loss_only:
+            self._loss_only = True
+            log.info("nandoctor: no optimizer.step() followed check(): the loss alone is checked on such steps")
+        self.watcher.record_loss(value)
+        self._end_step(stepped=False)
 
     def _before_backward(self, loss: Any) -> bool:
         """check() called between the forward and `loss.backward()` (no gradient exists yet, and the loss has
@@ -282,7 +306,11 @@ class Doctor:
         update, where the gradients exist."""
         if self._check_before_backward:
             return True
-        if self.step or self._orig_step is None or self._wrapped_step != vars(self.optimizer).get("step"):
+        # watched without an optimizer, a loop may well never call backward (it monitors the loss); `nandoctor
+        # run`'s checks without one follow a backward
+        no_update = self._orig_step is None and self.mode == Mode.WATCH
+        if self.step or not no_update and (self._orig_step is None
+                                           or self._wrapped_step != vars(self.optimizer).get("step")):
             return False
         import paddle
 
@@ -290,8 +318,12 @@ class Doctor:
         if not (isinstance(loss, paddle.Tensor) and not loss.stop_gradient and params
                 and all(p.grad is None for p in params)):
             return False
-        log.warning("nandoctor: check() was called before loss.backward(); the gradients are checked when "
-                    "optimizer.step() is called instead (call check() after backward() to check them there)")
+        if no_update:
+            log.info("nandoctor: no gradient exists at check() and no optimizer was given: the loss alone is checked")
+        else:
+            log.warning("nandoctor: check() was called before loss.backward(); the loss is checked there, the "
+                        "gradients when optimizer.step() is called (call check() after backward() to check both "
+                        "there)")
         self._check_before_backward = True
         return True
 
@@ -342,6 +374,8 @@ class Doctor:
             self._settle()
             if self._checked:
                 self._end_step(stepped=False)
+            elif self._waiting is not None and self.fault is None:
+                self._loss_only_step()
             # the last update's check is one more sync; with ranks it would be a collective some skip
             fault = None if self.fault is not None or self.sync is not None else self.watcher.finish()
             if fault is not None:
