@@ -103,8 +103,9 @@ def first_hooked_fault(model: Any, batches: Any, loss_of: Any, optimizer: Any = 
     """Ground truth from a plain Paddle loop with forward post-hooks on every sublayer: the first step at which
     a sublayer's output, the loss or (trained with `optimizer`: backward and update) a gradient holds NaN/Inf,
     judged on the host in float64. Returns {step, loss, bad_layers (in call order), bad_grads, bad_rows (the
-    rows of the first bad layer's output that hold NaN/Inf)}; None when the loop stays finite. Without an
-    optimizer the loop only computes the loss (evaluation, loss monitoring)."""
+    rows of the first bad layer's output that hold NaN/Inf), outputs (each sublayer's output at that step, its
+    last call's, float64)}; None when the loop stays finite. Without an optimizer the loop only computes the
+    loss (evaluation, loss monitoring)."""
     import numpy as np
     import paddle
 
@@ -132,7 +133,7 @@ def first_hooked_fault(model: Any, batches: Any, loss_of: Any, optimizer: Any = 
                 first = next(out for n, out in seen if n == bad_layers[0]) if bad_layers else None
                 rows = sorted({int(r) for r in np.argwhere(~np.isfinite(first))[:, 0]}) if first is not None else []
                 return {"step": step, "loss": value, "bad_layers": bad_layers, "bad_grads": bad_grads,
-                        "bad_rows": rows}
+                        "bad_rows": rows, "outputs": dict(seen)}
             if optimizer is not None:
                 optimizer.step()
                 optimizer.clear_grad()

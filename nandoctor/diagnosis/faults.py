@@ -107,7 +107,8 @@ def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: l
     evidence = _nonfinite_evidence(fault, loc_, sample_notes, scope, reason)
     if loc_.source:
         report.details["source"] = loc_.source  # the first-fault panel shows it beside layer and op
-    report.findings.append(Finding(code, Severity.ERROR, what, loc, evidence, advice_for(code.value, op=loc_.op)))
+    advice = advice_for(code.value, op=loc_.hidden_forward_op or loc_.op, hidden_nan=bool(loc_.hidden_forward_op))
+    report.findings.append(Finding(code, Severity.ERROR, what, loc, evidence, advice))
     if loc_.offending:
         report.details["offending_tensor"] = loc_.offending
     set_first(report, loc)
@@ -129,6 +130,10 @@ def _samples_said(b: int | None, samples: list[int] | None, reason: str | None) 
     return f"Caused by batch {b} (its samples could not be tried apart)."
 
 
+# What hides a forward NaN from the loss, most often (paddle-notes.md: measured on Paddle 3.3.1)
+_HIDING = "Paddle's relu turns NaN into 0; a where that drops it does the same"
+
+
 def _nonfinite_what(fault: Fault, loc_: Localization, who: str) -> str:
     """The finding's message: what went non-finite in which phase, where and by which op, then `who` (the
     samples) and the user's line that created the op."""
@@ -143,14 +148,23 @@ def _nonfinite_what(fault: Fault, loc_: Localization, who: str) -> str:
     op = f" (op {loc_.op})" if loc_.op else ""
     if loc_.op and loc_.nan_op:  # the harmful Inf came first; the op that made NaN of it follows
         op = f" (op {loc_.op}, whose Inf op {loc_.nan_op} then turned into NaN)"
-    if phase == Phase.BACKWARD:
+    if phase == Phase.BACKWARD and loc_.hidden_forward_op:
+        par = f"; first non-finite parameter gradient: {loc_.parameter}" if loc_.parameter else ""
+        what = (f"A NaN was made in the forward pass at step {fault.step}, {where} (op {loc_.hidden_forward_op}), "
+                f"and hidden from the loss by a later op in that forward ({_HIDING}), so the loss stayed finite "
+                f"({st.loss:.4g}); it came back as a NaN gradient in the backward pass{op}{par}. {who}")
+    elif phase == Phase.BACKWARD:
         par = f"; first non-finite parameter gradient: {loc_.parameter}" if loc_.parameter else ""
         what = (f"A gradient became NaN/Inf in the backward pass at step {fault.step}, {where}{op}{par}, while the "
                 f"loss was finite ({st.loss:.4g}). {who}")
     elif phase == Phase.FORWARD:
         owner = f"Layer {loc_.layer}'s forward output" if loc_.layer else \
             "A value computed in the model's own forward (outside every sublayer)"
-        what = f"{owner} became NaN/Inf at step {fault.step}{op}. {who}"
+        what = f"{owner} became NaN/Inf at step {fault.step}{op}."
+        if st is not None and math.isfinite(st.loss):  # the NaN never reached the loss: say what hid it
+            what += (f" The loss stayed finite ({st.loss:.4g}): a later op hid the non-finite values from it "
+                     f"({_HIDING}), and they showed only in the gradients.")
+        what += f" {who}"
     else:
         what = (f"The loss became NaN/Inf at step {fault.step} {where}{op} while the model's outputs were finite. "
                 f"{who}")
@@ -166,6 +180,8 @@ def _nonfinite_evidence(fault: Fault, loc_: Localization, sample_notes: list[str
     evidence: dict[str, Any] = {"epoch": fault.epoch, "loss": st.loss, "grad_norm": st.grad_norm}
     if loc_.nan_op:
         evidence["nan_op"] = loc_.nan_op
+    if loc_.hidden_forward_op:
+        evidence["hidden_forward_op"] = loc_.hidden_forward_op
     if loc_.source:
         evidence["source"] = loc_.source
     if scope is not None:

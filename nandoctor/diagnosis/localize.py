@@ -52,6 +52,9 @@ class Localization:
     nan_op: str | None = None
     # layer is None because the op was made in the root model's own forward, outside every sublayer
     model_forward: bool = False
+    # A backward fault whose op is the gradient of a forward op that made a NaN a later op hid from the loss
+    # (Paddle's relu turns NaN into 0): that forward op. The forward was not clean, only the loss was.
+    hidden_forward_op: str | None = None
 
 
 def tensor_stats(t: Any, what: str) -> dict[str, Any] | None:
@@ -254,6 +257,17 @@ class Replayer:
             self.clear()
         return next((line.op for line in origin.logged_ops(native.text) if line.nan), None)
 
+    def first_nan_forward_op(self, fields: dict[str, Any]) -> str | None:
+        """The first forward (or loss) op whose output holds a NaN, from the checker in log mode over the
+        forward and loss only: under a finite loss, a NaN that a later op hid from it."""
+        self.reset_rng()
+        try:
+            with checking(log_only=True), capture_native_output() as native:
+                self.loss(fields)
+        finally:
+            self.clear()
+        return origin.first_nan_op(origin.logged_ops(native.text))
+
     def traced_backward(self, fields: dict[str, Any]) -> tuple[str | None, list[str], dict[str, Any] | None]:
         """(layer that turned finite gradients non-finite, parameters with non-finite grads in backward
         order, stats of that layer's offending input gradient)."""
@@ -399,7 +413,19 @@ def _backward_localization(rp: Replayer, fields: dict[str, Any]) -> Localization
         loc.notes.append(found.note)
     if op is None:
         loc.notes.append("the tensor checker did not fire on the replayed backward pass")
+    loc.hidden_forward_op = _hidden_forward_nan(rp, fields, op)
     return loc
+
+
+def _hidden_forward_nan(rp: Replayer, fields: dict[str, Any], op: str | None) -> str | None:
+    """The forward op whose NaN output the backward op `op` is the gradient of, when the forward made one and
+    a later op hid it from the finite loss (relu(NaN) = 0 in Paddle): the NaN gradient is that NaN coming
+    back, not an infinite derivative of a clean forward. None when the forward held no NaN, or a NaN of
+    another op (a value a `where` discarded: not this gradient's doing)."""
+    if not op or not op.endswith("_grad"):
+        return None
+    forward = rp.first_nan_forward_op(fields)
+    return forward if forward is not None and op == f"{forward}_grad" else None
 
 
 def _past_discarded_inf(rp: Replayer, fields: dict[str, Any], op: str | None, on_stack: list[str],
