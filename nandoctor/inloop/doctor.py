@@ -508,7 +508,8 @@ class Doctor:
                 rolled, changed = None, []
                 if self.history is not None and fault is not None:  # a fault that began on an unread step
                     with redirected(self._target(None).base_dir) as changed:  # its writes stay off the user's files
-                        fault, rolled = self.history.rollback(fault, self.step_fn, rebuild, self.step)
+                        # the updates after the fault are undone: the steps run end where it stands
+                        fault, rolled, self.step = self.history.rollback(fault, self.step_fn, rebuild, self.step)
                     self.fault = fault
                 target = self._target(self._replay_loss(fault, rebuild))
                 try:
