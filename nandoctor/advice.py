@@ -78,7 +78,7 @@ _BY_CODE: dict[str, list[str]] = {
                              "check the layer's inputs for extreme values, and its initialisation."],
     "loss.nonfinite": ["The loss went non-finite while the model's outputs were finite: the loss formula itself is "
                        "unstable (log of 0, division by 0). Use the fused, stable loss functions."],
-    "grad.nonfinite": ["A gradient went non-finite in backward while the forward pass was finite: an op with an "
+    "grad.nonfinite": ["A gradient went non-finite in backward while the loss was finite: an op with an "
                        "infinite derivative at the input it got (sqrt, log, pow, acos at their edge)."],
     "update.nonfinite": ["The optimizer step turned finite parameters non-finite: lower the learning rate, raise "
                          "the optimizer's epsilon (1e-8 -> 1e-6), and clip gradients."],

@@ -4,6 +4,8 @@ applied. A loop that never calls backward (it monitors the loss) has its NaN los
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import paddle
 import pytest
@@ -115,11 +117,14 @@ def _class_batches(n: int, bad: int, row: int) -> list[tuple[paddle.Tensor, padd
     return out
 
 
-@pytest.mark.parametrize("with_optimizer,step_fn", [(True, True), (False, True), (True, False)])
-def test_a_loop_that_never_calls_backward_gets_its_nan_loss_answered(tmp_path, with_optimizer, step_fn) -> None:
-    """check(loss) each step, no backward, no update (evaluation, loss monitoring): the check of the step whose
-    loss is NaN returns False, and the report names that step, and with step_fn the phase and layer a plain
-    loop's forward hooks saw (it used to return True, waiting for an optimizer.step() that never came)."""
+@pytest.mark.parametrize("with_optimizer,step_fn,evaluation",
+                         [(True, True, False), (False, True, False), (True, False, False), (True, True, True)])
+def test_a_loop_that_never_calls_backward_gets_its_nan_loss_answered(tmp_path, with_optimizer, step_fn,
+                                                                     evaluation) -> None:
+    """check(loss) each step, no backward, no update (loss monitoring; `evaluation`: the model in eval mode,
+    the loss computed under paddle.no_grad()): the check of the step whose loss is NaN returns False, and the
+    report names that step, and with step_fn the phase and layer a plain loop's forward hooks saw (it used to
+    return True, waiting for an optimizer.step() that never came; under no_grad, a loss.no_grad at step 0)."""
     batches = _class_batches(8, bad=4, row=6)
     paddle.seed(0)
     truth = first_hooked_fault(Rooted(), batches, _ce)
@@ -128,10 +133,14 @@ def test_a_loop_that_never_calls_backward_gets_its_nan_loss_answered(tmp_path, w
     paddle.seed(0)
     model = Rooted()
     opt = paddle.optimizer.Adam(parameters=model.parameters()) if with_optimizer else None
+    if evaluation:
+        model.eval()
     answers = []
     with nandoctor.watch(model, opt, step_fn=_ce if step_fn else None, report_dir=tmp_path / "rep") as doctor:
         for batch in batches:
-            answers.append(doctor.check(_ce(model, batch), batch))
+            with paddle.no_grad() if evaluation else contextlib.nullcontext():
+                loss = _ce(model, batch)
+            answers.append(doctor.check(loss, batch))
             if not answers[-1]:
                 break
     assert answers == [True] * truth["step"] + [False]

@@ -262,6 +262,8 @@ class Doctor:
         if self.fault is not None and self.on_fault == "stop":
             return False
         self._settle()
+        if self._waiting is not None:  # no update and no training-mode forward since the last check (evaluation)
+            self._loss_only_step()
         if not self._open:  # the model was not called in training mode since the last step
             self._begin()
         fields, rebuild = self._name_fields(batch)
@@ -269,10 +271,11 @@ class Doctor:
         watcher = self.watcher
         watcher.attach_batch(fields, batch_index=step)
         fault = watcher.observe_loss(loss)
+        # (only the first check can find the order out; written so that later ones make no call for it)
+        if (fault is None and (self._check_before_backward or not step) and self._before_backward(loss)
+                or fault is not None and _evaluating(fault, self.model)):
+            return self._check_loss_first(loss, fields, rebuild, step)
         if fault is None:
-            # (only the first check can find the order out; written so that later ones make no call for it)
-            if (self._check_before_backward or not step) and self._before_backward(loss):
-                return self._check_loss_first(loss, fields, rebuild, step)
             fault = watcher.after_backward(loss)
         return self._decide(fault, fields, rebuild, step)
 
@@ -321,9 +324,9 @@ class Doctor:
         if no_update:
             log.info("nandoctor: no gradient exists at check() and no optimizer was given: the loss alone is checked")
         else:
-            log.warning("nandoctor: check() was called before loss.backward(); the loss is checked there, the "
-                        "gradients when optimizer.step() is called (call check() after backward() to check both "
-                        "there)")
+            log.warning("nandoctor: no gradient exists yet at check() (called before loss.backward(), or in a loop "
+                        "that does not train): the loss is checked there, the gradients when optimizer.step() is "
+                        "called (call check() after backward() to check both there)")
         self._check_before_backward = True
         return True
 
@@ -606,6 +609,16 @@ def watch(model: Any, optimizer: Any = None, step_fn: Callable[[Any, Any], Any] 
         sync = RankSync()
     return Doctor(model, optimizer, step_fn=step_fn, report_dir=report_dir, on_fault=on_fault, scaler=scaler,
                   fields=fields, fp16=fp16, sync=sync, defer_reads=True)
+
+
+def _evaluating(fault: Fault, model: Any) -> bool:
+    """A loss without a graph from a model in eval mode, or while gradients are off where check() runs: what
+    an evaluation loop makes (`paddle.no_grad()` around it), not a loss that cannot train (`loss.no_grad`, kept
+    for a model in training mode); its value alone is checked."""
+    import paddle
+
+    return (fault.kind == FaultKind.LOSS and fault.evidence.get("reason") == "stop_gradient"
+            and (not model.training or not paddle.is_grad_enabled()))
 
 
 def _replay_failure(exc: BaseException) -> str:
