@@ -95,9 +95,9 @@ _BY_CODE: dict[str, list[str]] = {
 }
 
 
-_HIDDEN_NAN_ADVICE = ("A finite loss does not mean a clean forward pass: an op made a NaN there and a later one "
-                      "hid it (Paddle's relu turns NaN into 0), and backward carries it into the gradients. Fix "
-                      "the op that made it (above); changing the activation would only hide it elsewhere.")
+_HIDDEN_NAN_ADVICE = ("A finite loss does not mean a clean forward pass: an op made NaN there and a later op hid "
+                      "it from the loss (Paddle's relu turns NaN into 0). Fix the op that made it (above), not "
+                      "what hid it.")
 
 
 WARMUP_STEPS = 200  # "a few hundred steps": the example a warmup line gives when nothing measured says more
@@ -326,8 +326,8 @@ def advice_for(code: str, op: str | None = None, **facts: Any) -> list[str]:
                 "or drop it from the model if nothing reads it."]
     if code == "param.nonfinite" and facts.get("rows"):
         return [_bad_rows_advice(facts), _BY_CODE[code][0]]
-    if code == "grad.nonfinite" and facts.get("hidden_nan"):  # the forward was not clean: its NaN came back
-        return [*out, _HIDDEN_NAN_ADVICE]
+    if code == "grad.nonfinite" and facts.get("hidden_op"):  # the forward was not clean: its op's NaN first
+        return list(dict.fromkeys([*_op_advice(facts["hidden_op"]), *out, _HIDDEN_NAN_ADVICE]))
     if code == "param.init_scale" and facts.get("expected_std") is not None:
         out.append(f"Its standard deviation should be about {facts['expected_std']:.3g} for its fan-in; "
                    + _BY_CODE[code][0])

@@ -353,31 +353,37 @@ def nan_rate_at(at: int = 6, learning_rate: float = 0.01):
 
 
 class SqrtRelu(nn.Layer):
-    """sqrt(fc(x) + 1), with relu after it here (`relu_inside`) or in the model's forward: a row that drives
-    fc(x) below -1 makes NaN in this layer, and relu turns it into 0 (Paddle's relu(NaN) is 0), so the loss
-    stays finite while the gradients go NaN."""
+    """sqrt(fc(x) + 1), with relu after it here (`relu` "inside"), in the model's forward ("after") or nowhere
+    ("none"): a row that drives fc(x) below -1 makes NaN in this layer; relu turns it into 0 (Paddle's
+    relu(NaN) is 0), so the loss stays finite while the gradients go NaN, as it does without relu when the
+    loss ignores that row's label (`ce_ignore`)."""
 
-    def __init__(self, relu_inside: bool):
+    def __init__(self, relu: str):
         super().__init__()
-        self.relu_inside = relu_inside
+        self.relu = relu
         self.fc = nn.Linear(FEATURES, 8)
 
     def forward(self, x):
         h = paddle.sqrt(self.fc(x) + 1.0)
-        return nn.functional.relu(h) if self.relu_inside else h
+        return nn.functional.relu(h) if self.relu == "inside" else h
 
 
 class HiddenNan(nn.Layer):
-    def __init__(self, relu_inside: bool):
+    def __init__(self, relu: str):
         super().__init__()
-        self.root = SqrtRelu(relu_inside)
+        self.root = SqrtRelu(relu)
         self.head = nn.Linear(8, 3)
 
     def forward(self, x):
         h = self.root(x)
-        return self.head(h if self.root.relu_inside else nn.functional.relu(h))
+        return self.head(nn.functional.relu(h) if self.root.relu == "after" else h)
 
 
-def hidden_nan(relu_inside: bool = True):
+def hidden_nan(relu: str = "inside"):
     paddle.seed(0)
-    return HiddenNan(relu_inside)
+    return HiddenNan(relu)
+
+
+def ce_ignore(logits, label):
+    """Cross-entropy that leaves out the rows labelled -100 (padding, say)."""
+    return nn.functional.cross_entropy(logits, label.reshape([-1, 1]), ignore_index=-100)

@@ -107,7 +107,7 @@ def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: l
     evidence = _nonfinite_evidence(fault, loc_, sample_notes, scope, reason)
     if loc_.source:
         report.details["source"] = loc_.source  # the first-fault panel shows it beside layer and op
-    advice = advice_for(code.value, op=loc_.hidden_forward_op or loc_.op, hidden_nan=bool(loc_.hidden_forward_op))
+    advice = advice_for(code.value, op=loc_.op, hidden_op=loc_.hidden_forward_op)
     report.findings.append(Finding(code, Severity.ERROR, what, loc, evidence, advice))
     if loc_.offending:
         report.details["offending_tensor"] = loc_.offending
@@ -148,22 +148,26 @@ def _nonfinite_what(fault: Fault, loc_: Localization, who: str) -> str:
     op = f" (op {loc_.op})" if loc_.op else ""
     if loc_.op and loc_.nan_op:  # the harmful Inf came first; the op that made NaN of it follows
         op = f" (op {loc_.op}, whose Inf op {loc_.nan_op} then turned into NaN)"
-    if phase == Phase.BACKWARD and loc_.hidden_forward_op:
+    if phase == Phase.BACKWARD:
         par = f"; first non-finite parameter gradient: {loc_.parameter}" if loc_.parameter else ""
-        what = (f"A NaN was made in the forward pass at step {fault.step}, {where} (op {loc_.hidden_forward_op}), "
-                f"and hidden from the loss by a later op in that forward ({_HIDING}), so the loss stayed finite "
-                f"({st.loss:.4g}); it came back as a NaN gradient in the backward pass{op}{par}. {who}")
-    elif phase == Phase.BACKWARD:
-        par = f"; first non-finite parameter gradient: {loc_.parameter}" if loc_.parameter else ""
-        what = (f"A gradient became NaN/Inf in the backward pass at step {fault.step}, {where}{op}{par}, while the "
-                f"loss was finite ({st.loss:.4g}). {who}")
+        what = f"A gradient became NaN/Inf in the backward pass at step {fault.step}, {where}{op}{par}"
+        hidden = loc_.hidden_forward_op
+        if hidden:  # seen in the forward replay: the same op made NaN there, and something hid it
+            inside = f" inside layer {loc_.layer}" if loc_.layer else ""
+            what += (f". The loss was finite ({st.loss:.4g}) but the forward pass was not: the same op, {hidden}, "
+                     f"made NaN{inside}, and a later op hid it from the loss ({_HIDING}). {who}")
+        else:
+            what += f", while the loss was finite ({st.loss:.4g}). {who}"
     elif phase == Phase.FORWARD:
         owner = f"Layer {loc_.layer}'s forward output" if loc_.layer else \
             "A value computed in the model's own forward (outside every sublayer)"
         what = f"{owner} became NaN/Inf at step {fault.step}{op}."
-        if st is not None and math.isfinite(st.loss):  # the NaN never reached the loss: say what hid it
-            what += (f" The loss stayed finite ({st.loss:.4g}): a later op hid the non-finite values from it "
-                     f"({_HIDING}), and they showed only in the gradients.")
+        if loc_.hidden_by == "loss":  # the model's output held them: the loss code left them out
+            what += (f" The loss stayed finite ({st.loss:.4g}): the model's output held them too, and the loss left "
+                     "them out (rows whose label is ignored or masked, say), so they showed only in the gradients.")
+        elif loc_.hidden_by == "model":
+            what += (f" The loss stayed finite ({st.loss:.4g}): a later op in the model hid them ({_HIDING}), so "
+                     "they showed only in the gradients.")
         what += f" {who}"
     else:
         what = (f"The loss became NaN/Inf at step {fault.step} {where}{op} while the model's outputs were finite. "

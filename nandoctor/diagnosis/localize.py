@@ -55,6 +55,9 @@ class Localization:
     # A backward fault whose op is the gradient of a forward op that made a NaN a later op hid from the loss
     # (Paddle's relu turns NaN into 0): that forward op. The forward was not clean, only the loss was.
     hidden_forward_op: str | None = None
+    # A forward fault under a finite loss: what kept its NaN/Inf out of the loss, "model" (an op after the
+    # layer, inside the model: its output was finite) or "loss" (the model's output held it; the loss left it out)
+    hidden_by: str | None = None
 
 
 def tensor_stats(t: Any, what: str) -> dict[str, Any] | None:
@@ -257,16 +260,16 @@ class Replayer:
             self.clear()
         return next((line.op for line in origin.logged_ops(native.text) if line.nan), None)
 
-    def first_nan_forward_op(self, fields: dict[str, Any]) -> str | None:
-        """The first forward (or loss) op whose output holds a NaN, from the checker in log mode over the
-        forward and loss only: under a finite loss, a NaN that a later op hid from it."""
+    def first_nan_forward_op(self, fields: dict[str, Any]) -> tuple[str | None, str | None]:
+        """The first op of the model's forward whose output held a NaN, and the user's line that ran it, from
+        the checker in log mode over that forward (the step's RNG kept): under a finite loss, a NaN that a
+        later op hid from it."""
+        whole = origin.LayerCall("", 0, None, None)  # the model's own call: its whole forward
         self.reset_rng()
-        try:
-            with checking(log_only=True), capture_native_output() as native:
-                self.loss(fields)
-        finally:
-            self.clear()
-        return origin.first_nan_op(origin.logged_ops(native.text))
+        lines, tracer = origin.scoped_ops(self.model, dict(self.sublayers), whole, lambda: self.loss(fields),
+                                          self.w.base_dir)
+        first = next((line for line in lines if line.nan), None)
+        return (first.op, tracer.line_at(first.offset)) if first is not None else (None, None)
 
     def traced_backward(self, fields: dict[str, Any]) -> tuple[str | None, list[str], dict[str, Any] | None]:
         """(layer that turned finite gradients non-finite, parameters with non-finite grads in backward
@@ -377,6 +380,9 @@ def localize(target: Any, fields: dict[str, Any], rng: Any, loss_finite: bool) -
     if not loss_finite or (tr.creator() is not None and forward_nan):
         loc = rp.forward_origin(fields, tr)
         loc.source = rp.source
+        if loss_finite:
+            root = next((c for c in reversed(tr.calls) if c.name == ""), None)
+            loc.hidden_by = "loss" if root is not None and root.output is not None else "model"
         return loc, rp
     return _backward_localization(rp, fields), rp
 
@@ -418,14 +424,16 @@ def _backward_localization(rp: Replayer, fields: dict[str, Any]) -> Localization
 
 
 def _hidden_forward_nan(rp: Replayer, fields: dict[str, Any], op: str | None) -> str | None:
-    """The forward op whose NaN output the backward op `op` is the gradient of, when the forward made one and
-    a later op hid it from the finite loss (relu(NaN) = 0 in Paddle): the NaN gradient is that NaN coming
-    back, not an infinite derivative of a clean forward. None when the forward held no NaN, or a NaN of
-    another op (a value a `where` discarded: not this gradient's doing)."""
+    """The forward op of the backward op `op`, when that very op (its name, and the user's line Paddle printed
+    for the gradient where known) made the first NaN of the forward and a later op hid it from the finite loss
+    (relu(NaN) = 0 in Paddle): the forward was not clean, only the loss was. None when the forward held no NaN,
+    or the first was another op's."""
     if not op or not op.endswith("_grad"):
         return None
-    forward = rp.first_nan_forward_op(fields)
-    return forward if forward is not None and op == f"{forward}_grad" else None
+    forward, line = rp.first_nan_forward_op(fields)
+    if forward is None or op != f"{forward}_grad" or rp.source is not None and line != rp.source:
+        return None
+    return forward
 
 
 def _past_discarded_inf(rp: Replayer, fields: dict[str, Any], op: str | None, on_stack: list[str],
