@@ -68,7 +68,8 @@ def _data_consequence(fault: Fault) -> str:
     if fault.exc is not None:
         return (f"The model's code then raised {type(fault.exc).__name__}: {first_line(str(fault.exc))}. "
                 "Clean the data first; the error may go with it.")
-    return "It made the step's loss or gradients NaN/Inf; nandoctor stopped before the update."
+    # (a loop that only computes its loss has no update: "before any update" holds for every way in)
+    return "It made the step's loss or gradients NaN/Inf; nandoctor stopped there, before any update from it."
 
 
 def update_fault(report: Report, fault: Fault, optimizer: Any) -> None:

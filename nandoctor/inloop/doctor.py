@@ -298,7 +298,8 @@ class Doctor:
         self._waiting = None
         if not self._loss_only:
             self._loss_only = True
-            log.info("nandoctor: no optimizer.step() followed check(): the loss alone is checked on such steps")
+            log.info("nandoctor: a check() had no optimizer.step() after it before the next forward (a loop that "
+                     "does not train, or gradient accumulation): its loss alone was checked")
         self.watcher.record_loss(value)
         self._end_step(stepped=False)
 
