@@ -78,7 +78,7 @@ _BY_CODE: dict[str, list[str]] = {
                              "check the layer's inputs for extreme values, and its initialisation."],
     "loss.nonfinite": ["The loss went non-finite while the model's outputs were finite: the loss formula itself is "
                        "unstable (log of 0, division by 0). Use the fused, stable loss functions."],
-    "grad.nonfinite": ["A gradient went non-finite in backward while the forward pass was finite: an op with an "
+    "grad.nonfinite": ["A gradient went non-finite in backward while the loss was finite: an op with an "
                        "infinite derivative at the input it got (sqrt, log, pow, acos at their edge)."],
     "update.nonfinite": ["The optimizer step turned finite parameters non-finite: lower the learning rate, raise "
                          "the optimizer's epsilon (1e-8 -> 1e-6), and clip gradients."],
@@ -93,6 +93,11 @@ _BY_CODE: dict[str, list[str]] = {
     "user_code.error": ["Fix the exception in your code at the file and line shown; nandoctor stopped there."],
     "run.interrupted": ["The run was interrupted: this report holds only the steps seen before Ctrl-C."],
 }
+
+
+_HIDDEN_NAN_ADVICE = ("A finite loss does not mean a clean forward pass: an op made NaN there and a later op hid "
+                      "it from the loss (Paddle's relu turns NaN into 0). Fix the op that made it (above), not "
+                      "what hid it.")
 
 
 WARMUP_STEPS = 200  # "a few hundred steps": the example a warmup line gives when nothing measured says more
@@ -321,6 +326,8 @@ def advice_for(code: str, op: str | None = None, **facts: Any) -> list[str]:
                 "or drop it from the model if nothing reads it."]
     if code == "param.nonfinite" and facts.get("rows"):
         return [_bad_rows_advice(facts), _BY_CODE[code][0]]
+    if code == "grad.nonfinite" and facts.get("hidden_op"):  # the forward was not clean: its op's NaN first
+        return list(dict.fromkeys([*_op_advice(facts["hidden_op"]), *out, _HIDDEN_NAN_ADVICE]))
     if code == "param.init_scale" and facts.get("expected_std") is not None:
         out.append(f"Its standard deviation should be about {facts['expected_std']:.3g} for its fan-in; "
                    + _BY_CODE[code][0])

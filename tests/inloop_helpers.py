@@ -97,3 +97,47 @@ def first_nonfinite_step(model: Any, batches: Any, *, grads: bool, lr: float = 0
         opt.step()
         opt.clear_grad()
     return None
+
+
+def first_hooked_fault(model: Any, batches: Any, loss_of: Any, optimizer: Any = None) -> dict[str, Any] | None:
+    """Ground truth from a plain Paddle loop with forward post-hooks on every sublayer: the first step at which
+    a sublayer's output, the loss or (trained with `optimizer`: backward and update) a gradient holds NaN/Inf,
+    judged on the host in float64. Returns {step, loss, bad_layers (in call order), bad_grads, bad_rows (the
+    rows of the first bad layer's output that hold NaN/Inf), outputs (each sublayer's output at that step, its
+    last call's, float64)}; None when the loop stays finite. Without an optimizer the loop only computes the
+    loss (evaluation, loss monitoring)."""
+    import numpy as np
+    import paddle
+
+    seen: list[tuple[str, Any]] = []
+
+    def hook(name: str) -> Any:
+        def post(_layer: Any, _inputs: Any, output: Any) -> None:
+            if isinstance(output, paddle.Tensor):
+                seen.append((name, output.numpy().astype("float64")))
+        return post
+
+    handles = [layer.register_forward_post_hook(hook(name)) for name, layer in model.named_sublayers()]
+    try:
+        for step, batch in enumerate(batches):
+            seen.clear()
+            loss = loss_of(model, batch)
+            bad_layers = [n for n, out in seen if not np.isfinite(out).all()]
+            bad_grads: list[str] = []
+            if optimizer is not None:
+                loss.backward()
+                bad_grads = [n for n, p in model.named_parameters()
+                             if p.grad is not None and not np.isfinite(p.grad.numpy().astype("float64")).all()]
+            value = float(loss.numpy().astype("float64"))
+            if bad_layers or bad_grads or not np.isfinite(value):
+                first = next(out for n, out in seen if n == bad_layers[0]) if bad_layers else None
+                rows = sorted({int(r) for r in np.argwhere(~np.isfinite(first))[:, 0]}) if first is not None else []
+                return {"step": step, "loss": value, "bad_layers": bad_layers, "bad_grads": bad_grads,
+                        "bad_rows": rows, "outputs": dict(seen)}
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.clear_grad()
+    finally:
+        for h in handles:
+            h.remove()
+    return None

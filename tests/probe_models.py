@@ -21,8 +21,10 @@ def _rng(seed: int = 0) -> np.random.Generator:
 def loader(batches: int = 8, batch_size: int = 8, classes: int = 3, nan_batch: int = -1, nan_rows: list | None = None,
            zero_batch: int = -1, zero_rows: list | None = None, zero_col: int = -1, label_batch: int = -1,
            label_row: int = 0, label_value: int = 0, tensors: bool = False, interrupt_at: int = -1,
-           scale: float = 1.0, regression: bool = False):
-    """(x, label) batches: x ~ N(0, scale); plants NaN rows, all-zero rows, a zero column, or a bad label."""
+           scale: float = 1.0, regression: bool = False, spike_batch: int = -1, spike_rows: list | None = None,
+           spike: float = 100.0):
+    """(x, label) batches: x ~ N(0, scale); plants NaN rows, all-zero rows, rows of one large value `spike`, a
+    zero column, or a bad label."""
     rng = _rng()
     out = []
     for b in range(batches):
@@ -37,6 +39,8 @@ def loader(batches: int = 8, batch_size: int = 8, classes: int = 3, nan_batch: i
             x[nan_rows or [0], 1] = np.nan
         if b == zero_batch:
             x[zero_rows or [0]] = 0.0
+        if b == spike_batch:
+            x[spike_rows or [0]] = spike
         if b == label_batch:
             y[label_row if label_row >= 0 else slice(None)] = label_value
         out.append((paddle.to_tensor(x), paddle.to_tensor(y)) if tensors else (x, y))
@@ -346,3 +350,40 @@ class _NanRateAt(paddle.optimizer.lr.LRScheduler):
 def nan_rate_at(at: int = 6, learning_rate: float = 0.01):
     """A scheduler whose rate is NaN for the update of step `at` only: finite gradients, a NaN update."""
     return _NanRateAt(learning_rate, at)
+
+
+class SqrtRelu(nn.Layer):
+    """sqrt(fc(x) + 1), with relu after it here (`relu` "inside"), in the model's forward ("after") or nowhere
+    ("none"): a row that drives fc(x) below -1 makes NaN in this layer; relu turns it into 0 (Paddle's
+    relu(NaN) is 0), so the loss stays finite while the gradients go NaN, as it does without relu when the
+    loss ignores that row's label (`ce_ignore`)."""
+
+    def __init__(self, relu: str):
+        super().__init__()
+        self.relu = relu
+        self.fc = nn.Linear(FEATURES, 8)
+
+    def forward(self, x):
+        h = paddle.sqrt(self.fc(x) + 1.0)
+        return nn.functional.relu(h) if self.relu == "inside" else h
+
+
+class HiddenNan(nn.Layer):
+    def __init__(self, relu: str):
+        super().__init__()
+        self.root = SqrtRelu(relu)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.root(x)
+        return self.head(nn.functional.relu(h) if self.root.relu == "after" else h)
+
+
+def hidden_nan(relu: str = "inside"):
+    paddle.seed(0)
+    return HiddenNan(relu)
+
+
+def ce_ignore(logits, label):
+    """Cross-entropy that leaves out the rows labelled -100 (padding, say)."""
+    return nn.functional.cross_entropy(logits, label.reshape([-1, 1]), ignore_index=-100)

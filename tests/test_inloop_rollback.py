@@ -58,6 +58,8 @@ def test_a_nan_gradient_on_an_unread_step_of_the_users_loop_is_named_as_if_caugh
     assert ff.sample_indices == [ZERO_ROW]
     assert [f.code.value for f in doctor.report.findings if f.severity.value == "error"] == ["grad.nonfinite"]
     assert doctor.report.timeline[-1].step == ZERO_BATCH  # the step after it trained on NaN weights: not shown
+    # the steps run end at the fault, as a live check's would: the updates after it were undone
+    assert doctor.report.run["steps_run"] == doctor.step == ZERO_BATCH < rollback["detected_at_step"]
     assert (tmp_path / "report" / "report.json").is_file()
 
 

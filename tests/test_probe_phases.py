@@ -40,7 +40,7 @@ def test_nan_in_data_is_named_as_data_before_its_update(tmp_path):
     assert (ff.step, ff.phase, ff.batch_index, ff.sample_indices) == (2, Phase.DATA, 2, [1, 4])
     [f] = report.findings
     assert f.code.value == "data.nonfinite" and f.location.field == "x"
-    assert "loss or gradients NaN/Inf" in f.message and "before the update" in f.message
+    assert "loss or gradients NaN/Inf" in f.message and "before any update" in f.message
     assert len(report.timeline) == 2  # steps 0 and 1 trained, step 2 was not applied
 
 

@@ -25,6 +25,29 @@ def test_a_nan_gradient_on_an_unread_step_is_named_as_if_caught_live(tmp_path, n
     assert ff.sample_indices == [ZERO_ROW]
     assert [f.code.value for f in report.findings if f.severity.value == "error"] == ["grad.nonfinite"]
     assert report.timeline[-1].step == ZERO_BATCH  # nothing after the fault: those steps trained on NaN
+    # the steps run end at the fault, as when it is caught live (the next test), not at the later read
+    assert report.details["steps_run"] == report.run["steps_run"] == ZERO_BATCH < rollback["detected_at_step"]
+
+
+def test_steps_run_end_at_a_fault_read_late_in_a_fast_loop(tmp_path):
+    """A fast loop's steps are read one in k past the first 64: a NaN input row at step 130 (its ReLU hides
+    it from the loss, not from the gradients) shows at a read some steps later, and the rollback names step
+    130. The steps run say so too, whatever the read's timing (the summary said "132 steps run" beside a
+    fault and a timeline that end at 130, and the count changed with the machine's load)."""
+    from inloop_helpers import first_nonfinite_step
+
+    from nandoctor.report.common import summary_parts
+
+    data = {"nan_batch": 130, "nan_rows": [2], "batches": 200}
+    truth = first_nonfinite_step(pm.classifier(), pm.loader(**data), grads=True)
+    assert truth == 130
+    report = probe(tmp_path, model="classifier", data_args=data, steps=200)
+    rollback = report.details["rollback"]
+    assert truth in rollback["unread_steps"] and rollback["detected_at_step"] > truth  # read late, rolled back
+    assert (report.first_fault.step, report.first_fault.phase) == (truth, Phase.DATA)
+    assert report.details["steps_run"] == report.run["steps_run"] == truth
+    assert report.timeline[-1].step == truth - 1  # a batch's NaN: its step is the fault, not a timeline point
+    assert f"{truth} steps run" in summary_parts(report)
 
 
 def test_a_nan_in_the_batch_seen_only_in_the_gradients_of_an_unread_step_is_named_as_data(tmp_path, no_stats_steps):

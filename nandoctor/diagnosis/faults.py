@@ -68,7 +68,8 @@ def _data_consequence(fault: Fault) -> str:
     if fault.exc is not None:
         return (f"The model's code then raised {type(fault.exc).__name__}: {first_line(str(fault.exc))}. "
                 "Clean the data first; the error may go with it.")
-    return "It made the step's loss or gradients NaN/Inf; nandoctor stopped before the update."
+    # (a loop that only computes its loss has no update: "before any update" holds for every way in)
+    return "It made the step's loss or gradients NaN/Inf; nandoctor stopped there, before any update from it."
 
 
 def update_fault(report: Report, fault: Fault, optimizer: Any) -> None:
@@ -107,7 +108,8 @@ def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: l
     evidence = _nonfinite_evidence(fault, loc_, sample_notes, scope, reason)
     if loc_.source:
         report.details["source"] = loc_.source  # the first-fault panel shows it beside layer and op
-    report.findings.append(Finding(code, Severity.ERROR, what, loc, evidence, advice_for(code.value, op=loc_.op)))
+    advice = advice_for(code.value, op=loc_.op, hidden_op=loc_.hidden_forward_op)
+    report.findings.append(Finding(code, Severity.ERROR, what, loc, evidence, advice))
     if loc_.offending:
         report.details["offending_tensor"] = loc_.offending
     set_first(report, loc)
@@ -129,6 +131,10 @@ def _samples_said(b: int | None, samples: list[int] | None, reason: str | None) 
     return f"Caused by batch {b} (its samples could not be tried apart)."
 
 
+# What hides a forward NaN from the loss, most often (paddle-notes.md: measured on Paddle 3.3.1)
+_HIDING = "Paddle's relu turns NaN into 0; a where that drops it does the same"
+
+
 def _nonfinite_what(fault: Fault, loc_: Localization, who: str) -> str:
     """The finding's message: what went non-finite in which phase, where and by which op, then `who` (the
     samples) and the user's line that created the op."""
@@ -145,12 +151,25 @@ def _nonfinite_what(fault: Fault, loc_: Localization, who: str) -> str:
         op = f" (op {loc_.op}, whose Inf op {loc_.nan_op} then turned into NaN)"
     if phase == Phase.BACKWARD:
         par = f"; first non-finite parameter gradient: {loc_.parameter}" if loc_.parameter else ""
-        what = (f"A gradient became NaN/Inf in the backward pass at step {fault.step}, {where}{op}{par}, while the "
-                f"loss was finite ({st.loss:.4g}). {who}")
+        what = f"A gradient became NaN/Inf in the backward pass at step {fault.step}, {where}{op}{par}"
+        hidden = loc_.hidden_forward_op
+        if hidden:  # seen in the forward replay: the same op made NaN there, and something hid it
+            inside = f" inside layer {loc_.layer}" if loc_.layer else ""
+            what += (f". The loss was finite ({st.loss:.4g}) but the forward pass was not: the same op, {hidden}, "
+                     f"made NaN{inside}, and a later op hid it from the loss ({_HIDING}). {who}")
+        else:
+            what += f", while the loss was finite ({st.loss:.4g}). {who}"
     elif phase == Phase.FORWARD:
         owner = f"Layer {loc_.layer}'s forward output" if loc_.layer else \
             "A value computed in the model's own forward (outside every sublayer)"
-        what = f"{owner} became NaN/Inf at step {fault.step}{op}. {who}"
+        what = f"{owner} became NaN/Inf at step {fault.step}{op}."
+        if loc_.hidden_by == "loss":  # the model's output held them: the loss code left them out
+            what += (f" The loss stayed finite ({st.loss:.4g}): the model's output held them too, and the loss left "
+                     "them out (rows whose label is ignored or masked, say), so they showed only in the gradients.")
+        elif loc_.hidden_by == "model":
+            what += (f" The loss stayed finite ({st.loss:.4g}): a later op in the model hid them ({_HIDING}), so "
+                     "they showed only in the gradients.")
+        what += f" {who}"
     else:
         what = (f"The loss became NaN/Inf at step {fault.step} {where}{op} while the model's outputs were finite. "
                 f"{who}")
@@ -166,6 +185,8 @@ def _nonfinite_evidence(fault: Fault, loc_: Localization, sample_notes: list[str
     evidence: dict[str, Any] = {"epoch": fault.epoch, "loss": st.loss, "grad_norm": st.grad_norm}
     if loc_.nan_op:
         evidence["nan_op"] = loc_.nan_op
+    if loc_.hidden_forward_op:
+        evidence["hidden_forward_op"] = loc_.hidden_forward_op
     if loc_.source:
         evidence["source"] = loc_.source
     if scope is not None:

@@ -52,6 +52,12 @@ class Localization:
     nan_op: str | None = None
     # layer is None because the op was made in the root model's own forward, outside every sublayer
     model_forward: bool = False
+    # A backward fault whose op is the gradient of a forward op that made a NaN a later op hid from the loss
+    # (Paddle's relu turns NaN into 0): that forward op. The forward was not clean, only the loss was.
+    hidden_forward_op: str | None = None
+    # A forward fault under a finite loss: what kept its NaN/Inf out of the loss, "model" (an op after the
+    # layer, inside the model: its output was finite) or "loss" (the model's output held it; the loss left it out)
+    hidden_by: str | None = None
 
 
 def tensor_stats(t: Any, what: str) -> dict[str, Any] | None:
@@ -254,6 +260,17 @@ class Replayer:
             self.clear()
         return next((line.op for line in origin.logged_ops(native.text) if line.nan), None)
 
+    def first_nan_forward_op(self, fields: dict[str, Any]) -> tuple[str | None, str | None]:
+        """The first op of the model's forward whose output held a NaN, and the user's line that ran it, from
+        the checker in log mode over that forward (the step's RNG kept): under a finite loss, a NaN that a
+        later op hid from it."""
+        whole = origin.LayerCall("", 0, None, None)  # the model's own call: its whole forward
+        self.reset_rng()
+        lines, tracer = origin.scoped_ops(self.model, dict(self.sublayers), whole, lambda: self.loss(fields),
+                                          self.w.base_dir)
+        first = next((line for line in lines if line.nan), None)
+        return (first.op, tracer.line_at(first.offset)) if first is not None else (None, None)
+
     def traced_backward(self, fields: dict[str, Any]) -> tuple[str | None, list[str], dict[str, Any] | None]:
         """(layer that turned finite gradients non-finite, parameters with non-finite grads in backward
         order, stats of that layer's offending input gradient)."""
@@ -363,6 +380,9 @@ def localize(target: Any, fields: dict[str, Any], rng: Any, loss_finite: bool) -
     if not loss_finite or (tr.creator() is not None and forward_nan):
         loc = rp.forward_origin(fields, tr)
         loc.source = rp.source
+        if loss_finite:
+            root = next((c for c in reversed(tr.calls) if c.name == ""), None)
+            loc.hidden_by = "loss" if root is not None and root.output is not None else "model"
         return loc, rp
     return _backward_localization(rp, fields), rp
 
@@ -399,7 +419,21 @@ def _backward_localization(rp: Replayer, fields: dict[str, Any]) -> Localization
         loc.notes.append(found.note)
     if op is None:
         loc.notes.append("the tensor checker did not fire on the replayed backward pass")
+    loc.hidden_forward_op = _hidden_forward_nan(rp, fields, op)
     return loc
+
+
+def _hidden_forward_nan(rp: Replayer, fields: dict[str, Any], op: str | None) -> str | None:
+    """The forward op of the backward op `op`, when that very op (its name, and the user's line Paddle printed
+    for the gradient where known) made the first NaN of the forward and a later op hid it from the finite loss
+    (relu(NaN) = 0 in Paddle): the forward was not clean, only the loss was. None when the forward held no NaN,
+    or the first was another op's."""
+    if not op or not op.endswith("_grad"):
+        return None
+    forward, line = rp.first_nan_forward_op(fields)
+    if forward is None or op != f"{forward}_grad" or rp.source is not None and line != rp.source:
+        return None
+    return forward
 
 
 def _past_discarded_inf(rp: Replayer, fields: dict[str, Any], op: str | None, on_stack: list[str],

@@ -62,12 +62,14 @@ def rollback(res: Any, workload: Any, optimizer: Any, ring: SnapshotRing) -> dic
         res.fault = Fault(FaultKind.UPDATE, failed.step, failed.batch_index, failed.epoch, failed.fields,
                           bad_params=failed.params or fault.bad_params, update_range=(failed.step, failed.step))
         res.records = [r for r in res.records if r.step <= failed.step]
+        _steps_to_fault(res)
         return info
     bad_data = harmful_fields(failed.fields)
     if bad_data:  # a NaN in that step's batch made its gradients non-finite (its loss stayed finite)
         res.fault = Fault(FaultKind.DATA, failed.step, failed.batch_index, failed.epoch, failed.fields,
                           bad_fields=bad_data)
         res.records = [r for r in res.records if r.step < failed.step]
+        _steps_to_fault(res)
         return info
     grad_norm = math.nan if failed.kind == "grad" else None
     stats = StepStats(failed.loss, None, grad_norm, None, None)
@@ -75,7 +77,17 @@ def rollback(res: Any, workload: Any, optimizer: Any, ring: SnapshotRing) -> dic
                       rng=failed.rng, stats=stats)
     res.records = [r for r in res.records if r.step < failed.step]
     res.records.append(StepRecord(failed.step, failed.loss, grad_norm, None, None))
+    _steps_to_fault(res)
     return info
+
+
+def _steps_to_fault(res: Any) -> None:
+    """`res.steps_run` ends at the fault the replay named, as when a live read finds it: the steps before a
+    loss, gradient or data fault, through an update fault's own step. The steps after it that ran unread
+    until the read found the NaN are undone (`detected_at_step` says where that read was); counted, the report
+    said "132 steps run" beside a fault and a timeline that end at step 130."""
+    fault = res.fault
+    res.steps_run = min(res.steps_run, fault.step + (fault.kind == FaultKind.UPDATE) - res.start_step)
 
 
 def read_batch(workload: Any, ring: SnapshotRing | None, epoch: int, batch_index: int) -> dict[str, Any] | None:

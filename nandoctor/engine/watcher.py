@@ -355,6 +355,24 @@ class StepWatcher:
                                evidence={"reason": "stop_gradient", "trainable": len(self.monitor.params)})
         return None
 
+    def read_loss(self, loss: Any) -> tuple[float, Fault | None]:
+        """The loss alone on the host (one sync), for a check with no gradient to read yet: one made before
+        backward, or a loop that never calls backward (loss monitoring). A non-finite loss is the step's fault
+        whatever the gradients would be (the batch's when a NaN in it did it; an earlier unread step's first)."""
+        value = float(loss)
+        if math.isfinite(value):
+            return value, None
+        fault = self.flush() or self.data_fault()
+        if fault is not None:
+            return value, fault
+        self._record(StepRecord(self._step, value, None, None, None, lr=current_lr(self.optimizer)))
+        return value, self._fault(FaultKind.NONFINITE, rng=self._rng, stats=StepStats(value, None, None, None, None))
+
+    def record_loss(self, value: float) -> None:
+        """The timeline point of a step whose loss alone was read (`read_loss`) and that never reached a
+        gradient read: a loop that monitors its loss without training on it."""
+        self._record(StepRecord(self._step, value, None, None, None, lr=current_lr(self.optimizer)))
+
     def after_backward(self, loss: Any) -> Fault | None:
         """The step's one host sync, then the fault decision; a healthy step is recorded."""
         if not self._seen_backward:

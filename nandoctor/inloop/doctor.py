@@ -128,6 +128,7 @@ class Doctor:
         # step) of the check whose gradient half waits for optimizer.step()
         self._check_before_backward = False
         self._waiting: tuple | None = None
+        self._loss_only = False  # a check's gradient half found no update to wait for (said once in the log)
         self._busy = False  # a replay is running: the pre-hook must not open steps
         self._closed = False
         self._inputs: Any = ()
@@ -151,6 +152,8 @@ class Doctor:
             return  # an evaluation pass between steps is not a training step
         self._settle()
         self._inputs = inputs  # a reference: what a crash in this step's code is asked about
+        if self._waiting is not None:
+            self._loss_only_step()
         if self._checked:  # accumulation: no optimizer step since the last check
             self._end_step(stepped=False)
             if self.history is not None:  # a replay steps once a batch: it could not stand in for the check
@@ -204,7 +207,7 @@ class Doctor:
 
     def _wrapped_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._waiting is not None and not self._closed and (self.fault is None or self.on_fault == "skip_step"):
-            loss, fields, rebuild, step = self._waiting  # check() ran before backward: its gradient half now
+            loss, fields, rebuild, step, _ = self._waiting  # check() ran before backward: its gradient half now
             self._waiting = None
             if not self._decide(self.watcher.after_backward(loss), fields, rebuild, step):
                 if self.on_fault != "skip_step":
@@ -267,6 +270,8 @@ class Doctor:
         if self.fault is not None and self.on_fault == "stop":
             return False
         self._settle()
+        if self._waiting is not None:  # no update and no training-mode forward since the last check (evaluation)
+            self._loss_only_step()
         if not self._open:  # the model was not called in training mode since the last step
             self._begin()
         fields, rebuild = self._name_fields(batch)
@@ -274,14 +279,37 @@ class Doctor:
         watcher = self.watcher
         watcher.attach_batch(fields, batch_index=step)
         fault = watcher.observe_loss(loss)
+        # (only the first check can find the order out; written so that later ones make no call for it)
+        if (fault is None and (self._check_before_backward or not step) and self._before_backward(loss)
+                or fault is not None and _evaluating(fault, self.model)):
+            return self._check_loss_first(loss, fields, rebuild, step)
         if fault is None:
-            # (only the first check can find the order out; written so that later ones make no call for it)
-            if (self._check_before_backward or not step) and self._before_backward(loss):
-                self._waiting = (loss, fields, rebuild, step)  # the gradients are checked at optimizer.step()
-                self.step = step + 1
-                return True
             fault = watcher.after_backward(loss)
         return self._decide(fault, fields, rebuild, step)
+
+    def _check_loss_first(self, loss: Any, fields: Any, rebuild: Any, step: int) -> bool:
+        """A check with no gradient yet (before backward, or a loop that never calls it): the loss is judged
+        now (one sync), so a NaN loss is this check's fault, answered False here; a finite one leaves the
+        gradient half to `optimizer.step()`, before the update, or to nothing when no update comes."""
+        value, fault = self.watcher.read_loss(loss)
+        if fault is not None:
+            self._skip_next = True  # the update the loop may still call after backward() would train on it
+            return self._decide(fault, fields, rebuild, step)
+        self._waiting = (loss, fields, rebuild, step, value)  # the gradients are checked at optimizer.step()
+        self.step = step + 1
+        return True
+
+    def _loss_only_step(self) -> None:
+        """The last check's gradient half never ran (no optimizer.step() came before this forward or the
+        end): that step is over with its loss alone read, and no update."""
+        value = self._waiting[4]
+        self._waiting = None
+        if not self._loss_only:
+            self._loss_only = True
+            log.info("nandoctor: a check() had no optimizer.step() after it before the next forward (a loop that "
+                     "does not train, or gradient accumulation): its loss alone was checked")
+        self.watcher.record_loss(value)
+        self._end_step(stepped=False)
 
     def _before_backward(self, loss: Any) -> bool:
         """check() called between the forward and `loss.backward()` (no gradient exists yet, and the loss has
@@ -290,7 +318,11 @@ class Doctor:
         update, where the gradients exist."""
         if self._check_before_backward:
             return True
-        if self.step or self._orig_step is None or self._wrapped_step != vars(self.optimizer).get("step"):
+        # watched without an optimizer, a loop may well never call backward (it monitors the loss); `nandoctor
+        # run`'s checks without one follow a backward
+        no_update = self._orig_step is None and self.mode == Mode.WATCH
+        if self.step or not no_update and (self._orig_step is None
+                                           or self._wrapped_step != vars(self.optimizer).get("step")):
             return False
         import paddle
 
@@ -298,8 +330,12 @@ class Doctor:
         if not (isinstance(loss, paddle.Tensor) and not loss.stop_gradient and params
                 and all(p.grad is None for p in params)):
             return False
-        log.warning("nandoctor: check() was called before loss.backward(); the gradients are checked when "
-                    "optimizer.step() is called instead (call check() after backward() to check them there)")
+        if no_update:
+            log.info("nandoctor: no gradient exists at check() and no optimizer was given: the loss alone is checked")
+        else:
+            log.warning("nandoctor: no gradient exists yet at check() (called before loss.backward(), or in a loop "
+                        "that does not train): the loss is checked there, the gradients when optimizer.step() is "
+                        "called (call check() after backward() to check both there)")
         self._check_before_backward = True
         return True
 
@@ -350,6 +386,8 @@ class Doctor:
             self._settle()
             if self._checked:
                 self._end_step(stepped=False)
+            elif self._waiting is not None and self.fault is None:
+                self._loss_only_step()
             # the last update's check is one more sync; with ranks it would be a collective some skip
             fault = None if self.fault is not None or self.sync is not None else self.watcher.finish()
             if fault is not None:
@@ -482,7 +520,8 @@ class Doctor:
                 rolled, changed = None, []
                 if self.history is not None and fault is not None:  # a fault that began on an unread step
                     with redirected(self._target(None).base_dir) as changed:  # its writes stay off the user's files
-                        fault, rolled = self.history.rollback(fault, self.step_fn, rebuild, self.step)
+                        # the updates after the fault are undone: the steps run end where it stands
+                        fault, rolled, self.step = self.history.rollback(fault, self.step_fn, rebuild, self.step)
                     self.fault = fault
                 target = self._target(self._replay_loss(fault, rebuild))
                 try:
@@ -591,6 +630,16 @@ def watch(model: Any, optimizer: Any = None, step_fn: Callable[[Any, Any], Any] 
         sync = RankSync()
     return Doctor(model, optimizer, step_fn=step_fn, report_dir=report_dir, on_fault=on_fault, scaler=scaler,
                   fields=fields, fp16=fp16, sync=sync, defer_reads=True)
+
+
+def _evaluating(fault: Fault, model: Any) -> bool:
+    """A loss without a graph from a model in eval mode, or while gradients are off where check() runs: what
+    an evaluation loop makes (`paddle.no_grad()` around it), not a loss that cannot train (`loss.no_grad`, kept
+    for a model in training mode); its value alone is checked."""
+    import paddle
+
+    return (fault.kind == FaultKind.LOSS and fault.evidence.get("reason") == "stop_gradient"
+            and (not model.training or not paddle.is_grad_enabled()))
 
 
 # What one call of each way in's step_fn runs of the user's code (`details.replay_calls.code`)

@@ -159,18 +159,19 @@ class StepHistory:
         return {id(fields): rebuild for fields, rebuild in map(self._named, list(self.kept))}
 
     def rollback(self, fault: Fault, step_fn: Callable[[Any, Any], Any], default_rebuild: Callable[[dict], Any],
-                 steps_run: int) -> tuple[Fault, dict[str, Any] | None]:
-        """The fault the replay of the kept steps finds first, and what the report's details say about it;
-        `fault` itself when there is nothing to replay (the watcher's records are trimmed to match)."""
+                 steps_run: int) -> tuple[Fault, dict[str, Any] | None, int]:
+        """The fault the replay of the kept steps finds first, what the report's details say about it, and the
+        steps run up to it (`steps_run`: those checked, fewer once the fault is named earlier); `fault` itself
+        when there is nothing to replay (the watcher's records are trimmed to match)."""
         from nandoctor.engine import rollback
 
         if not rollback.needs_rollback(fault, self.ring):
-            return fault, None
+            return fault, None, steps_run
         res = LoopResult(records=self.watcher.records, fault=fault, steps_run=steps_run)
         info = rollback.rollback(res, self.replay_workload(step_fn, default_rebuild, steps_run), self.optimizer,
                                   self.ring)
         self.watcher.records = res.records  # (Ctrl-C during the replay: the update fault stands, noted in info)
-        return res.fault, info
+        return res.fault, info, res.steps_run
 
     def replay_workload(self, step_fn: Callable[[Any, Any], Any], default_rebuild: Callable[[dict], Any],
                         steps_run: int) -> Any:
