@@ -26,6 +26,7 @@ import numpy as np
 from nandoctor.advice import advice_for
 from nandoctor.findings import Code, Finding, Location, Phase, Severity
 from nandoctor.scan.chunks import MAX_BYTES, MAX_ROWS, Chunk, ChunkBuffer, lone_chunk
+from nandoctor.scan.model_facts import TargetCheck, target_scale_finding
 from nandoctor.scan.stats import MAX_SAMPLES, FieldStats, LogHistogram, Occurrences, TopK
 from nandoctor.tensors.convert import not_a_tensor, to_numpy
 from nandoctor.tensors.finite import harmful_values
@@ -49,6 +50,7 @@ class DataLimits:
     max_seq_len: int | None = None
     position_table: tuple[str, int] | None = None  # (layer name, num_embeddings), the smallest
     inputs_to_model: bool = True  # the input fields go to the model as they are (False with a `step`)
+    target: TargetCheck | None = None  # a float label's scale against the model's initial output
 
 
 @dataclass
@@ -278,6 +280,11 @@ class DataScanner:
             out += self._field_findings(st)
             if st.not_tensor is not None:
                 out.append(_not_tensor_finding(st.stats.name, *st.not_tensor))
+        target = self.limits.target
+        if target is not None and target.field in self.fields:
+            m = self.fields[target.field].stats.moments
+            found = target_scale_finding(target, m.mean if m.count else None, m.std, self.n_batches)
+            out += [found] if found is not None else []
         return out
 
     def _field_findings(self, st: _FieldState) -> list[Finding]:
