@@ -224,9 +224,10 @@ def _read_batches(spec: Spec, layout: BatchLayout, it: Any, model: Any, uses_ste
 
 def _keep_error_batch(scanner: DataScanner, report: Report) -> None:
     """The first batch with NaN/Inf, a bad label or an over-long sequence, for --bundle (copied once)."""
-    if scanner.error_batch is not None and "batch" not in report.artifacts:
+    if scanner.error_batch is not None and scanner.error_batch[1] and "batch" not in report.artifacts:
         index, arrays = scanner.error_batch
         capture(report, arrays, step=None, batch_index=index)
+        scanner.error_batch = (index, {})  # the capture holds it now (a large one on disk): the scanner no more
 
 
 def _first_forward(spec: Spec, layout: BatchLayout, model: Any, uses_step: bool, fields: dict[str, Any], n: int,

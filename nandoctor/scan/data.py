@@ -18,6 +18,7 @@ is said. Integer and bool fields (ids, labels, masks) are never judged for outli
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,9 +28,8 @@ from nandoctor.advice import advice_for
 from nandoctor.findings import Code, Finding, Location, Phase, Severity
 from nandoctor.scan.chunks import MAX_BYTES, MAX_ROWS, Chunk, ChunkBuffer, lone_chunk
 from nandoctor.scan.model_facts import TargetCheck, target_scale_finding
-from nandoctor.scan.stats import MAX_SAMPLES, FieldStats, LogHistogram, Occurrences, TopK
+from nandoctor.scan.stats import MAX_POSITIONS, MAX_SAMPLES, PIECE_VALUES, FieldStats, LogHistogram, Occurrences, TopK
 from nandoctor.tensors.convert import not_a_tensor, to_numpy
-from nandoctor.tensors.finite import harmful_values
 from nandoctor.tensors.sizes import batch_size as common_batch_size
 
 OUTLIER_DECADES = 3.0  # 1000x
@@ -160,7 +160,11 @@ class DataScanner:
         if firsts and min(firsts) in chunk.ids:  # type: ignore[type-var]
             b = min(firsts)  # type: ignore[type-var]
             arrays = chunk.batch_arrays(chunk.ids.index(b))  # type: ignore[arg-type]
-            self.error_batch = (b, {k: np.array(v, copy=True) for k, v in arrays.items() if v is not None})  # type: ignore[assignment]
+            # a lone batch's arrays are the loader's own, captured by the caller before the loader runs again
+            # (a copy here was a 100 MB batch held to the end of the scan); a slab is refilled: copied
+            copy = chunk.originals is None
+            kept = {k: np.array(v, copy=True) if copy else v for k, v in arrays.items() if v is not None}
+            self.error_batch = (b, kept)  # type: ignore[assignment]
 
     def _check_field(self, st: _FieldState, chunk: Chunk, name: str) -> None:
         stats, rows = st.stats, chunk.rows(name)
@@ -168,85 +172,106 @@ class DataScanner:
         if rows.size == 0:
             return  # no values (a (n, 0) field, or a lone batch whose fields disagree on their length)
         if kind == "f":
-            rmax, rmin = rows.max(axis=1), rows.min(axis=1)  # fast: the slab is (features, rows)
-            with np.errstate(invalid="ignore"):
-                all_finite = bool(np.isfinite(rmax).all() and np.isfinite(rmin).all())  # NaN propagates
-            if all_finite:
-                finite = None
-                stats.moments.add_block(chunk.blocks[name], float(rmin.min()), float(rmax.max()))
-                maxabs = np.maximum(rmax, -rmin).astype(np.float64)
-            else:  # the details, only for a chunk that has a NaN or Inf somewhere
-                finite = np.isfinite(rows)
-                for i in chunk.batches_with(name, ~finite.all(axis=1)):
-                    self._note_nonfinite(st, chunk, name, i, finite)
-                stats.moments.add(rows[finite])
-                maxabs = np.where(finite, np.abs(rows), 0).max(axis=1).astype(np.float64)
-            if self.limits.value_range is not None and stats.role != "label":
-                self._check_range(st, chunk, name, rmin, rmax, finite)
-            st.scales.add(maxabs[maxabs > 0])
-            st.candidates.add_chunk(maxabs, chunk.ids, chunk.starts[name])
+            self._check_floats(st, chunk, name)
         else:
-            block = chunk.blocks[name]
-            if block.size:
-                stats.moments.add_block(block, float(block.min()), float(block.max()))
+            stats.moments.add_block(chunk.blocks[name], float(rows.min()), float(rows.max()))
         if stats.role == "label" and self.limits.label_bounds is not None and kind != "b":
             self._check_labels(st, chunk, name)
         trailing = chunk.trailing[name]
         if stats.role == "input" and kind in "iu" and trailing is not None and len(trailing) == 1:
             self._check_length(st, chunk, name)
 
-    def _note_nonfinite(self, st: _FieldState, chunk: Chunk, name: str, i: int, finite: np.ndarray) -> None:
-        s, e = chunk.starts[name][i], chunk.starts[name][i + 1]
-        rows, fin = chunk.rows(name)[s:e], finite[s:e]
-        nan = int(np.isnan(rows).sum())
-        bad = int((~fin).sum())
-        st.stats.n_nan += nan
-        st.stats.n_inf += bad - nan
-        scalar = chunk.trailing[name] is None
-        harm = ~fin if scalar else harmful_values(rows, fin)  # a mask's -inf is intended, as in the probe
-        harmful = bool(harm.any())
-        where = harm if harmful else ~fin
-        samples = [] if scalar else np.flatnonzero(where.any(axis=1)).tolist()
-        positions = [] if scalar else np.argwhere(where.reshape((len(where), *chunk.trailing[name])))[:5].tolist()
-        (st.nonfinite if harmful else st.masked).add(chunk.ids[i], samples, bad, positions)
-
-    def _check_range(self, st: _FieldState, chunk: Chunk, name: str, rmin: np.ndarray, rmax: np.ndarray,
-                     finite: np.ndarray | None) -> None:
-        lo, hi = self.limits.value_range  # type: ignore[misc]
+    def _check_floats(self, st: _FieldState, chunk: Chunk, name: str) -> None:
+        """Moments, per-sample max |value| (scales and outlier candidates), NaN/Inf and range flags of a
+        float field, PIECE_VALUES values at a time: a chunk of small batches is one piece, and a 100 MB
+        batch's temporaries stay a few MB (its float64 copies, per-sample arrays and whole-batch masks were
+        4.7 batches beyond a plain loop's peak: issue 34)."""
         rows = chunk.rows(name)
-        with np.errstate(invalid="ignore"):
-            if finite is None:  # every value finite: a row is out of range iff its min or max is
-                flagged = (rmin < lo) | (rmax > hi)
-            else:
-                flagged = (finite & ((rows < lo) | (rows > hi))).any(axis=1)
-        for i in chunk.batches_with(name, flagged):
-            s, e = chunk.starts[name][i], chunk.starts[name][i + 1]
-            r = rows[s:e]
+        check_range = self.limits.value_range is not None and st.stats.role != "label"
+        nonfinite: list[np.ndarray] = []  # rows holding a NaN/Inf, piece by piece
+        out_of_range: list[np.ndarray] = []  # rows holding a finite value outside checks.value_range
+        for a, piece in _pieces(rows):
+            pmax, pmin = piece.max(axis=1), piece.min(axis=1)  # fast: the slab is (features, rows)
             with np.errstate(invalid="ignore"):
-                bad = (r < lo) | (r > hi)
-            if finite is not None:
-                bad &= finite[s:e]
+                all_finite = bool(np.isfinite(pmax).all() and np.isfinite(pmin).all())  # NaN propagates
+            if all_finite:
+                st.stats.moments.add_block(piece.T, float(pmin.min()), float(pmax.max()))
+                maxabs = np.maximum(pmax, -pmin)
+                if check_range:
+                    lo, hi = self.limits.value_range  # type: ignore[misc]
+                    out_of_range.append(np.flatnonzero((pmin < lo) | (pmax > hi)) + a)
+            else:  # the details, only for a piece that has a NaN or Inf somewhere
+                finite = np.isfinite(piece)
+                nonfinite.append(np.flatnonzero(~finite.all(axis=1)) + a)
+                st.stats.moments.add(piece[finite])
+                maxabs = np.where(finite, np.abs(piece), 0).max(axis=1)
+                if check_range:
+                    lo, hi = self.limits.value_range  # type: ignore[misc]
+                    with np.errstate(invalid="ignore"):
+                        out_of_range.append(np.flatnonzero((finite & ((piece < lo) | (piece > hi))).any(axis=1)) + a)
+            st.scales.add(maxabs[maxabs > 0].astype(np.float64))
+            st.candidates.add_chunk(maxabs.astype(np.float64), chunk.ids, chunk.starts[name], offset=a)
+        for i in chunk.batches_at(name, _joined(nonfinite)):
+            self._note_nonfinite(st, chunk, name, i)
+        if check_range:
+            self._check_range(st, chunk, name, _joined(out_of_range))
+
+    def _note_nonfinite(self, st: _FieldState, chunk: Chunk, name: str, i: int) -> None:
+        s, e = chunk.starts[name][i], chunk.starts[name][i + 1]
+        scalar = chunk.trailing[name] is None
+        found = _nonfinite_in(chunk.rows(name)[s:e])
+        st.stats.n_nan += found.nan
+        st.stats.n_inf += found.bad - found.nan
+        # a mask's -inf is intended, as in the probe: harmful are NaN and +inf then (every NaN/Inf otherwise)
+        harm_rows = found.any_rows if scalar or not found.mask_like else found.harm_rows
+        harmful = bool(harm_rows)
+        rows = harm_rows if harmful else found.any_rows
+        samples = [] if scalar else rows
+        positions = [] if scalar else _positions(chunk.rows(name)[s:e], rows, chunk.trailing[name],  # type: ignore[arg-type]
+                                                 only_harmful=harmful and found.mask_like)
+        (st.nonfinite if harmful else st.masked).add(chunk.ids[i], samples, found.bad, positions)
+
+    def _check_range(self, st: _FieldState, chunk: Chunk, name: str, flagged: np.ndarray) -> None:
+        """The batches of the `flagged` rows (those with a finite value outside checks.value_range): only
+        those rows are read again."""
+        lo, hi = self.limits.value_range  # type: ignore[misc]
+        rows, starts = chunk.rows(name), chunk.starts[name]
+        for i in chunk.batches_at(name, flagged):
+            s, e = starts[i], starts[i + 1]
+            sel = flagged[(flagged >= s) & (flagged < e)]
+            r = rows[sel]
+            with np.errstate(invalid="ignore"):
+                bad = np.isfinite(r) & ((r < lo) | (r > hi))
             bad_values = r[bad]
-            st.out_of_range.add(chunk.ids[i], np.flatnonzero(bad.any(axis=1)).tolist(), int(bad.sum()),
+            st.out_of_range.add(chunk.ids[i], (sel - s)[bad.any(axis=1)].tolist(), int(bad.sum()),
                                 values=[float(bad_values.min()), float(bad_values.max())])
 
     def _check_labels(self, st: _FieldState, chunk: Chunk, name: str) -> None:
+        """Labels outside the bounds (Paddle's ignore_index aside), a piece at a time: a uint8 mask's boolean
+        temporaries are its own size, so whole-field masks would be three copies of a large label."""
+        rows, starts = chunk.rows(name), chunk.starts[name]
+        flagged = _joined([self._bad_label_rows(st, piece) + a for a, piece in _pieces(rows)])
+        for i in chunk.batches_at(name, flagged):
+            s, e = starts[i], starts[i + 1]
+            sel = flagged[(flagged >= s) & (flagged < e)]
+            r = rows[sel]
+            b_bad = self._bad_labels(r)
+            values = np.unique(r[b_bad])[:10].tolist()
+            st.bad_labels.add(chunk.ids[i], (sel - s)[b_bad.any(axis=1)].tolist(), int(b_bad.sum()), values=values)
+
+    def _bad_labels(self, rows: np.ndarray) -> np.ndarray:
         lo, hi = self.limits.label_bounds  # type: ignore[misc]
-        rows = chunk.rows(name)
         with np.errstate(invalid="ignore"):
             bad = (rows < lo) | (rows > hi)
         if lo > IGNORE_INDEX:
-            ignored = rows == IGNORE_INDEX
-            st.ignored_labels += int(ignored.sum())
-            bad &= ~ignored
-        if not bad.any():
-            return
-        for i in chunk.batches_with(name, bad.any(axis=1)):
-            s, e = chunk.starts[name][i], chunk.starts[name][i + 1]
-            b_bad = bad[s:e]
-            values = np.unique(rows[s:e][b_bad])[:10].tolist()
-            st.bad_labels.add(chunk.ids[i], np.flatnonzero(b_bad.any(axis=1)).tolist(), int(b_bad.sum()),
-                              values=values)
+            bad &= rows != IGNORE_INDEX
+        return bad
+
+    def _bad_label_rows(self, st: _FieldState, piece: np.ndarray) -> np.ndarray:
+        """Rows of a piece holding a bad label; counts the ignored ones as it goes."""
+        if self.limits.label_bounds[0] > IGNORE_INDEX:  # type: ignore[index]
+            st.ignored_labels += int(np.count_nonzero(piece == IGNORE_INDEX))
+        return np.flatnonzero(self._bad_labels(piece).any(axis=1))
 
     def _check_length(self, st: _FieldState, chunk: Chunk, name: str) -> None:
         padded = int(chunk.trailing[name][0])  # type: ignore[index]
@@ -412,6 +437,58 @@ class DataScanner:
         """Items held in the running state: flat in the number of batches (a test checks it)."""
         self.flush()
         return self.empty.state_size() + sum(st.state_size() for st in self.fields.values())
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _pieces(rows: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, rows) of a (samples, features) view, about PIECE_VALUES values at a time (views, no copy)."""
+    n = rows.shape[0]
+    step = max(1, PIECE_VALUES // max(1, rows.shape[1]))
+    for a in range(0, n, step):
+        yield a, rows[a:a + step]
+
+
+@dataclass
+class _NonFinite:
+    """NaN/Inf in one batch of a field: counts, and which samples hold any and which a harmful one."""
+
+    nan: int = 0
+    bad: int = 0
+    mask_like: bool = True  # every finite value is 0 or <= -1e30: an additive mask, whose -inf is intended
+    any_rows: list[int] = field(default_factory=list)
+    harm_rows: list[int] = field(default_factory=list)  # rows with a NaN or +inf
+
+
+def _nonfinite_in(rows: np.ndarray) -> _NonFinite:
+    """The NaN/Inf of a batch's (samples, features) rows, a piece at a time (masks of a piece, never the batch)."""
+    out = _NonFinite()
+    for a, piece in _pieces(rows):
+        finite = np.isfinite(piece)
+        out.nan += int(np.isnan(piece).sum())
+        out.bad += int(finite.size - np.count_nonzero(finite))
+        if out.mask_like:
+            with np.errstate(invalid="ignore"):
+                out.mask_like = bool(((piece == 0) | (piece <= -1e30) | ~finite).all())
+        bad_rows = np.flatnonzero(~finite.all(axis=1))
+        sub = piece[bad_rows]  # only the rows holding a NaN/Inf: few, and small
+        out.any_rows += (bad_rows + a).tolist()
+        out.harm_rows += (bad_rows[(np.isnan(sub) | (sub == np.inf)).any(axis=1)] + a).tolist()
+    return out
+
+
+def _positions(rows: np.ndarray, samples: list[int], trailing: tuple[int, ...], only_harmful: bool) -> list[list[int]]:
+    """The first MAX_POSITIONS (sample, *index) of a NaN/Inf (NaN or +inf only, when a mask's -inf is intended)."""
+    out: list[list[int]] = []
+    for r in samples:
+        row = rows[r]
+        where = (np.isnan(row) | (row == np.inf)) if only_harmful else ~np.isfinite(row)
+        out += [[r, *p] for p in np.argwhere(where.reshape(trailing)).tolist()[:MAX_POSITIONS - len(out)]]
+        if len(out) >= MAX_POSITIONS:
+            break
+    return out
 
 
 def _real_lengths(arrays: dict[str, np.ndarray | None], batch_size: int | None) -> np.ndarray | None:
