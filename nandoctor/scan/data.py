@@ -428,6 +428,11 @@ class DataScanner:
         if self.limits.position_table is not None:
             layer, size = self.limits.position_table
             out["position_table"] = {"layer": layer, "size": size}
+        target = self.limits.target
+        if target is not None:  # measured, whether or not it was far: the reader sees the comparison ran
+            out["target_scale"] = {"field": target.field, "batch_index": target.batch_index, "rows": target.rows,
+                                   "target_rms": target.target.rms, "output_rms": target.output.rms,
+                                   "ratio": target.ratio}
         ignored = {n: st.ignored_labels for n, st in self.fields.items() if st.ignored_labels}
         if ignored:
             out["ignored_labels"] = {"value": IGNORE_INDEX, "counts": ignored}
