@@ -238,6 +238,9 @@ def _first_forward(spec: Spec, layout: BatchLayout, model: Any, uses_step: bool,
     if label is None:
         return
     need_classes = scanner.limits.label_bounds is None
+    if need_classes and _dtype_name(label) is not None and not _dtype_name(label).startswith(("int", "uint")):
+        need_classes = False  # no forward for it: only integer labels are class ids
+        report.details["num_classes_unknown"] = "the label is not an integer array"
     regression = _regression_target(spec, label)
     if not need_classes and not regression:
         return
@@ -283,7 +286,19 @@ def _regression_target(spec: Spec, label: Any) -> bool:
     if spec.model.output == "loss" or (spec.loss is not None and spec.loss.builtin in ("cross_entropy",
                                                                                        "bce_with_logits")):
         return False
-    return str(getattr(label, "dtype", "")).split(".")[-1].startswith(("float", "bfloat"))
+    name = _dtype_name(label)
+    return name is not None and name.startswith(("float", "bfloat"))
+
+
+def _dtype_name(value: Any) -> str | None:
+    """'float32', 'int64', ... of an array, a tensor or a list of numbers; None for anything else."""
+    from nandoctor.tensors.convert import to_numpy
+
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        arr = to_numpy(value)
+        dtype = None if arr is None else arr.dtype
+    return None if dtype is None else str(dtype).split(".")[-1]
 
 
 def _note_classes(found: tuple[int | None, str], scanner: DataScanner, report: Report) -> None:
