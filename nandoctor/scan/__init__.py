@@ -244,9 +244,8 @@ def _first_forward(spec: Spec, layout: BatchLayout, model: Any, uses_step: bool,
     regression = _regression_target(spec, label)
     if not need_classes and not regression:
         return
-    part = first_rows(fields, n)
     try:
-        outputs = _outputs(spec, layout, model, fields, part)
+        outputs, part = _outputs(spec, layout, model, fields, first_rows(fields, n))
     except UserCodeError as err:
         if uses_step:  # with `step`, the model may not take the fields as they are: no guess, no blame
             scanner.limits.label_source = None
@@ -265,19 +264,20 @@ def _first_forward(spec: Spec, layout: BatchLayout, model: Any, uses_step: bool,
                                              spec.data.entry)
 
 
-def _outputs(spec: Spec, layout: BatchLayout, model: Any, fields: dict[str, Any], part: dict[str, Any]) -> Any:
-    """The model's output on `part`; a model that cannot take fewer rows (a batch size written into its
-    forward) is called on the whole batch instead, and its error then is the user's."""
+def _outputs(spec: Spec, layout: BatchLayout, model: Any, fields: dict[str, Any],
+             part: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The model's output on `part`, and `part`; a model that cannot take fewer rows (a batch size written
+    into its forward) is called on the whole batch instead, and its error then is the user's."""
     def on(batch: dict[str, Any]) -> Any:  # the model as the spec calls it (keyword inputs, `model.output`)
         return eval_outputs(model, lambda m: call_user("the model's forward pass", scan_outputs, spec, layout, m,
                                                         batch, base_dir=spec.base_dir))
 
-    if part is fields:
-        return on(fields)
-    try:
-        return on(part)
-    except UserCodeError:
-        return on(fields)
+    if part is not fields:
+        try:
+            return on(part), part
+        except UserCodeError:
+            pass
+    return on(fields), fields
 
 
 def _regression_target(spec: Spec, label: Any) -> bool:
