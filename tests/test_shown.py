@@ -469,3 +469,20 @@ def test_every_label_lies_inside_the_figure(build: str, drawn: Any) -> None:
         assert "encoder.layers.11.self_attention.query_key_value.weight" in labels  # fits whole
         [cut] = [t for t in labels if "…" in t]
         assert cut.startswith("model.backbone.") and cut.endswith(".margin") and cut in shown
+
+
+def test_steps_beyond_a_panel_s_records_are_grey_and_keyed(drawn: Any) -> None:
+    """The loss was read on 40 steps, the per-layer maps on steps 0-2 only: the rest of each panel is the
+    not-recorded grey (named in the key), not a blank that reads as nothing."""
+    from matplotlib.colors import to_rgba
+
+    report = _long_names()
+    assert len(report.timeline) > 3
+    fig = drawn.heat(report)
+    assert "not recorded at this step" in [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    panels = [ax for ax in fig.axes if ax.get_ylabel() in ("layer", "parameter")]
+    assert panels and all(to_rgba(ax.get_facecolor()) == to_rgba(plots.MISSING_COLOUR) for ax in panels)
+    report = _grad_cells()  # recorded on every step of the run: no grey around the cells
+    report.timeline = [p for p in report.timeline if p.step in report.details["grad_norms"]["steps"]]
+    fig = drawn.heat(report)
+    assert to_rgba(fig.axes[0].get_facecolor()) != to_rgba(plots.MISSING_COLOUR)

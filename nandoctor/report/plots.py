@@ -339,6 +339,9 @@ def heatmap_figure(report: Report) -> Any:
     limits = step_range(report)
     for ax, panel in zip(axes[:, 0], panels):
         handles = _draw_panel(report, plt, fig, ax, panel)
+        if _uncovered(panel, limits):  # steps of the run outside the panel's records: grey, not blank
+            ax.set_facecolor(MISSING_COLOUR)
+            handles.append(_missing_handle())
         names, shown = shown[:len(panel.names)], shown[len(panel.names):]
         _frame_panel(ax, names, limits, fault)
         if ax is axes[-1, 0]:  # the panels share the step axis: one label, under the last
@@ -351,6 +354,20 @@ def heatmap_figure(report: Report) -> Any:
         fig.legend(handles=list(legend.values()), loc="lower center", ncol=min(len(legend), 3), fontsize=7,
                    frameon=False, bbox_to_anchor=(0.5 * (left + RIGHT), 0.0))
     return fig
+
+
+def _uncovered(panel: _Panel, limits: tuple[float, float] | None) -> bool:
+    """Whether the run's steps reach beyond the panel's first or last recorded step (the loss was read on
+    steps whose activations were not)."""
+    if limits is None:
+        return False
+    return float(min(panel.steps)) - 0.5 > limits[0] + 1e-9 or float(max(panel.steps)) + 0.5 < limits[1] - 1e-9
+
+
+def _missing_handle() -> Any:
+    from matplotlib.patches import Patch
+
+    return Patch(facecolor=MISSING_COLOUR, label="not recorded at this step")
 
 
 def _heatmap_panels(report: Report) -> list[_Panel]:
@@ -456,7 +473,7 @@ def _mark_cells(plt: Any, ax: Any, data: Any, faulty: Any, over: Any, edges: lis
         ax.scatter([steps[i] for i in xs], ys, marker="^", s=30, color=OVERFLOW_COLOUR)
         handles.append(Patch(facecolor=OVERFLOW_COLOUR, label=f"norm {OVERFLOW_NOTE} (gradients finite)"))
     if np.isnan(data).any():
-        handles.append(Patch(facecolor=MISSING_COLOUR, label="not recorded at this step"))
+        handles.append(_missing_handle())
     return handles
 
 
