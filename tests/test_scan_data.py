@@ -174,9 +174,9 @@ def test_a_batch_read_a_piece_at_a_time_gives_what_numpy_gives_on_the_whole(monk
     """The checks read a large batch PIECE_VALUES values at a time (a few MB, not copies of a 100 MB batch):
     with pieces of 32 rows, NaN/Inf, out-of-range values, bad labels, moments and the outlier candidates
     are what numpy finds on the whole batch (float64)."""
-    from nandoctor.scan import data, stats
+    from nandoctor.scan import pieces, stats
 
-    monkeypatch.setattr(data, "PIECE_VALUES", 256)
+    monkeypatch.setattr(pieces, "PIECE_VALUES", 256)
     monkeypatch.setattr(stats, "PIECE_VALUES", 256)
     rng = np.random.default_rng(3)
     x = rng.normal(size=(3000, 8)).astype("float32")

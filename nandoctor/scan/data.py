@@ -18,7 +18,6 @@ is said. Integer and bool fields (ids, labels, masks) are never judged for outli
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +27,8 @@ from nandoctor.advice import advice_for
 from nandoctor.findings import Code, Finding, Location, Phase, Severity
 from nandoctor.scan.chunks import MAX_BYTES, MAX_ROWS, Chunk, ChunkBuffer, lone_chunk
 from nandoctor.scan.model_facts import TargetCheck, target_scale_finding
-from nandoctor.scan.stats import MAX_POSITIONS, MAX_SAMPLES, PIECE_VALUES, FieldStats, LogHistogram, Occurrences, TopK
+from nandoctor.scan.pieces import joined, nonfinite_in, pieces, positions
+from nandoctor.scan.stats import MAX_SAMPLES, FieldStats, LogHistogram, Occurrences, TopK
 from nandoctor.tensors.convert import not_a_tensor, to_numpy
 from nandoctor.tensors.sizes import batch_size as common_batch_size
 
@@ -190,7 +190,7 @@ class DataScanner:
         check_range = self.limits.value_range is not None and st.stats.role != "label"
         nonfinite: list[np.ndarray] = []  # rows holding a NaN/Inf, piece by piece
         out_of_range: list[np.ndarray] = []  # rows holding a finite value outside checks.value_range
-        for a, piece in _pieces(rows):
+        for a, piece in pieces(rows):
             pmax, pmin = piece.max(axis=1), piece.min(axis=1)  # fast: the slab is (features, rows)
             with np.errstate(invalid="ignore"):
                 all_finite = bool(np.isfinite(pmax).all() and np.isfinite(pmin).all())  # NaN propagates
@@ -211,15 +211,15 @@ class DataScanner:
                         out_of_range.append(np.flatnonzero((finite & ((piece < lo) | (piece > hi))).any(axis=1)) + a)
             st.scales.add(maxabs[maxabs > 0].astype(np.float64))
             st.candidates.add_chunk(maxabs.astype(np.float64), chunk.ids, chunk.starts[name], offset=a)
-        for i in chunk.batches_at(name, _joined(nonfinite)):
+        for i in chunk.batches_at(name, joined(nonfinite)):
             self._note_nonfinite(st, chunk, name, i)
         if check_range:
-            self._check_range(st, chunk, name, _joined(out_of_range))
+            self._check_range(st, chunk, name, joined(out_of_range))
 
     def _note_nonfinite(self, st: _FieldState, chunk: Chunk, name: str, i: int) -> None:
         s, e = chunk.starts[name][i], chunk.starts[name][i + 1]
         scalar = chunk.trailing[name] is None
-        found = _nonfinite_in(chunk.rows(name)[s:e])
+        found = nonfinite_in(chunk.rows(name)[s:e])
         st.stats.n_nan += found.nan
         st.stats.n_inf += found.bad - found.nan
         # a mask's -inf is intended, as in the probe: harmful are NaN and +inf then (every NaN/Inf otherwise)
@@ -227,9 +227,9 @@ class DataScanner:
         harmful = bool(harm_rows)
         rows = harm_rows if harmful else found.any_rows
         samples = [] if scalar else rows
-        positions = [] if scalar else _positions(chunk.rows(name)[s:e], rows, chunk.trailing[name],  # type: ignore[arg-type]
-                                                 only_harmful=harmful and found.mask_like)
-        (st.nonfinite if harmful else st.masked).add(chunk.ids[i], samples, found.bad, positions)
+        where = [] if scalar else positions(chunk.rows(name)[s:e], rows, chunk.trailing[name],  # type: ignore[arg-type]
+                                            only_harmful=harmful and found.mask_like)
+        (st.nonfinite if harmful else st.masked).add(chunk.ids[i], samples, found.bad, where)
 
     def _check_range(self, st: _FieldState, chunk: Chunk, name: str, flagged: np.ndarray) -> None:
         """The batches of the `flagged` rows (those with a finite value outside checks.value_range): only
@@ -250,7 +250,7 @@ class DataScanner:
         """Labels outside the bounds (Paddle's ignore_index aside), a piece at a time: a uint8 mask's boolean
         temporaries are its own size, so whole-field masks would be three copies of a large label."""
         rows, starts = chunk.rows(name), chunk.starts[name]
-        flagged = _joined([self._bad_label_rows(st, piece) + a for a, piece in _pieces(rows)])
+        flagged = joined([self._bad_label_rows(st, piece) + a for a, piece in pieces(rows)])
         for i in chunk.batches_at(name, flagged):
             s, e = starts[i], starts[i + 1]
             sel = flagged[(flagged >= s) & (flagged < e)]
@@ -442,58 +442,6 @@ class DataScanner:
         """Items held in the running state: flat in the number of batches (a test checks it)."""
         self.flush()
         return self.empty.state_size() + sum(st.state_size() for st in self.fields.values())
-
-
-def _joined(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
-def _pieces(rows: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
-    """(first row, rows) of a (samples, features) view, about PIECE_VALUES values at a time (views, no copy)."""
-    n = rows.shape[0]
-    step = max(1, PIECE_VALUES // max(1, rows.shape[1]))
-    for a in range(0, n, step):
-        yield a, rows[a:a + step]
-
-
-@dataclass
-class _NonFinite:
-    """NaN/Inf in one batch of a field: counts, and which samples hold any and which a harmful one."""
-
-    nan: int = 0
-    bad: int = 0
-    mask_like: bool = True  # every finite value is 0 or <= -1e30: an additive mask, whose -inf is intended
-    any_rows: list[int] = field(default_factory=list)
-    harm_rows: list[int] = field(default_factory=list)  # rows with a NaN or +inf
-
-
-def _nonfinite_in(rows: np.ndarray) -> _NonFinite:
-    """The NaN/Inf of a batch's (samples, features) rows, a piece at a time (masks of a piece, never the batch)."""
-    out = _NonFinite()
-    for a, piece in _pieces(rows):
-        finite = np.isfinite(piece)
-        out.nan += int(np.isnan(piece).sum())
-        out.bad += int(finite.size - np.count_nonzero(finite))
-        if out.mask_like:
-            with np.errstate(invalid="ignore"):
-                out.mask_like = bool(((piece == 0) | (piece <= -1e30) | ~finite).all())
-        bad_rows = np.flatnonzero(~finite.all(axis=1))
-        sub = piece[bad_rows]  # only the rows holding a NaN/Inf: few, and small
-        out.any_rows += (bad_rows + a).tolist()
-        out.harm_rows += (bad_rows[(np.isnan(sub) | (sub == np.inf)).any(axis=1)] + a).tolist()
-    return out
-
-
-def _positions(rows: np.ndarray, samples: list[int], trailing: tuple[int, ...], only_harmful: bool) -> list[list[int]]:
-    """The first MAX_POSITIONS (sample, *index) of a NaN/Inf (NaN or +inf only, when a mask's -inf is intended)."""
-    out: list[list[int]] = []
-    for r in samples:
-        row = rows[r]
-        where = (np.isnan(row) | (row == np.inf)) if only_harmful else ~np.isfinite(row)
-        out += [[r, *p] for p in np.argwhere(where.reshape(trailing)).tolist()[:MAX_POSITIONS - len(out)]]
-        if len(out) >= MAX_POSITIONS:
-            break
-    return out
 
 
 def _real_lengths(arrays: dict[str, np.ndarray | None], batch_size: int | None) -> np.ndarray | None:
