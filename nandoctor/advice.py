@@ -68,6 +68,8 @@ _BY_CODE: dict[str, list[str]] = {
                    "nothing is NaN."],
     "data.constant": ["A field that never changes carries no signal and normalising it divides by a zero std: "
                       "check the loader reads the right column."],
+    "data.target_scale": ["Standardise a regression target (subtract its mean, divide by its std) before the loss "
+                          "and turn predictions back afterwards; a lower learning rate only hides the gap."],
     "param.nonfinite": ["A parameter is NaN/Inf before training: the checkpoint is corrupt or was saved after the "
                         "run diverged. Load an earlier checkpoint or re-initialise that layer."],
     "param.init_scale": ["Re-initialise with a fan-in aware scheme: `nn.initializer.XavierUniform()` for "

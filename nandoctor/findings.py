@@ -63,6 +63,7 @@ class Code(str, Enum):
     REPLAY_SIDE_EFFECTS = "replay.side_effects"
     DATA_EMPTY = "data.empty"
     DATA_CONSTANT = "data.constant"
+    DATA_TARGET_SCALE = "data.target_scale"  # a regression target far above the model's initial output
     PARAM_ZERO = "param.zero"
     GRAD_VANISHING = "grad.vanishing"
     AMP_INACTIVE = "amp.inactive"

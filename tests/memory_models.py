@@ -34,3 +34,33 @@ def build_loader(batches: int = 12, fault_at: int = 5) -> Iterator[tuple[np.ndar
         ALIVE[id(x)] = i
         DRAWS.append((PHASE[0], i, frozenset(ALIVE), sorted(ALIVE.values())))
         yield x, (x[:, 0] > 0).astype(np.int64)
+
+
+def build_narrow_model(features: int = 8) -> nn.Layer:
+    """A model whose activations on a whole batch of narrow rows are twice the batch (Linear 8 -> 16)."""
+    return nn.Sequential(nn.Linear(features, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def build_narrow_loader(rows: int = 1 << 20, features: int = 8, batches: int = 6,
+                        nan_at: int = 2) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Large batches of narrow rows (per-sample arrays are a large share of the batch), a fresh array each
+    batch, made cheaply; one NaN in sample 5 of batch `nan_at` (the checks' slow path, and a batch to keep)."""
+    rng = np.random.default_rng(0)
+    for i in range(batches):
+        x = np.empty((rows, features), dtype=np.float32)
+        x[:] = np.float32(1.0 + i)
+        x[:, 0] = rng.normal(size=rows)
+        if i == nan_at:
+            x[5, 3] = np.nan
+        yield x, (x[:, 0] > 0).astype(np.int64)
+
+
+def read_narrow_loader(**args: int) -> None:
+    """The plain loop of the memory test: nandoctor's command line imported (as the scan's process has it),
+    then the generator read once, as `for batch in loader: ...` does."""
+    import paddle  # noqa: F401 - the scan's process has Paddle loaded: the same floor
+
+    import nandoctor.cli  # noqa: F401
+
+    for _ in build_narrow_loader(**args):
+        pass

@@ -4,6 +4,10 @@ and the float64 recheck of overflowing gradients read a few MB at a time, never 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -230,3 +234,43 @@ def test_the_loop_holds_no_batch_of_a_quiet_stretch_but_the_steps_own(tmp_path: 
     assert report.first_fault is None and sum(quiet) > 2 * pinned_schedule
     worst = max((d for d in memory_models.DRAWS if d[0] == "loop"), key=lambda d: len(d[2]))
     assert len(worst[2]) <= 2, f"drawing batch {worst[1]}, the loop held batches {worst[3]}"
+
+
+def _run_measured(cmd: list[str]) -> tuple[float, int, str]:
+    """(peak RSS in MB, exit status, stderr) of one child process: its own peak, from wait4."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    err = proc.stderr.read().decode(errors="replace")
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_maxrss / 1024, proc.returncode, err
+
+
+def test_a_scan_of_large_batches_peaks_within_one_batch_of_a_plain_loop(tmp_path: Path) -> None:
+    """Issue 34: `nandoctor scan` of a generator of 48 MB batches of narrow rows (a NaN in one) peaks at most
+    one batch above a plain loop reading the same generator, each in its own process (peak RSS from wait4).
+    Before, the model's first forward ran on the whole batch (activations twice the batch), and the checks
+    made float64 copies, whole-batch masks and per-sample arrays, and kept the NaN batch twice: 4.7 batches
+    more on 100 MB batches."""
+    here = Path(memory_models.__file__).resolve()
+    args = {"rows": 3 << 19, "features": 8, "batches": 6, "nan_at": 2}
+    batch_mb = args["rows"] * args["features"] * 4 / 2**20  # 48 MB of float32, and 12 MB of int64 labels
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({
+        "version": 1, "model": {"entry": f"{here}:build_narrow_model"},
+        "data": {"entry": f"{here}:build_narrow_loader", "args": args, "fields": ["x", "label"], "label": "label"},
+        "loss": {"builtin": "cross_entropy"}}))
+    plain_mb, code, err = _run_measured([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(here.parent)!r}); "
+                                         f"import memory_models; memory_models.read_narrow_loader(**{args!r})"])
+    assert code == 0, err
+    report = tmp_path / "report.json"
+    scan_mb, code, err = _run_measured([sys.executable, "-m", "nandoctor", "scan", str(tmp_path / "config.yaml"),
+                                        "--json", str(report), "-q"])
+    found = json.loads(report.read_text(encoding="utf-8"))
+    assert code == 1, err  # the NaN: the scan read every batch and found it
+    [nan] = [f for f in found["findings"] if f["code"] == "data.nonfinite"]
+    assert nan["location"]["batch_index"] == 2 and nan["location"]["sample_indices"] == [5]
+    assert found["details"]["batches"] == args["batches"] and found["details"]["num_classes"] == 2
+    extra = scan_mb - plain_mb
+    shown = f"scan {scan_mb:.0f} MB, plain loop {plain_mb:.0f} MB: {extra / batch_mb:+.2f} batch(es)"
+    print(shown)
+    assert extra <= batch_mb, shown

@@ -169,6 +169,56 @@ def test_labels_against_bounds_with_ignore_index():
     assert scanner.details()["ignored_labels"]["counts"] == {"y": 1}
 
 
+@pytest.mark.parametrize("max_rows", [8192, 1024])  # the batch in the chunk buffer, or checked on its own
+def test_a_batch_read_a_piece_at_a_time_gives_what_numpy_gives_on_the_whole(monkeypatch, max_rows):
+    """The checks read a large batch PIECE_VALUES values at a time (a few MB, not copies of a 100 MB batch):
+    with pieces of 32 rows, NaN/Inf, out-of-range values, bad labels, moments and the outlier candidates
+    are what numpy finds on the whole batch (float64)."""
+    from nandoctor.scan import pieces, stats
+
+    monkeypatch.setattr(pieces, "PIECE_VALUES", 256)
+    monkeypatch.setattr(stats, "PIECE_VALUES", 256)
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(3000, 8)).astype("float32")
+    x[1234, 5], x[2999, 0], x[100, 2] = np.nan, np.inf, -np.inf
+    x[[500, 2500], 1] = [50.0, -60.0]
+    x[1700, 4] = 4.0e4  # a gross outlier (typical max |value| ~2)
+    y = rng.integers(0, 3, size=3000)
+    y[[7, 2800]] = [5, -2]
+    y[9] = -100  # ignore_index
+    batches = [normal_batches(1, size=3000)[0], {"x": x, "y": y}]
+    limits = DataLimits(label_bounds=(0, 2), label_source="t", value_range=(-1.0e5, 1.0e5))
+    scanner = DataScanner(limits, max_rows=max_rows)
+    for i, b in enumerate(batches):
+        scanner.add_batch(i, b, "y", ["x"], 3000)
+    found = {(f.code.value, f.evidence.get("kind")): f for f in scanner.findings()}
+    finite = np.isfinite(x)
+    nan = found[("data.nonfinite", None)]
+    assert (nan.evidence["nan"], nan.evidence["inf"]) == (int(np.isnan(x).sum()), int((~finite).sum() - 1))
+    assert nan.location.sample_indices == np.flatnonzero(~finite.all(axis=1)).tolist()
+    assert nan.evidence["first_positions"] == np.argwhere(~finite).tolist()
+    labels = found[("data.label_range", None)]
+    bad = (y < 0) | (y > 2)
+    bad &= y != -100
+    assert labels.location.sample_indices == np.flatnonzero(bad).tolist() and labels.evidence["bad_values"] == [-2, 5]
+    assert scanner.details()["ignored_labels"]["counts"] == {"y": 1}
+    outlier = found[("data.range", "outlier")]
+    assert (outlier.location.batch_index, outlier.location.sample_indices) == (1, [1700])
+    every = np.concatenate([batches[0]["x"].ravel(), x[finite]]).astype(np.float64)
+    summary = scanner.details()["fields"]["x"]
+    assert summary["mean"] == pytest.approx(every.mean(), rel=1e-5)
+    assert summary["std"] == pytest.approx(every.std(), rel=1e-5)
+    assert (summary["min"], summary["max"]) == (every.min(), every.max())
+    limits.value_range = (-10.0, 10.0)  # the same batch against a range: the rows with a finite value outside it
+    scanner = DataScanner(limits, max_rows=max_rows)
+    scanner.add_batch(0, {"x": x, "y": y}, "y", ["x"], 3000)
+    [rng_finding] = [f for f in scanner.findings() if f.evidence.get("kind") == "value_range"]
+    with np.errstate(invalid="ignore"):
+        outside = finite & ((x < -10) | (x > 10))
+    assert rng_finding.location.sample_indices == np.flatnonzero(outside.any(axis=1)).tolist()
+    assert rng_finding.evidence["n_values"] == int(outside.sum()) and rng_finding.evidence["examples"] == [-60.0, 4.0e4]
+
+
 def test_seq_len_with_mask_names_the_long_samples_and_without_names_all():
     rng = np.random.default_rng(4)
     ids = rng.integers(1, 100, (4, 12))
@@ -266,6 +316,40 @@ def test_run_scan_numpy_tuples_infers_classes_and_keeps_the_model_untouched(tmp_
     assert model.training  # eval mode for the inference call was undone
     np.testing.assert_array_equal(model.bn._mean.numpy(), built["bn_mean"])  # no running-stat update
     assert report.exit_code == 1
+
+
+@pytest.mark.parametrize("fixed_batch", [False, True])
+def test_the_first_forward_sees_a_few_rows_unless_the_model_needs_the_whole_batch(tmp_path, fixed_batch):
+    """The class count needs the output's width, not 500 rows of activations: the model sees FORWARD_ROWS
+    rows once; a model with its batch size written into its forward (reshape to [500, ...]) fails on them
+    and is called on the whole batch, and its count is still found (no finding blames it)."""
+    from nandoctor.scan.model_facts import FORWARD_ROWS
+
+    (tmp_path / "sizes.py").write_text(textwrap.dedent(f"""
+        import paddle
+        class Net(paddle.nn.Layer):
+            def __init__(self):
+                super().__init__()
+                self.fc = paddle.nn.Linear(6, 4)
+            def forward(self, x):
+                with open({str(tmp_path / "seen.txt")!r}, "a") as f:
+                    f.write(f"{{int(x.shape[0])}}\\n")
+                if {fixed_batch}:
+                    x = x.reshape([500, 6])
+                return self.fc(x)
+        def build_model():
+            return Net()
+        """))
+    cfg = write_spec(tmp_path, """
+        import numpy as np
+        def build_loader():
+            rng = np.random.default_rng(0)
+            return [(rng.standard_normal((500, 6)).astype("float32"), rng.integers(0, 4, 500)) for _ in range(3)]
+        """, "fields: [x, y]\nlabel: y\n", model_entry="sizes.py:build_model")
+    report = run_scan(load_spec(cfg))
+    seen = [int(n) for n in (tmp_path / "seen.txt").read_text().split()]
+    assert report.findings == [] and report.details["num_classes"] == 4, (report.details, seen)
+    assert seen == ([FORWARD_ROWS, 500] if fixed_batch else [FORWARD_ROWS])
 
 
 def test_run_scan_dict_generator_stops_after_batches_with_progress(tmp_path):

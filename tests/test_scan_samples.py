@@ -26,6 +26,8 @@ EXPECTED = {
     "nan_checkpoint": (1, "nan_found", {"param.nonfinite": {"phase": "params",
                                                             "parameter": "classifier.weight",
                                                             "batch_index": None}}),
+    "target_scale_divergence": (0, "at_risk", {"data.target_scale": {"phase": "data", "batch_index": 0,
+                                                                      "field": "y"}}),
     "bad_init": (0, "at_risk", {"param.init_scale": {"phase": "params", "parameter": "encoder.weight"}}),
     "empty_batch": (1, "error_found", {"data.empty": {"phase": "data", "batch_index": 2}}),
     "loader_crash": (1, "crashed", {"user_code.error": {"phase": "data", "batch_index": 3}}),

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from in_process import run_cli
 from inloop_helpers import ROOT
@@ -342,3 +343,146 @@ def test_source_line_of_a_run_is_found_beside_the_script(tmp_path: Path, monkeyp
     report.details["source"] = f"plain_loop.py:{number} in forward"
     expected = linecache.getline(str(examples / "plain_loop.py"), number).strip()
     assert expected.split("#")[0].strip() in " ".join(_console(report, 160).split())
+
+
+# --- what the pictures say was measured (issue 34, item 13) ----------------------------------------------
+
+def test_a_log_axis_only_for_values_spanning_100x() -> None:
+    assert not plots.use_log([0.435, 0.674])  # a loss that moves 1.5x
+    assert not plots.use_log([1.0, 99.0]) and plots.use_log([1.0, 100.0])
+    assert plots.use_log([1e-3, 5.0, "NaN", None, "Infinity", math.inf])  # non-finite marked apart, not counted
+    assert not plots.use_log([-1.0, 1000.0]) and not plots.use_log([]) and not plots.use_log([None])
+
+
+def _with_losses(losses: list[float], norms: list[float]) -> Report:
+    from nandoctor.findings import TimelinePoint
+
+    report = probe_nan_report()
+    report.timeline = [TimelinePoint(step=s, loss=a, grad_norm=b) for s, (a, b) in enumerate(zip(losses, norms))]
+    return report
+
+
+def test_a_loss_that_moves_little_is_on_a_linear_axis_of_plain_numbers(drawn: Any) -> None:
+    """Each axis by its own range (computed here in float64): a loss from 0.44 to 0.67 on a linear axis with
+    plain tick labels; a norm from 1e-2 to 50 on a log axis that says so."""
+    losses = [0.44 + 0.23 * abs(math.sin(s)) for s in range(12)]
+    norms = [10.0 ** (s / 3.0 - 2) for s in range(12)]  # 0.01 to 46
+    assert max(losses) / min(losses) < 100 <= max(norms) / min(norms)
+    fig = drawn.loss(_with_losses(losses, norms))
+    owners = {line.get_label(): ax for ax in fig.axes for line in ax.lines}
+    loss_ax, norm_ax = owners["loss (left axis)"], owners["global grad norm (right axis)"]
+    assert loss_ax.get_yscale() == "linear" and loss_ax.get_ylabel() == "loss"
+    assert norm_ax.get_yscale() == "log" and norm_ax.get_ylabel() == "global grad norm (log scale)"
+    fig.canvas.draw()
+    ticks = [t.get_text() for t in loss_ax.get_yticklabels() if t.get_text()]
+    assert ticks and all(re.fullmatch(r"[0-9.−-]+", t) for t in ticks), ticks  # no 10^x, no offset
+
+
+def _grad_cells() -> Report:
+    """Per-parameter norms at the first fault's step with a NaN (as the monitor records a NaN gradient:
+    inf, or "NaN" in a re-read JSON) and an inf, and cells not recorded (null) before it."""
+    report = probe_nan_report()
+    fault = report.first_fault.step
+    values = [[0.5, 0.6, None, 0.7, math.inf], [0.1, 0.2, 0.3, None, "NaN"]]
+    report.details["grad_norms"] = {"parameters": ["w", "b"], "steps": list(range(fault - 4, fault + 1)),
+                                    "values": values}
+    report.details.pop("activation_max", None)
+    return report
+
+
+def test_non_finite_cells_have_their_own_colour_apart_from_not_recorded(drawn: Any) -> None:
+    from matplotlib.colors import to_rgba
+
+    fig = drawn.heat(_grad_cells())
+    keys = {t.get_text(): h for legend in fig.legends for t, h in zip(legend.get_texts(), legend.legend_handles)}
+    assert {"NaN/Inf", "not recorded at this step"} <= set(keys)
+    assert to_rgba(keys["NaN/Inf"].get_facecolor()) != to_rgba(keys["not recorded at this step"].get_facecolor())
+    ax = fig.axes[0]
+    base, faults = ax.collections[0], ax.collections[1]  # the values, then the NaN/Inf cells painted over them
+    not_recorded = np.ma.getmaskarray(base.get_array()).reshape(2, 5)
+    painted = ~np.ma.getmaskarray(faults.get_array()).reshape(2, 5)
+    assert painted.tolist() == [[False] * 4 + [True], [False] * 4 + [True]]  # the fault's step: inf and NaN
+    assert not_recorded.tolist() == [[False, False, True, False, False], [False, False, False, True, False]]
+    assert to_rgba(base.get_cmap().get_bad()) == to_rgba(plots.MISSING_COLOUR)
+
+
+def test_a_nan_gradient_is_recorded_as_non_finite_not_as_missing() -> None:
+    """The monitor's per-parameter norms: a NaN gradient is inf (drawn as NaN/Inf), a parameter with no
+    gradient this step is NaN (null in the report: not recorded). Truth: the gradients themselves."""
+    import paddle
+
+    from nandoctor.engine.monitors import StepMonitor
+
+    paddle.seed(0)
+    model = paddle.nn.Sequential(paddle.nn.Linear(4, 3), paddle.nn.Linear(3, 1))
+    unused = paddle.nn.Linear(2, 2)
+    holder = paddle.nn.LayerList([model, unused])
+    x = paddle.to_tensor(np.array([[1.0, np.nan, 0.0, 2.0]], dtype=np.float32))
+    model(x).sum().backward()
+    truth = [None if p.grad is None else bool(np.isfinite(p.grad.numpy()).all()) for p in holder.parameters()]
+    assert truth.count(None) == 2 and False in truth
+    stats = StepMonitor(holder).read(paddle.to_tensor(1.0))
+    got = stats.grad_sq
+    for value, finite in zip(got.tolist(), truth):
+        if finite is None:
+            assert math.isnan(value)
+        elif finite:
+            assert math.isfinite(value)
+        else:
+            assert value == math.inf
+
+
+def _long_names() -> Report:
+    report = probe_nan_report()
+    names = ["encoder.layers.11.self_attention.query_key_value.weight", "head.bias",
+             "model.backbone.stages.3.blocks.27.mixer.in_proj.lora_B.default.weight.and.some.more.words.to.make"
+             ".it.longer.than.any.margin"]
+    report.details["grad_norms"] = {"parameters": names, "steps": [0, 1, 2],
+                                    "values": [[0.1, 0.2, 0.3], [1.0, 2.0, 3.0], [5.0, 6.0, 7.0]]}
+    report.details["activation_max"] = {"layers": ["embed", "blocks.0.attention.output.dense"], "steps": [0, 1, 2],
+                                        "values": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]}
+    return report
+
+
+@pytest.mark.parametrize("build", ["loss", "heat"])
+def test_every_label_lies_inside_the_figure(build: str, drawn: Any) -> None:
+    """Row labels of any length: the left margin is measured from the longest one (a label too long even
+    for the widest margin is shortened in its middle, both ends kept); every text's box lies inside the
+    figure, and both figures keep one left edge so their steps line up."""
+    report = _long_names()
+    fig = drawn.loss(report) if build == "loss" else drawn.heat(report)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    page = fig.bbox
+    texts = [t for ax in fig.axes for t in (*ax.get_yticklabels(), *ax.get_xticklabels(), ax.yaxis.label,
+                                            ax.xaxis.label, ax.title) if t.get_text() and t.get_visible()]
+    texts += [t for legend in fig.legends for t in legend.get_texts()] + list(fig.texts)
+    assert len(texts) > 10
+    for text in texts:
+        box = text.get_window_extent(renderer)
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, text.get_text()
+    left, shown = plots.left_margin(plots.row_names(report))
+    assert plots.LEFT < left <= plots.MAX_LEFT
+    assert fig.axes[0].get_position().x0 == pytest.approx(left)
+    if build == "heat":
+        labels = [t.get_text() for ax in fig.axes for t in ax.get_yticklabels()]
+        assert "encoder.layers.11.self_attention.query_key_value.weight" in labels  # fits whole
+        [cut] = [t for t in labels if "…" in t]
+        assert cut.startswith("model.backbone.") and cut.endswith(".margin") and cut in shown
+
+
+def test_steps_beyond_a_panel_s_records_are_grey_and_keyed(drawn: Any) -> None:
+    """The loss was read on 40 steps, the per-layer maps on steps 0-2 only: the rest of each panel is the
+    not-recorded grey (named in the key), not a blank that reads as nothing."""
+    from matplotlib.colors import to_rgba
+
+    report = _long_names()
+    assert len(report.timeline) > 3
+    fig = drawn.heat(report)
+    assert "not recorded at this step" in [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    panels = [ax for ax in fig.axes if ax.get_ylabel() in ("layer", "parameter")]
+    assert panels and all(to_rgba(ax.get_facecolor()) == to_rgba(plots.MISSING_COLOUR) for ax in panels)
+    report = _grad_cells()  # recorded on every step of the run: no grey around the cells
+    report.timeline = [p for p in report.timeline if p.step in report.details["grad_norms"]["steps"]]
+    fig = drawn.heat(report)
+    assert to_rgba(fig.axes[0].get_facecolor()) != to_rgba(plots.MISSING_COLOUR)

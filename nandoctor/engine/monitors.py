@@ -309,8 +309,10 @@ class StepMonitor:
             if loss_scale:
                 g = g / (loss_scale * loss_scale)
             if per_param:
-                g_full = np.full(len(self.params), np.nan)
-                g_full[present] = g
+                g_full = np.full(len(self.params), np.nan)  # NaN: no gradient this step
+                # a NaN gradient's norm is non-finite, not absent: inf (as _act_maxima does), or the report's
+                # matrix and its plot showed the faulting step's NaN gradients as "not recorded"
+                g_full[present] = np.where(np.isnan(g), np.inf, g)
             g_norm = float(np.sqrt(g.sum()))
         if late_sq is not None:  # the unfrozen parameters' share of the global norm
             g_norm = float(np.sqrt((g_norm or 0.0) ** 2 + vec[pos]))

@@ -22,7 +22,7 @@ from nandoctor.engine.interrupt import interrupted_finding, reassert, stop_loade
 from nandoctor.errors import UserCodeError
 from nandoctor.findings import Code, Finding, FirstFault, Location, Phase, Report, Severity
 from nandoctor.progress import ProgressFn, no_progress
-from nandoctor.scan.model_facts import infer_num_classes, position_tables
+from nandoctor.scan.model_facts import eval_outputs, first_rows, num_classes_from, position_tables, target_check
 from nandoctor.spec import Spec
 from nandoctor.tensors.sizes import batch_size
 from nandoctor.workload import build_workload, loader_factory, scan_outputs
@@ -50,12 +50,26 @@ def run_scan(spec: Spec, options: ScanOptions | None = None, progress: ProgressF
     options = options or ScanOptions()
     report = Report(command="scan", run={"batches": options.batches})
     report.environment = env.collect()
+    _seed(spec.probe.seed)
     try:
         _scan(spec, options, progress, report)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM while the model was built or the parameters checked
         _interrupted(report, 0)
     report.first_fault = _first_fault(report)
     return report
+
+
+def _seed(seed: int) -> None:
+    """The probe's seed (`probe.seed`): the model starts from the weights a probe would train, and the
+    figures read from it (its output scale against the target's) are the same on every run."""
+    import random
+
+    import numpy as np
+    import paddle
+
+    paddle.seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
 
 
 def _interrupted(report: Report, done: int) -> None:
@@ -169,7 +183,7 @@ def _read_batches(spec: Spec, layout: BatchLayout, it: Any, model: Any, uses_ste
                   limit: int | None, total: int | None, progress: ProgressFn, report: Report) -> int:
     """The loop over batches; returns how many were read."""
     base = spec.base_dir
-    need_classes = scanner.limits.label_bounds is None and model is not None
+    first_forward = model is not None
     index = 0
     progress(0, total, "scanning data")
     with user_import_path(base):
@@ -197,9 +211,9 @@ def _read_batches(spec: Spec, layout: BatchLayout, it: Any, model: Any, uses_ste
                 if n == 0:
                     scanner.add_empty(index)
                 else:
-                    if need_classes:
-                        need_classes = False
-                        _infer_classes(spec, layout, model, uses_step, fields, index, scanner, report)
+                    if first_forward:
+                        first_forward = False
+                        _first_forward(spec, layout, model, uses_step, fields, n, index, scanner, report)
                     label = layout.label_name(fields)
                     scanner.add_batch(index, fields, label, layout.input_names(fields), n)
                     _keep_error_batch(scanner, report)
@@ -210,23 +224,28 @@ def _read_batches(spec: Spec, layout: BatchLayout, it: Any, model: Any, uses_ste
 
 def _keep_error_batch(scanner: DataScanner, report: Report) -> None:
     """The first batch with NaN/Inf, a bad label or an over-long sequence, for --bundle (copied once)."""
-    if scanner.error_batch is not None and "batch" not in report.artifacts:
+    if scanner.error_batch is not None and scanner.error_batch[1] and "batch" not in report.artifacts:
         index, arrays = scanner.error_batch
         capture(report, arrays, step=None, batch_index=index)
+        scanner.error_batch = (index, {})  # the capture holds it now (a large one on disk): the scanner no more
 
 
-def _infer_classes(spec: Spec, layout: BatchLayout, model: Any, uses_step: bool, fields: dict[str, Any],
+def _first_forward(spec: Spec, layout: BatchLayout, model: Any, uses_step: bool, fields: dict[str, Any], n: int,
                    index: int, scanner: DataScanner, report: Report) -> None:
-    """num_classes from the model's output on the first batch; records why when it cannot."""
+    """The model's output on the first rows of the first batch, run once for two facts: the class count
+    (when the spec gives none) and, for a regression target, the target's scale against the output's."""
     label = layout.label(fields)
     if label is None:
         return
-
-    def call(m: Any, *xs: Any) -> Any:  # the model as the spec calls it (keyword inputs, `model.output`)
-        return call_user("the model's forward pass", scan_outputs, spec, layout, m, fields, base_dir=spec.base_dir)
-
+    need_classes = scanner.limits.label_bounds is None
+    if need_classes and _dtype_name(label) is not None and not _dtype_name(label).startswith(("int", "uint")):
+        need_classes = False  # no forward for it: only integer labels are class ids
+        report.details["num_classes_unknown"] = "the label is not an integer array"
+    regression = _regression_target(spec, label)
+    if not need_classes and not regression:
+        return
     try:
-        n, why = infer_num_classes(model, [], label, call)  # `call` passes the fields as the spec says
+        outputs, part = _outputs(spec, layout, model, fields, first_rows(fields, n))
     except UserCodeError as err:
         if uses_step:  # with `step`, the model may not take the fields as they are: no guess, no blame
             scanner.limits.label_source = None
@@ -234,8 +253,56 @@ def _infer_classes(spec: Spec, layout: BatchLayout, model: Any, uses_step: bool,
             return
         report.findings.append(_user_code_finding(
             err, spec, Phase.FORWARD, index,
-            "Labels were not range-checked: set checks.num_classes in the spec."))
+            "Labels were not range-checked: set checks.num_classes in the spec." if need_classes else
+            "The target's scale was not compared with the model's output."))
         return
+    part_label = layout.label(part)
+    if need_classes:
+        _note_classes(num_classes_from(outputs, part_label), scanner, report)
+    if regression:  # judged in the scanner's findings, with the target's mean and std over every batch
+        scanner.limits.target = target_check(layout.label_name(fields) or "label", index, part_label, outputs,
+                                             spec.data.entry)
+
+
+def _outputs(spec: Spec, layout: BatchLayout, model: Any, fields: dict[str, Any],
+             part: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The model's output on `part`, and `part`; a model that cannot take fewer rows (a batch size written
+    into its forward) is called on the whole batch instead, and its error then is the user's."""
+    def on(batch: dict[str, Any]) -> Any:  # the model as the spec calls it (keyword inputs, `model.output`)
+        return eval_outputs(model, lambda m: call_user("the model's forward pass", scan_outputs, spec, layout, m,
+                                                        batch, base_dir=spec.base_dir))
+
+    if part is not fields:
+        try:
+            return on(part), part
+        except UserCodeError:
+            pass
+    return on(fields), fields
+
+
+def _regression_target(spec: Spec, label: Any) -> bool:
+    """A float label under a loss that compares it with the output value for value (mse, l1, the user's
+    own loss): cross_entropy's soft labels and bce's 0/1 targets are probabilities, not regression targets."""
+    if spec.model.output == "loss" or (spec.loss is not None and spec.loss.builtin in ("cross_entropy",
+                                                                                       "bce_with_logits")):
+        return False
+    name = _dtype_name(label)
+    return name is not None and name.startswith(("float", "bfloat"))
+
+
+def _dtype_name(value: Any) -> str | None:
+    """'float32', 'int64', ... of an array, a tensor or a list of numbers; None for anything else."""
+    from nandoctor.tensors.convert import to_numpy
+
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        arr = to_numpy(value)
+        dtype = None if arr is None else arr.dtype
+    return None if dtype is None else str(dtype).split(".")[-1]
+
+
+def _note_classes(found: tuple[int | None, str], scanner: DataScanner, report: Report) -> None:
+    n, why = found
     if n is None:
         report.details["num_classes_unknown"] = why
         return

@@ -55,10 +55,13 @@ class Chunk:
 
     def batches_with(self, name: str, row_flags: np.ndarray) -> list[int]:
         """Which of the chunk's batches (positions in `ids`) hold a flagged row of field `name`."""
-        pos = np.flatnonzero(row_flags)
-        if not pos.size:
+        return self.batches_at(name, np.flatnonzero(row_flags))
+
+    def batches_at(self, name: str, rows: np.ndarray) -> list[int]:
+        """Which of the chunk's batches (positions in `ids`) hold the given rows of field `name`."""
+        if not rows.size:
             return []
-        return np.unique(np.searchsorted(self.starts[name], pos, side="right") - 1).tolist()
+        return np.unique(np.searchsorted(self.starts[name], rows, side="right") - 1).tolist()
 
 
 def lone_chunk(batch_index: int, arrays: dict[str, np.ndarray | None]) -> Chunk:

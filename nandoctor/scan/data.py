@@ -26,9 +26,10 @@ import numpy as np
 from nandoctor.advice import advice_for
 from nandoctor.findings import Code, Finding, Location, Phase, Severity
 from nandoctor.scan.chunks import MAX_BYTES, MAX_ROWS, Chunk, ChunkBuffer, lone_chunk
+from nandoctor.scan.model_facts import TargetCheck, target_scale_finding
+from nandoctor.scan.pieces import joined, nonfinite_in, pieces, positions
 from nandoctor.scan.stats import MAX_SAMPLES, FieldStats, LogHistogram, Occurrences, TopK
 from nandoctor.tensors.convert import not_a_tensor, to_numpy
-from nandoctor.tensors.finite import harmful_values
 from nandoctor.tensors.sizes import batch_size as common_batch_size
 
 OUTLIER_DECADES = 3.0  # 1000x
@@ -49,6 +50,7 @@ class DataLimits:
     max_seq_len: int | None = None
     position_table: tuple[str, int] | None = None  # (layer name, num_embeddings), the smallest
     inputs_to_model: bool = True  # the input fields go to the model as they are (False with a `step`)
+    target: TargetCheck | None = None  # a float label's scale against the model's initial output
 
 
 @dataclass
@@ -158,7 +160,11 @@ class DataScanner:
         if firsts and min(firsts) in chunk.ids:  # type: ignore[type-var]
             b = min(firsts)  # type: ignore[type-var]
             arrays = chunk.batch_arrays(chunk.ids.index(b))  # type: ignore[arg-type]
-            self.error_batch = (b, {k: np.array(v, copy=True) for k, v in arrays.items() if v is not None})  # type: ignore[assignment]
+            # a lone batch's arrays are the loader's own, captured by the caller before the loader runs again
+            # (a copy here was a 100 MB batch held to the end of the scan); a slab is refilled: copied
+            copy = chunk.originals is None
+            kept = {k: np.array(v, copy=True) if copy else v for k, v in arrays.items() if v is not None}
+            self.error_batch = (b, kept)  # type: ignore[assignment]
 
     def _check_field(self, st: _FieldState, chunk: Chunk, name: str) -> None:
         stats, rows = st.stats, chunk.rows(name)
@@ -166,85 +172,106 @@ class DataScanner:
         if rows.size == 0:
             return  # no values (a (n, 0) field, or a lone batch whose fields disagree on their length)
         if kind == "f":
-            rmax, rmin = rows.max(axis=1), rows.min(axis=1)  # fast: the slab is (features, rows)
-            with np.errstate(invalid="ignore"):
-                all_finite = bool(np.isfinite(rmax).all() and np.isfinite(rmin).all())  # NaN propagates
-            if all_finite:
-                finite = None
-                stats.moments.add_block(chunk.blocks[name], float(rmin.min()), float(rmax.max()))
-                maxabs = np.maximum(rmax, -rmin).astype(np.float64)
-            else:  # the details, only for a chunk that has a NaN or Inf somewhere
-                finite = np.isfinite(rows)
-                for i in chunk.batches_with(name, ~finite.all(axis=1)):
-                    self._note_nonfinite(st, chunk, name, i, finite)
-                stats.moments.add(rows[finite])
-                maxabs = np.where(finite, np.abs(rows), 0).max(axis=1).astype(np.float64)
-            if self.limits.value_range is not None and stats.role != "label":
-                self._check_range(st, chunk, name, rmin, rmax, finite)
-            st.scales.add(maxabs[maxabs > 0])
-            st.candidates.add_chunk(maxabs, chunk.ids, chunk.starts[name])
+            self._check_floats(st, chunk, name)
         else:
-            block = chunk.blocks[name]
-            if block.size:
-                stats.moments.add_block(block, float(block.min()), float(block.max()))
+            stats.moments.add_block(chunk.blocks[name], float(rows.min()), float(rows.max()))
         if stats.role == "label" and self.limits.label_bounds is not None and kind != "b":
             self._check_labels(st, chunk, name)
         trailing = chunk.trailing[name]
         if stats.role == "input" and kind in "iu" and trailing is not None and len(trailing) == 1:
             self._check_length(st, chunk, name)
 
-    def _note_nonfinite(self, st: _FieldState, chunk: Chunk, name: str, i: int, finite: np.ndarray) -> None:
-        s, e = chunk.starts[name][i], chunk.starts[name][i + 1]
-        rows, fin = chunk.rows(name)[s:e], finite[s:e]
-        nan = int(np.isnan(rows).sum())
-        bad = int((~fin).sum())
-        st.stats.n_nan += nan
-        st.stats.n_inf += bad - nan
-        scalar = chunk.trailing[name] is None
-        harm = ~fin if scalar else harmful_values(rows, fin)  # a mask's -inf is intended, as in the probe
-        harmful = bool(harm.any())
-        where = harm if harmful else ~fin
-        samples = [] if scalar else np.flatnonzero(where.any(axis=1)).tolist()
-        positions = [] if scalar else np.argwhere(where.reshape((len(where), *chunk.trailing[name])))[:5].tolist()
-        (st.nonfinite if harmful else st.masked).add(chunk.ids[i], samples, bad, positions)
-
-    def _check_range(self, st: _FieldState, chunk: Chunk, name: str, rmin: np.ndarray, rmax: np.ndarray,
-                     finite: np.ndarray | None) -> None:
-        lo, hi = self.limits.value_range  # type: ignore[misc]
+    def _check_floats(self, st: _FieldState, chunk: Chunk, name: str) -> None:
+        """Moments, per-sample max |value| (scales and outlier candidates), NaN/Inf and range flags of a
+        float field, PIECE_VALUES values at a time: a chunk of small batches is one piece, and a 100 MB
+        batch's temporaries stay a few MB (its float64 copies, per-sample arrays and whole-batch masks were
+        4.7 batches beyond a plain loop's peak: issue 34)."""
         rows = chunk.rows(name)
-        with np.errstate(invalid="ignore"):
-            if finite is None:  # every value finite: a row is out of range iff its min or max is
-                flagged = (rmin < lo) | (rmax > hi)
-            else:
-                flagged = (finite & ((rows < lo) | (rows > hi))).any(axis=1)
-        for i in chunk.batches_with(name, flagged):
-            s, e = chunk.starts[name][i], chunk.starts[name][i + 1]
-            r = rows[s:e]
+        check_range = self.limits.value_range is not None and st.stats.role != "label"
+        nonfinite: list[np.ndarray] = []  # rows holding a NaN/Inf, piece by piece
+        out_of_range: list[np.ndarray] = []  # rows holding a finite value outside checks.value_range
+        for a, piece in pieces(rows):
+            pmax, pmin = piece.max(axis=1), piece.min(axis=1)  # fast: the slab is (features, rows)
             with np.errstate(invalid="ignore"):
-                bad = (r < lo) | (r > hi)
-            if finite is not None:
-                bad &= finite[s:e]
+                all_finite = bool(np.isfinite(pmax).all() and np.isfinite(pmin).all())  # NaN propagates
+            if all_finite:
+                st.stats.moments.add_block(piece.T, float(pmin.min()), float(pmax.max()))
+                maxabs = np.maximum(pmax, -pmin)
+                if check_range:
+                    lo, hi = self.limits.value_range  # type: ignore[misc]
+                    out_of_range.append(np.flatnonzero((pmin < lo) | (pmax > hi)) + a)
+            else:  # the details, only for a piece that has a NaN or Inf somewhere
+                finite = np.isfinite(piece)
+                nonfinite.append(np.flatnonzero(~finite.all(axis=1)) + a)
+                st.stats.moments.add(piece[finite])
+                maxabs = np.where(finite, np.abs(piece), 0).max(axis=1)
+                if check_range:
+                    lo, hi = self.limits.value_range  # type: ignore[misc]
+                    with np.errstate(invalid="ignore"):
+                        out_of_range.append(np.flatnonzero((finite & ((piece < lo) | (piece > hi))).any(axis=1)) + a)
+            st.scales.add(maxabs[maxabs > 0].astype(np.float64))
+            st.candidates.add_chunk(maxabs.astype(np.float64), chunk.ids, chunk.starts[name], offset=a)
+        for i in chunk.batches_at(name, joined(nonfinite)):
+            self._note_nonfinite(st, chunk, name, i)
+        if check_range:
+            self._check_range(st, chunk, name, joined(out_of_range))
+
+    def _note_nonfinite(self, st: _FieldState, chunk: Chunk, name: str, i: int) -> None:
+        s, e = chunk.starts[name][i], chunk.starts[name][i + 1]
+        scalar = chunk.trailing[name] is None
+        found = nonfinite_in(chunk.rows(name)[s:e])
+        st.stats.n_nan += found.nan
+        st.stats.n_inf += found.bad - found.nan
+        # a mask's -inf is intended, as in the probe: harmful are NaN and +inf then (every NaN/Inf otherwise)
+        harm_rows = found.any_rows if scalar or not found.mask_like else found.harm_rows
+        harmful = bool(harm_rows)
+        rows = harm_rows if harmful else found.any_rows
+        samples = [] if scalar else rows
+        where = [] if scalar else positions(chunk.rows(name)[s:e], rows, chunk.trailing[name],  # type: ignore[arg-type]
+                                            only_harmful=harmful and found.mask_like)
+        (st.nonfinite if harmful else st.masked).add(chunk.ids[i], samples, found.bad, where)
+
+    def _check_range(self, st: _FieldState, chunk: Chunk, name: str, flagged: np.ndarray) -> None:
+        """The batches of the `flagged` rows (those with a finite value outside checks.value_range): only
+        those rows are read again."""
+        lo, hi = self.limits.value_range  # type: ignore[misc]
+        rows, starts = chunk.rows(name), chunk.starts[name]
+        for i in chunk.batches_at(name, flagged):
+            s, e = starts[i], starts[i + 1]
+            sel = flagged[(flagged >= s) & (flagged < e)]
+            r = rows[sel]
+            with np.errstate(invalid="ignore"):
+                bad = np.isfinite(r) & ((r < lo) | (r > hi))
             bad_values = r[bad]
-            st.out_of_range.add(chunk.ids[i], np.flatnonzero(bad.any(axis=1)).tolist(), int(bad.sum()),
+            st.out_of_range.add(chunk.ids[i], (sel - s)[bad.any(axis=1)].tolist(), int(bad.sum()),
                                 values=[float(bad_values.min()), float(bad_values.max())])
 
     def _check_labels(self, st: _FieldState, chunk: Chunk, name: str) -> None:
+        """Labels outside the bounds (Paddle's ignore_index aside), a piece at a time: a uint8 mask's boolean
+        temporaries are its own size, so whole-field masks would be three copies of a large label."""
+        rows, starts = chunk.rows(name), chunk.starts[name]
+        flagged = joined([self._bad_label_rows(st, piece) + a for a, piece in pieces(rows)])
+        for i in chunk.batches_at(name, flagged):
+            s, e = starts[i], starts[i + 1]
+            sel = flagged[(flagged >= s) & (flagged < e)]
+            r = rows[sel]
+            b_bad = self._bad_labels(r)
+            values = np.unique(r[b_bad])[:10].tolist()
+            st.bad_labels.add(chunk.ids[i], (sel - s)[b_bad.any(axis=1)].tolist(), int(b_bad.sum()), values=values)
+
+    def _bad_labels(self, rows: np.ndarray) -> np.ndarray:
         lo, hi = self.limits.label_bounds  # type: ignore[misc]
-        rows = chunk.rows(name)
         with np.errstate(invalid="ignore"):
             bad = (rows < lo) | (rows > hi)
         if lo > IGNORE_INDEX:
-            ignored = rows == IGNORE_INDEX
-            st.ignored_labels += int(ignored.sum())
-            bad &= ~ignored
-        if not bad.any():
-            return
-        for i in chunk.batches_with(name, bad.any(axis=1)):
-            s, e = chunk.starts[name][i], chunk.starts[name][i + 1]
-            b_bad = bad[s:e]
-            values = np.unique(rows[s:e][b_bad])[:10].tolist()
-            st.bad_labels.add(chunk.ids[i], np.flatnonzero(b_bad.any(axis=1)).tolist(), int(b_bad.sum()),
-                              values=values)
+            bad &= rows != IGNORE_INDEX
+        return bad
+
+    def _bad_label_rows(self, st: _FieldState, piece: np.ndarray) -> np.ndarray:
+        """Rows of a piece holding a bad label; counts the ignored ones as it goes."""
+        if self.limits.label_bounds[0] > IGNORE_INDEX:  # type: ignore[index]
+            st.ignored_labels += int(np.count_nonzero(piece == IGNORE_INDEX))
+        return np.flatnonzero(self._bad_labels(piece).any(axis=1))
 
     def _check_length(self, st: _FieldState, chunk: Chunk, name: str) -> None:
         padded = int(chunk.trailing[name][0])  # type: ignore[index]
@@ -278,6 +305,11 @@ class DataScanner:
             out += self._field_findings(st)
             if st.not_tensor is not None:
                 out.append(_not_tensor_finding(st.stats.name, *st.not_tensor))
+        target = self.limits.target
+        if target is not None and target.field in self.fields:
+            m = self.fields[target.field].stats.moments
+            found = target_scale_finding(target, m.mean if m.count else None, m.std, self.n_batches)
+            out += [found] if found is not None else []
         return out
 
     def _field_findings(self, st: _FieldState) -> list[Finding]:
@@ -396,6 +428,11 @@ class DataScanner:
         if self.limits.position_table is not None:
             layer, size = self.limits.position_table
             out["position_table"] = {"layer": layer, "size": size}
+        target = self.limits.target
+        if target is not None:  # measured, whether or not it was far: the reader sees the comparison ran
+            out["target_scale"] = {"field": target.field, "batch_index": target.batch_index, "rows": target.rows,
+                                   "target_rms": target.target.rms, "output_rms": target.output.rms,
+                                   "ratio": target.ratio}
         ignored = {n: st.ignored_labels for n, st in self.fields.items() if st.ignored_labels}
         if ignored:
             out["ignored_labels"] = {"value": IGNORE_INDEX, "counts": ignored}

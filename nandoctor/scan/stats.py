@@ -21,6 +21,8 @@ MAX_BATCHES = 10
 MAX_SAMPLES = 16
 MAX_POSITIONS = 5
 MAX_VALUES = 10
+# Values merged at a time into the running state: the float64 temporaries stay a few MB whatever the batch
+PIECE_VALUES = 1 << 20
 
 
 @dataclass
@@ -50,7 +52,17 @@ class Moments:
         (numpy's pairwise sum; einsum for the squares): three passes, no float64 copy, and the
         shifted-data formula keeps the variance to ~1e-5 relative. Overflow falls back to float64.
         Not np.dot: BLAS wakes its thread pool for it, and that cost ~6 ms per call between chunks.
+        A block over PIECE_VALUES values (a 100 MB batch checked on its own) is merged a slice of columns
+        at a time, so the shifted copy is a few MB, not the block's size again (or twice it in float64).
         """
+        if block.ndim == 2 and block.size > PIECE_VALUES:
+            step = max(1, PIECE_VALUES // max(1, block.shape[0]))
+            for a in range(0, block.shape[1], step):
+                self._add_piece(block[:, a:a + step], lo, hi)
+            return
+        self._add_piece(block, lo, hi)
+
+    def _add_piece(self, block: np.ndarray, lo: float, hi: float) -> None:
         n = int(block.size)
         if n == 0:
             return
@@ -98,10 +110,12 @@ class LogHistogram:
         return np.clip(((logs - self.LO) / self.WIDTH).astype(np.int64), 0, self.bins.size - 1)
 
     def add(self, values: np.ndarray) -> None:
-        """Add positive values; zeros and negatives are the caller's to filter out."""
-        if values.size:
-            self.bins += np.bincount(self._index(values), minlength=self.bins.size)
-            self.total += int(values.size)
+        """Add positive values; zeros and negatives are the caller's to filter out. PIECE_VALUES at a time:
+        the float64 logs of a 100 MB field's per-sample values are a few MB, not several copies of it."""
+        for a in range(0, values.size, PIECE_VALUES):
+            piece = values[a:a + PIECE_VALUES]
+            self.bins += np.bincount(self._index(piece), minlength=self.bins.size)
+            self.total += int(piece.size)
 
     def _centre(self, i: int) -> float:
         return self.LO + (i + 0.5) * self.WIDTH
@@ -146,8 +160,14 @@ class TopK:
     def add(self, values: np.ndarray, batch_index: int) -> None:
         self.add_chunk(values, [batch_index], np.array([0, values.size]))
 
-    def add_chunk(self, values: np.ndarray, batch_ids: list[int], starts: np.ndarray) -> None:
-        """`values` of several batches back to back; batch i is `values[starts[i]:starts[i + 1]]`."""
+    def add_chunk(self, values: np.ndarray, batch_ids: list[int], starts: np.ndarray, offset: int = 0) -> None:
+        """`values` of several batches back to back; batch i is `values[starts[i]:starts[i + 1]]`, where
+        `values` starts at row `offset` of those batches (a piece of a large chunk). PIECE_VALUES at a time,
+        so the first fill of the heap sorts a few MB of positions, not a 100 MB batch's."""
+        for a in range(0, values.size, PIECE_VALUES):
+            self._add_piece(values[a:a + PIECE_VALUES], batch_ids, starts, offset + a)
+
+    def _add_piece(self, values: np.ndarray, batch_ids: list[int], starts: np.ndarray, offset: int) -> None:
         if not values.size:
             return
         if len(self._heap) >= self.k:
@@ -159,9 +179,9 @@ class TopK:
             pos = np.arange(values.size)
         if pos.size > self.k:  # only the chunk's own top k can enter: largest first, ties to the earliest
             pos = np.sort(pos[np.argsort(-values[pos], kind="stable")[:self.k]])
-        which = np.searchsorted(starts, pos, side="right") - 1
+        which = np.searchsorted(starts, pos + offset, side="right") - 1
         for p, i in zip(pos.tolist(), which.tolist()):
-            item = (float(values[p]), batch_ids[i], p - int(starts[i]))
+            item = (float(values[p]), batch_ids[i], p + offset - int(starts[i]))
             if len(self._heap) < self.k:
                 heapq.heappush(self._heap, item)
             elif item[0] > self._heap[0][0]:
