@@ -227,11 +227,14 @@ def test_a_bad_record_is_left_out_in_every_epoch_by_its_dataset_index():
     assert len(set(epochs)) >= 3 and epochs == sorted(epochs)  # the record came again, each epoch, and was left out
 
 
-def test_without_a_batch_sampler_the_drop_says_it_is_by_position_only():
+def test_without_a_batch_sampler_the_drop_names_the_records_by_their_values():
+    """log_of_zero's list of batches: no sampler index, so the two records are named by their fingerprints
+    (the full check, epoch after epoch: test_remedy_records.py)."""
     report = _probe("log_of_zero")
     drop = _rows(report)["drop_samples"]
     assert "records" not in (drop.get("skip_list") or {})
-    assert "no batch sampler to name the records by" in drop["change"]
+    assert "no batch sampler to name them by index" in drop["change"]
+    assert len(drop["skip_list"]["fingerprints"]) == 2 and drop["outcome"] == "fixed"
 
 
 # -- 8. the progress display while remedies replay --------------------------------------------------------------

@@ -36,6 +36,7 @@ class Change:
     drop: tuple[int, int, list[int]] | None = None  # (epoch, batch_index, rows) left out of that batch
     drop_nonfinite: bool = False  # leave out every sample holding NaN/Inf, in every batch (a loader filter)
     drop_records: frozenset[int] = frozenset()  # dataset indices left out wherever the sampler yields them
+    drop_fingerprints: frozenset[str] = frozenset()  # with no sampler: records named by their values' hash
     guard: Guard | None = None
     source: str | None = None  # where the guarded op was created ("model.py:13 in forward")
     guard_scope: str = "line"  # op_guards.guarded: "line", "within" (the line's call) or "any"
@@ -74,7 +75,7 @@ class Replay:
     still_nonfinite: dict[str, int] = field(default_factory=dict)  # parameter -> NaN/Inf values at the end
     ended: bool = False  # the data ran out (a loader that cannot be re-made)
     dropped: list[tuple[int, int | None, int, list[int]]] = field(default_factory=list)  # (epoch, batch, step, rows)
-    dropped_records: list[list[int]] = field(default_factory=list)  # with drop_records: the records of each drop
+    dropped_records: list[list[Any]] = field(default_factory=list)  # the records (or fingerprints) of each drop
     failed: FailedStep | None = None  # with record=True: the step it stopped at
     data_note: str | None = None  # why the replay's data ended early (a loader that cannot be re-read the same way)
     not_applicable: str | None = None  # the change cannot be made on this optimizer (in `.error` too), and why
@@ -203,14 +204,17 @@ def _failed(out: Replay, step: int, kind: str, here: tuple[Any, ...] | None, los
 def _changed_fields(fields: dict[str, Any], change: Change, epoch: int, batch_index: int, step: int,
                     out: Replay, records: list[int] | None = None) -> dict[str, Any]:
     """The batch as the remedy sees it: the offending records left out wherever they come (by dataset
-    index), the offending samples left out of their batch, or every sample holding NaN/Inf left out of
-    every batch (a loader filter); what was dropped is recorded."""
-    if change.drop_records and records is not None:
-        drop = {i for i, r in enumerate(records) if r in change.drop_records}
+    index, or by their values' fingerprint where no sampler names them), the offending samples left out of
+    their batch, or every sample holding NaN/Inf left out of every batch (a loader filter); what was dropped
+    is recorded."""
+    ids = _record_ids(fields, change, records)
+    if ids is not None:
+        wanted = change.drop_records if change.drop_records and records is not None else change.drop_fingerprints
+        drop = {i for i, r in enumerate(ids) if r in wanted}
         if drop:
             fields = subset(fields, [i for i in range(_rows(fields)) if i not in drop])
             out.dropped.append((epoch, batch_index, step, sorted(drop)))
-            out.dropped_records.append(sorted(records[i] for i in drop))
+            out.dropped_records.append(sorted(ids[i] for i in drop))
     elif change.drop is not None and (epoch, batch_index) == change.drop[:2]:
         drop = set(change.drop[2])
         fields = subset(fields, [i for i in range(_rows(fields)) if i not in drop])
@@ -221,6 +225,18 @@ def _changed_fields(fields: dict[str, Any], change: Change, epoch: int, batch_in
             fields = subset(fields, [i for i in range(_rows(fields)) if i not in bad])
             out.dropped.append((epoch, batch_index, step, sorted(bad)))
     return fields
+
+
+def _record_ids(fields: dict[str, Any], change: Change, records: list[int] | None) -> list[Any] | None:
+    """What names each sample of the batch for a records remedy: the sampler's dataset indices, else (no
+    sampler) the fingerprint of its values; None for any other change."""
+    if change.drop_records and records is not None:
+        return records
+    if change.drop_fingerprints:
+        from nandoctor.tensors.fingerprint import row_fingerprints
+
+        return row_fingerprints(fields)
+    return None
 
 
 def _batches(w: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, end_epoch: Any, late: Any) -> BatchSource:

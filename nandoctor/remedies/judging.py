@@ -37,6 +37,9 @@ def judge(r: Replay, fault_step: int, end_step: int, c: Candidate, before: float
     unrecovered = _loss_not_recovered(r, before)
     if unrecovered is not None:
         return NOT_FIXED, unrecovered
+    dodged = _dodged_nan_weight(r, c)
+    if dodged is not None:
+        return NOT_FIXED, dodged
     return FIXED, _fixed_note(r, fault_step, end_step, last, kept_only)
 
 
@@ -79,6 +82,18 @@ def _loss_not_recovered(r: Replay, before: float | None) -> str | None:
     if after is not None and abs(after) > STUCK:
         return f"finite, but the loss stays at {after:.3g}: training does not recover"
     return None
+
+
+def _dodged_nan_weight(r: Replay, c: Candidate) -> str | None:
+    """Samples left out around a weight that still holds NaN/Inf: finite only because no batch the replay
+    read reached it again (now that a record is left out in every epoch), so the samples were never the
+    cause; the weight is."""
+    held = _held(r)
+    if c.remedy != "drop_samples" or not held:
+        return None
+    last = r.start_step + r.steps_run - 1
+    return (f"finite through step {last} only because no later batch read the weight again: {held}; leaving "
+            "samples out cannot repair a NaN weight, and any later batch that reads it goes NaN (re-initialise it)")
 
 
 def _fixed_note(r: Replay, fault_step: int, end_step: int, last: int, kept_only: bool) -> str | None:

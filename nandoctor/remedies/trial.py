@@ -292,10 +292,11 @@ def _row(c: Candidate, outcome: str, r: Replay | None, note: str | None,
         row.update(c.extra)
         if r is not None and r.dropped:
             row["skip_list"] = skip_list_of(r.dropped, c.accumulate)
-            if "records" in c.extra:  # the records themselves: what to filter out, whatever epoch reads them
+            named = next((k for k in ("records", "fingerprints") if k in c.extra), None)
+            if named is not None:  # the records themselves: what to filter out, whatever epoch reads them
                 for entry, ids in zip(row["skip_list"]["batches"], r.dropped_records):
-                    entry["records"] = ids
-                row["skip_list"] = {"records": c.extra["records"], **row["skip_list"]}
+                    entry[named] = ids
+                row["skip_list"] = {named: c.extra[named], **row["skip_list"]}
     elif "threshold" in c.extra:
         row["threshold"] = c.extra["threshold"]
     return row
