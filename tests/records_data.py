@@ -57,3 +57,19 @@ class _Records(paddle.io.Dataset):
 def shuffled_dataloader(bad: int = BAD) -> paddle.io.DataLoader:
     """A DataLoader with shuffle=True: its own BatchSampler names each sample by its dataset index."""
     return paddle.io.DataLoader(_Records(bad), batch_size=BATCH, shuffle=True)
+
+
+def augmented_loader(batches: int = 20, bad_batch: int = 12, bad_rows: tuple[int, ...] = (3, 11)
+                     ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """log_of_zero's records in a fixed order with an unseeded jitter (an augmentation drawn from fresh entropy):
+    the bad rows fault at `bad_batch` on every read, but each read of the loader gives other values."""
+    rng, jitter = np.random.default_rng(0), np.random.default_rng()
+    w = rng.normal(size=8).astype("float32")
+    out = []
+    for b in range(batches):
+        x = rng.normal(size=(BATCH, 8)).astype("float32")
+        if b == bad_batch:
+            x[list(bad_rows), 2] = 1000.0 * np.abs(x[list(bad_rows), 2]) + 800.0
+        y = (x @ w > 0).astype("float32")
+        out.append(((x + jitter.normal(scale=0.01, size=x.shape)).astype("float32"), y))
+    return out

@@ -82,7 +82,9 @@ def test_no_remedy_is_verified_when_the_no_change_replay_never_met_the_fault(mon
     assert report.details["remedies"]["control"]["reproduced"] is False
     assert report.remedies and all(r["outcome"] == "not_applicable" for r in report.remedies), report.remedies
     tried = [r for r in report.remedies if r["remedy"] in ("op_guard", "lr_x0.1")]
-    assert all("did not reproduce the fault" in r["note"] for r in tried)
+    # each replay read other records at the fault's step than the training did, and says so; so did the control
+    assert all("another batch at step 12 than the training did" in r["note"] for r in tried), tried
+    assert "did not reproduce the fault at step 12" in report.details["remedies"]["control"]["note"]
 
 
 # -- 2. replays read the kept batches, not the user's dataset ------------------------------------------------

@@ -80,6 +80,9 @@ class Replay:
     data_note: str | None = None  # why the replay's data ended early (a loader that cannot be re-read the same way)
     not_applicable: str | None = None  # the change cannot be made on this optimizer (in `.error` too), and why
     observed: list[tuple[int, float]] = field(default_factory=list)  # (step, largest input) of a watched op
+    # (step, fingerprint) of the batch the training read there (the fault's), to check the replay reads it too
+    expect: tuple[int, str] | None = None
+    other_data_at: int | None = None  # the step where the replay read another batch than the training did
 
 
 class NotApplicable(Exception):
@@ -87,13 +90,15 @@ class NotApplicable(Exception):
 
 
 def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change,
-           deadline: float, record: bool = False, watch: tuple[Guard, str | None] | None = None) -> Replay:
+           deadline: float, record: bool = False, watch: tuple[Guard, str | None] | None = None,
+           expect: tuple[int, str] | None = None) -> Replay:
     """Train from `snap` to `end_step` with `change`; never raises for the user's errors (they go in `.error`).
     `record`: keep the failing step's batch and RNG state (`.failed`) and check the weights after every
     update too, so the step that went non-finite first is named exactly (the rollback's replay). `watch`
-    (a guard's op and source line): record each step's largest input to that op, changing nothing."""
+    (a guard's op and source line): record each step's largest input to that op, changing nothing. `expect`
+    (step, fingerprint): the batch the training read at that step, checked (`.other_data_at`)."""
     t0 = time.perf_counter()
-    out = Replay(snap.step)
+    out = Replay(snap.step, expect=expect)
     now = [snap.step]  # the step running, for what `watch` records
     restore(snap, workload.model, optimizer)
     _reinit(workload.model, change.reinit)
@@ -144,8 +149,9 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
         for step, epoch, batch_index, batch in feed:
             now[0] = step
             records = ring.batches.records.get((epoch, batch_index)) if ring.batches is not None else None
-            fields = _changed_fields(w.layout.fields(batch, batch_index), change, epoch, batch_index, step, out,
-                                     records)
+            fields = w.layout.fields(batch, batch_index)
+            _check_same(out, step, fields)
+            fields = _changed_fields(fields, change, epoch, batch_index, step, out, records)
             set_factor(step)
             here = (step, epoch, batch_index, fields, paddle.get_rng_state()) if record else None
             loss = engine.loss(fields)
@@ -173,6 +179,19 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
             out.finite, out.failed_at = False, feed.step  # the last update wrote (more) NaN/Inf
     finally:
         feed.close()  # a DataLoader's worker processes end with the replay
+
+
+def _check_same(out: Replay, step: int, fields: dict[str, Any]) -> None:
+    """At the expected step, whether the replay reads the batch the training read there (one batch hashed per
+    replay): a loader re-read (a stream, an unseeded order) may give other data, and a replay of other data
+    says nothing about the training's fault."""
+    if out.expect is None or step != out.expect[0]:
+        return
+    from nandoctor.tensors.fingerprint import batch_fingerprint
+
+    seen = batch_fingerprint(fields)
+    if seen is not None and seen != out.expect[1]:
+        out.other_data_at = step
 
 
 def _data_ended(out: Replay, feed: BatchSource, ring: SnapshotRing) -> None:

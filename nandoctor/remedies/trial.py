@@ -58,7 +58,8 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
     budget = max(MIN_BUDGET_SECONDS, BUDGET_FACTOR * probe_seconds)
     entry = ring.take(fault.step, fault.epoch, fault.batch_index or 0)  # to put back afterwards
     here = _fault_snapshot(fault, ring, entry)
-    trial = _Trial(report, fault, workload, optimizer, ring, fault.step + max(1, fix_steps), t0, budget)
+    trial = _Trial(report, fault, workload, optimizer, ring, fault.step + max(1, fix_steps), t0, budget,
+                   _fault_batch(fault, workload, ring))
     cands = candidates_for(report, fault, workload, ring, here, amp)
     # The fault's batch has served (localisation, findings, the candidates' texts; a bundle took its own
     # copy): the replays read the batch again, so holding this one too keeps a second copy of a batch alive
@@ -71,9 +72,12 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
         restore(entry, workload.model, optimizer)
         entry.rng.restore()
     reproduced = fault_reproduced(control, fault)
-    if not reproduced:  # a replay that never met the fault says nothing about a remedy, either way
-        _unverify(rows, unverified_note(control, reproduced, ring))
+    why = None if reproduced else unverified_note(control, reproduced, ring, fault.step)
+    if why is not None:  # a replay that never met the fault says nothing about a remedy, either way
+        _unverify(rows, why)
     _record(trial, rows, control, reproduced, probe_seconds, fix_steps)
+    if why is not None and control is not None:
+        report.details["remedies"]["control"]["note"] = why
 
 
 @dataclass
@@ -89,10 +93,12 @@ class _Trial:
     end_step: int
     t0: float
     budget: float
+    expect: tuple[int, str] | None = None  # the fault's step and its batch's fingerprint (replay.Replay.expect)
 
     def run_from(self, start: Snapshot, change: Change) -> Replay:
         """A replay with `change` from `start` to `end_step`, cut where the budget ends."""
-        return replay(self.workload, self.optimizer, self.ring, start, self.end_step, change, self.t0 + self.budget)
+        return replay(self.workload, self.optimizer, self.ring, start, self.end_step, change, self.t0 + self.budget,
+                      expect=self.expect)
 
 
 def _control(trial: _Trial, cands: list[Candidate], progress: ProgressFn) -> Replay | None:
@@ -104,7 +110,19 @@ def _control(trial: _Trial, cands: list[Candidate], progress: ProgressFn) -> Rep
         return None
     progress(0, None, "replaying without any change (does the fault come back?)")
     return replay(trial.workload, trial.optimizer, trial.ring, control_start, fault.step + 2, Change(),
-                  trial.t0 + trial.budget, watch=_watch(cands))
+                  trial.t0 + trial.budget, watch=_watch(cands), expect=trial.expect)
+
+
+def _fault_batch(fault: Any, workload: Any, ring: SnapshotRing) -> tuple[int, str] | None:
+    """The fault's step and the fingerprint of the batch the training read there (the one the probe kept, else
+    the fault's own fields), for every replay to check it reads that batch too; None: no batch to check by."""
+    from nandoctor.tensors.fingerprint import batch_fingerprint
+
+    pos = (fault.epoch, fault.batch_index or 0)
+    batch = ring.batches.batches.get(pos) if ring.batches is not None else None
+    fields = workload.layout.fields(batch, pos[1]) if batch is not None else fault.fields
+    found = batch_fingerprint(fields)
+    return None if found is None else (fault.step, found)
 
 
 def _try_all(trial: _Trial, cands: list[Candidate], healthy: float | None,

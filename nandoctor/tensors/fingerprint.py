@@ -61,3 +61,12 @@ def _row_bytes(row: np.ndarray) -> bytes:
     if row.dtype.kind == "O":  # (strings, ragged lists as numpy objects: their text)
         return repr(row.tolist()).encode()
     return np.ascontiguousarray(row).tobytes()
+
+
+def batch_fingerprint(fields: Mapping[str, Any] | None) -> str | None:
+    """One fingerprint for a whole batch (its samples' in order), to tell whether a replay read the very batch
+    the training read; None when it has no rows to hash."""
+    rows = row_fingerprints(fields) if fields else None
+    if rows is None:
+        return None
+    return hashlib.blake2b("".join(rows).encode(), digest_size=8).hexdigest()
