@@ -22,6 +22,7 @@ import numpy as np
 from nandoctor.engine.batch_source import END, BatchSource
 from nandoctor.engine.batch_tape import BatchTape
 from nandoctor.engine.op_guards import Guard, guarded
+from nandoctor.engine.op_watch import OpWatch, clamped_output, watching
 from nandoctor.engine.snapshots import Snapshot, SnapshotRing, restore
 from nandoctor.tensors.sizes import subset
 
@@ -43,6 +44,7 @@ class Change:
     guard_limit: float | None = None  # the clamp's bound when searched (exp: 60, then tighter), else the rule's
     reinit_rows: dict[str, list[int]] = field(default_factory=dict)  # parameter -> rows drawn afresh (NaN rows)
     reinit: dict[str, float] = field(default_factory=dict)  # parameter name -> std to draw it from
+    clamp_output: tuple[str, float] | None = None  # (layer, bound): its output clipped where it is made
 
 
 @dataclass
@@ -80,6 +82,10 @@ class Replay:
     data_note: str | None = None  # why the replay's data ended early (a loader that cannot be re-read the same way)
     not_applicable: str | None = None  # the change cannot be made on this optimizer (in `.error` too), and why
     observed: list[tuple[int, float]] = field(default_factory=list)  # (step, largest input) of a watched op
+    # a watched op's other lines whose input overflowed too -> (the largest input, the layer it came out of)
+    overflows: dict[str, tuple[float, str | None]] = field(default_factory=dict)
+    source_layer: str | None = None  # the layer a watched op's overflowing input came out of
+    clamp_hits: int = 0  # forwards where `clamp_output` changed a value
     # (step, fingerprint) of the batch the training read there (the fault's), to check the replay reads it too
     expect: tuple[int, str] | None = None
     other_data_at: int | None = None  # the step where the replay read another batch than the training did
@@ -103,9 +109,11 @@ def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, en
     restore(snap, workload.model, optimizer)
     _reinit(workload.model, change.reinit)
     _reinit_rows(workload.model, change.reinit_rows)
+    seen, clamped = OpWatch(), [0]
     try:
         with _optimizer_changed(optimizer, change) as set_factor, _guard(change) as hits, \
-                _watched(watch, lambda v: out.observed.append((now[0], v))):
+                _watched(workload.model, watch, now, seen), \
+                clamped_output(workload.model, change.clamp_output, clamped):
             _run(workload, optimizer, ring, snap, end_step, change, deadline, set_factor, out, record, now)
             if hits is not None:
                 out.guard_calls, out.guard_sites = hits["calls"], dict(hits["sites"])
@@ -122,6 +130,8 @@ def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, en
     finally:
         with contextlib.suppress(Exception):
             optimizer.clear_grad()
+    out.observed, out.overflows, out.source_layer = seen.observed, seen.others, seen.layer
+    out.clamp_hits = clamped[0]
     out.seconds = time.perf_counter() - t0
     return out
 
@@ -347,12 +357,11 @@ def _guard(change: Change) -> Iterator[dict[str, int] | None]:
 
 
 @contextlib.contextmanager
-def _watched(watch: tuple[Guard, str | None] | None, observe: Any) -> Iterator[None]:
+def _watched(model: Any, watch: tuple[Guard, str | None] | None, now: list[int], seen: OpWatch) -> Iterator[None]:
     if watch is None:
         yield
         return
-    guard, source = watch
-    with guarded(guard, source, "line" if source else "any", observe=observe):
+    with watching(model, watch[0], watch[1], now, seen):
         yield
 
 

@@ -53,6 +53,10 @@ def _no_evidence(r: Replay, c: Candidate) -> tuple[str, str | None] | None:
         return NOT_APPLICABLE, (f"this replay read another batch at step {r.other_data_at} than the training did "
                                 f"(the loader gave other data when re-read: {_why_other(r)}), so it says nothing "
                                 "about the fix")
+    clamp = c.change.clamp_output
+    if clamp is not None and not r.clamp_hits:
+        return NOT_APPLICABLE, (f"the clamp never changed a value of layer {clamp[0]}'s output during the replay, so "
+                                "this replay says nothing about the fix")
     unused = never_fired(r, c.change)  # before the outcome: a guard never applied says nothing about the fix
     if unused is not None:
         return NOT_APPLICABLE, unused

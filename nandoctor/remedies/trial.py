@@ -24,7 +24,14 @@ from nandoctor.engine.watcher import FaultKind
 from nandoctor.findings import Code, Report
 from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.remedies.candidates import SYMPTOMS, Candidate, candidates_for, skip_list_of
-from nandoctor.remedies.guard import guard_info, guard_text, replay_guard, scope_note
+from nandoctor.remedies.guard import (
+    elsewhere_note,
+    guard_info,
+    guard_text,
+    replay_guard,
+    scope_note,
+    source_clamp_text,
+)
 from nandoctor.remedies.judging import (
     FIXED,
     NOT_APPLICABLE,
@@ -67,7 +74,7 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
     fault.fields = None
     try:
         control = _control(trial, cands, progress)
-        rows = _try_all(trial, cands, _healthy_max(control, fault.step), progress)
+        rows = _try_all(trial, cands, control, progress)
     finally:  # the weights, optimizer state and RNG as the probe left them, whatever stopped the replays
         restore(entry, workload.model, optimizer)
         entry.rng.restore()
@@ -94,6 +101,7 @@ class _Trial:
     t0: float
     budget: float
     expect: tuple[int, str] | None = None  # the fault's step and its batch's fingerprint (replay.Replay.expect)
+    elsewhere: bool = False  # the control saw the guarded op overflow at another call as well
 
     def run_from(self, start: Snapshot, change: Change) -> Replay:
         """A replay with `change` from `start` to `end_step`, cut where the budget ends."""
@@ -125,9 +133,13 @@ def _fault_batch(fault: Any, workload: Any, ring: SnapshotRing) -> tuple[int, st
     return None if found is None else (fault.step, found)
 
 
-def _try_all(trial: _Trial, cands: list[Candidate], healthy: float | None,
+def _try_all(trial: _Trial, cands: list[Candidate], control: Replay | None,
              progress: ProgressFn) -> list[dict[str, Any]]:
-    """One row per candidate, in the candidates' order, each replayed in turn while the budget lasts."""
+    """One row per candidate, in the candidates' order, each replayed in turn while the budget lasts; after a
+    clamp that did not help, the clamp where the value is made."""
+    healthy = _healthy_max(control, trial.fault.step)
+    # the value overflows the op at another call too: a tighter clamp at this one cannot help, so none is searched
+    trial.elsewhere = bool(control is not None and control.overflows)
     rows: list[dict[str, Any]] = []
     tried = [c for c in cands if c.why_not is None and c.start is not None]
     for c in cands:
@@ -135,6 +147,8 @@ def _try_all(trial: _Trial, cands: list[Candidate], healthy: float | None,
             k = tried.index(c) + 1
             progress(k, len(tried), f"trying remedy {k}/{len(tried)}: {c.remedy}")
         rows.append(_try_one(trial, c, healthy))
+        if c.remedy == "op_guard" and rows[-1]["outcome"] == NOT_FIXED and control is not None:
+            rows += _at_the_source(trial, c, rows[-1], control)
     return rows
 
 
@@ -166,10 +180,43 @@ def _replay_candidate(trial: _Trial, c: Candidate, start: Snapshot,
 
     if c.change.guard is None:
         return run(c.change), None
-    r, c.change, searched = _search_guard(run, c, trial.report, trial.fault.step, trial.end_step, healthy)
+    r, c.change, searched = _search_guard(run, c, trial.report, trial.fault.step, trial.end_step, healthy,
+                                          trial.elsewhere)
     c.change_text = guard_text(c.change, r)
     c.extra["guard"] = guard_info(c.change, r)
     return r, searched
+
+
+def _at_the_source(trial: _Trial, c: Candidate, row: dict[str, Any], control: Replay) -> list[dict[str, Any]]:
+    """A clamp at the reported line that did not help, because the value also overflows the op at another
+    call: the row says so, and the layer output that feeds them is clamped where it is made, its bound
+    searched as the guard's (a `source_clamp` row), when the watch found that layer."""
+    guard = c.change.guard
+    top = limit_of(guard.op) if guard is not None else None
+    if guard is None or top is None or c.start is None:
+        return []
+    said = elsewhere_note(guard.op, control.overflows, control.source_layer)
+    if said:
+        row["note"] = "; ".join(n for n in (said, row["note"]) if n)
+    layer = control.source_layer
+    if layer is None or time.perf_counter() - trial.t0 > trial.budget:
+        return []
+    import dataclasses
+
+    before = baseline_loss(trial.report, c.start.step)
+    cand = Candidate("source_clamp", "", Change(), c.start, accumulate=c.accumulate)
+    tried: list[str] = []
+    for limit in _limits(top, None):
+        cand.change = Change(clamp_output=(layer, limit))
+        r = trial.run_from(c.start, cand.change)
+        outcome, note = _judge(r, trial.fault.step, trial.end_step, cand, before)
+        cand.extra["threshold"] = limit
+        if outcome != NOT_FIXED or r.error is not None or time.perf_counter() - trial.t0 > trial.budget:
+            break
+        tried.append(f"clipped at {limit:g}: {note}")
+    cand.change_text = source_clamp_text(guard.op, layer, limit, c.change.source, control.overflows)
+    note = "; ".join(n for n in ("; ".join(tried), note) if n) or None
+    return [_row(dataclasses.replace(cand), outcome, r, note=note, before=before)]
 
 
 def _unverify(rows: list[dict[str, Any]], why: str) -> None:
@@ -227,9 +274,10 @@ def _limits(top: float, healthy: float | None) -> list[float]:
 
 
 def _search_guard(run: Any, c: Candidate, report: Report, fault_step: int, end_step: int,
-                  healthy: float | None) -> tuple[Replay, Change, str | None]:
+                  healthy: float | None, elsewhere: bool = False) -> tuple[Replay, Change, str | None]:
     """The guard's replay; for a clamp with an upper bound (exp's 60), tighter bounds while it does not
-    verify: a value clamped at 60 can still overflow where it is squared downstream (a VAE's std). Returns
+    verify: a value clamped at 60 can still overflow where it is squared downstream (a VAE's std); not when
+    the value overflows the op at another call too (`elsewhere`: no bound at this call can help). Returns
     the last replay, its change, and what the search tried (for the row's note)."""
     import dataclasses
 
@@ -238,7 +286,7 @@ def _search_guard(run: Any, c: Candidate, report: Report, fault_step: int, end_s
         r, change = replay_guard(run, c.change)
         return r, change, None
     tried: list[tuple[float, str]] = []
-    for limit in _limits(top, healthy):
+    for limit in _limits(top, healthy)[:1 if elsewhere else None]:
         r, change = replay_guard(run, dataclasses.replace(c.change, guard_limit=limit))
         outcome, note = _judge(r, fault_step, end_step, dataclasses.replace(c, change=change),
                                baseline_loss(report, r.start_step))
