@@ -48,6 +48,7 @@ class BatchTape:
         self.loaders = 0  # loaders made for replays (the probe's own not counted)
         self.stream: str | None = None  # why the loader cannot be re-read the same way
         self._open: dict[int, tuple[Any, int]] = {}  # epoch -> a replay's loader left open, its next position
+        self._own: dict[tuple[int, int], tuple[Any, ...]] = {}  # the kept entries the training's loop read
         self._epochs = 0
 
     def recording(self) -> Any:
@@ -71,6 +72,8 @@ class BatchTape:
             return
         entry = (pos, batch, records, size)
         self._kept.append(entry)
+        if not reread:
+            self._own[pos] = entry
         if self._index is not None:
             self._index[pos] = entry
         self.nbytes += size
@@ -79,6 +82,8 @@ class BatchTape:
             self.nbytes -= old[3]
             if self._index is not None and self._index.get(old[0]) is old:
                 del self._index[old[0]]
+            if self._own.get(old[0]) is old:
+                del self._own[old[0]]
             self.evicted += 1
 
     def _room_before(self, pos: tuple[int, int], size: int, cap: int) -> bool:
@@ -107,6 +112,11 @@ class BatchTape:
     def records(self) -> Mapping[tuple[int, int], list[int]]:
         """The dataset indices of the kept batches a batch sampler gave (for dropping a bad record)."""
         return _Column(self._by_pos(), 2)
+
+    def read_by_training(self, pos: tuple[int, int], batch: Any) -> bool:
+        """Whether `batch` is the very batch the training's loop read at `pos` (kept, not re-read)."""
+        entry = self._own.get(pos)
+        return entry is not None and entry[1] is batch
 
     def kept_from(self) -> tuple[int, int] | None:
         """The earliest kept position (None: nothing kept)."""
