@@ -235,7 +235,7 @@ def test_without_a_batch_sampler_the_drop_names_the_records_by_their_values():
     report = _probe("log_of_zero")
     drop = _rows(report)["drop_samples"]
     assert "records" not in (drop.get("skip_list") or {})
-    assert "no batch sampler to name them by index" in drop["change"]
+    assert "no batch sampler names them by index" in drop["change"]
     assert len(drop["skip_list"]["fingerprints"]) == 2 and drop["outcome"] == "fixed"
 
 

@@ -68,7 +68,6 @@ def fingerprints_text(fault: Any, rows: list[int], prints: list[str]) -> str:
     """Leave out records a loader without a batch sampler cannot name by index: named by their values'
     fingerprint (tensors/fingerprint.py), with how to compute it in the user's data code."""
     return (f"leave out the record(s) of sample(s) {rows} of batch {fault.batch_index} (epoch {fault.epoch}) wherever "
-            f"they come again, in every epoch: the loader has no batch sampler to name them by index, so they are "
-            f"named by the fingerprint of their values, {prints} (hashlib.blake2b(digest_size=6) over each field's "
-            "row bytes, fields in name order, each prefixed by '<name>:<numpy dtype.str>:'); fix or filter those "
-            "records in your data code")
+            f"they come again: no batch sampler names them by index, so they go by their values' fingerprint {prints} "
+            "(hashlib.blake2b(digest_size=6), updated for each field in name order with f'{name}:{row.dtype.str}:' "
+            "and the row's bytes); fix or filter those records in your data code")

@@ -225,6 +225,7 @@ def _unverify(rows: list[dict[str, Any]], why: str) -> None:
         if row["outcome"] != NOT_APPLICABLE:
             row["outcome"], row["note"] = NOT_APPLICABLE, why
             row.pop("skip_list", None)
+            row.pop("failed_at", None)  # (where a replay of unverified data failed is no evidence either)
 
 
 def _record(trial: _Trial, rows: list[dict[str, Any]], control: Replay | None, reproduced: bool | None,
