@@ -11,7 +11,7 @@ clamp covers every call). `clamped_output` is that clamp, for the replay that tr
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,32 +34,38 @@ class OpWatch:
 
 
 @contextlib.contextmanager
-def watching(model: Any, guard: Guard, source: str | None, now: list[int], seen: OpWatch) -> Iterator[None]:
+def watching(model: Any, guard: Guard, source: str | None, now: list[int], seen: OpWatch,
+             from_step: int = 0) -> Iterator[None]:
     """Within the block, every call of `guard.op` is watched into `seen` (nothing is changed); `now[0]` is the
-    step running."""
+    step running. The calls at `source` are read every step (one host sync each); the others, and the layer
+    outputs kept to name the value's source, only from `from_step` on (the fault's): a model with an exp in
+    every layer pays for them on the steps that matter only."""
     bound = OVERFLOW.get(guard.op)
     outputs: list[tuple[str, Any]] = []  # this forward's layer outputs, in the order made
 
     def observe(mine: bool, frame: Any, x: Any) -> None:
+        if not mine and (bound is None or now[0] < from_step):
+            return
         top = float(x.max())
         if mine:
             seen.observed.append((now[0], top))
             if bound is not None and top > bound and seen.layer is None:
                 seen.layer = _made_by(x, outputs)
-        elif bound is not None and top > bound:
+        elif top > bound:
             at = site(frame)
             before = seen.others.get(at)
             if before is None or top > before[0]:
                 seen.others[at] = (top, _made_by(x, outputs) if before is None else before[1])
 
-    with _layer_outputs(model, outputs if bound is not None else None), \
+    with _layer_outputs(model, outputs if bound is not None else None, lambda: now[0] >= from_step), \
             guarded(guard, source, "line" if source else "any", observe=observe):
         yield
 
 
 @contextlib.contextmanager
-def _layer_outputs(model: Any, outputs: list[tuple[str, Any]] | None) -> Iterator[None]:
-    """Each forward's sublayer outputs (tensors only) into `outputs`, emptied when the model's forward starts."""
+def _layer_outputs(model: Any, outputs: list[tuple[str, Any]] | None, wanted: Callable[[], bool]) -> Iterator[None]:
+    """Each forward's sublayer outputs (tensors only) into `outputs` while `wanted()`, emptied when the model's
+    forward starts."""
     if outputs is None:
         yield
         return
@@ -70,7 +76,7 @@ def _layer_outputs(model: Any, outputs: list[tuple[str, Any]] | None) -> Iterato
 
     def keep(name: str) -> Any:
         def hook(_layer: Any, _inputs: Any, out: Any) -> None:
-            if isinstance(out, paddle.Tensor):
+            if isinstance(out, paddle.Tensor) and wanted():
                 outputs.append((name, out))
 
         return hook

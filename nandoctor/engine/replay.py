@@ -96,12 +96,14 @@ class NotApplicable(Exception):
 
 
 def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change,
-           deadline: float, record: bool = False, watch: tuple[Guard, str | None] | None = None,
+           deadline: float, record: bool = False, watch: tuple[Guard, str | None, int] | None = None,
            expect: tuple[int, str] | None = None) -> Replay:
     """Train from `snap` to `end_step` with `change`; never raises for the user's errors (they go in `.error`).
     `record`: keep the failing step's batch and RNG state (`.failed`) and check the weights after every
     update too, so the step that went non-finite first is named exactly (the rollback's replay). `watch`
-    (a guard's op and source line): record each step's largest input to that op, changing nothing. `expect`
+    (a guard's op, source line and the fault's step): record each step's largest input to that op at that
+    line, and from the fault's step its other calls that overflow and the layer the value comes from
+    (op_watch.py), changing nothing. `expect`
     (step, fingerprint): the batch the training read at that step, checked (`.other_data_at`)."""
     t0 = time.perf_counter()
     out = Replay(snap.step, expect=expect)
@@ -358,11 +360,12 @@ def _guard(change: Change) -> Iterator[dict[str, int] | None]:
 
 
 @contextlib.contextmanager
-def _watched(model: Any, watch: tuple[Guard, str | None] | None, now: list[int], seen: OpWatch) -> Iterator[None]:
+def _watched(model: Any, watch: tuple[Guard, str | None, int] | None, now: list[int],
+             seen: OpWatch) -> Iterator[None]:
     if watch is None:
         yield
         return
-    with watching(model, watch[0], watch[1], now, seen):
+    with watching(model, watch[0], watch[1], now, seen, from_step=watch[2]):
         yield
 
 

@@ -118,7 +118,7 @@ def _control(trial: _Trial, cands: list[Candidate], progress: ProgressFn) -> Rep
         return None
     progress(0, None, "replaying without any change (does the fault come back?)")
     return replay(trial.workload, trial.optimizer, trial.ring, control_start, fault.step + 2, Change(),
-                  trial.t0 + trial.budget, watch=_watch(cands), expect=trial.expect)
+                  trial.t0 + trial.budget, watch=_watch(cands, fault.step), expect=trial.expect)
 
 
 def _fault_batch(fault: Any, workload: Any, ring: SnapshotRing) -> tuple[int, str] | None:
@@ -249,12 +249,13 @@ def _record(trial: _Trial, rows: list[dict[str, Any]], control: Replay | None, r
 _MAX_LIMITS = 6  # clamps a threshold search tries: the rule's bound, then halved
 
 
-def _watch(cands: list[Candidate]) -> tuple[Any, str | None] | None:
-    """The op of a clamp whose bound may be searched (exp), for the control replay to record its inputs."""
+def _watch(cands: list[Candidate], fault_step: int) -> tuple[Any, str | None, int] | None:
+    """The op of a clamp whose bound may be searched (exp), for the control replay to record its inputs (and,
+    from the fault's step, its other calls that overflow)."""
     c = next((c for c in cands if c.change.guard is not None and c.why_not is None and c.start is not None), None)
     if c is None or limit_of(c.change.guard.op) is None:
         return None
-    return c.change.guard, c.change.source
+    return c.change.guard, c.change.source, fault_step
 
 
 def _healthy_max(control: Replay | None, fault_step: int) -> float | None:
