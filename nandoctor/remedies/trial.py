@@ -126,7 +126,9 @@ def _fault_batch(fault: Any, workload: Any, ring: SnapshotRing) -> tuple[int, st
     the fault's own fields), for every replay to check it reads that batch too; None: no batch to check by."""
     from nandoctor.tensors.fingerprint import batch_fingerprint
 
-    pos = (fault.epoch, fault.batch_index or 0)
+    if fault.batch_index is None:  # (where the batch came in its epoch is unknown: nothing to check against)
+        return None
+    pos = (fault.epoch, fault.batch_index)
     batch = ring.batches.batches.get(pos) if ring.batches is not None else None
     fields = workload.layout.fields(batch, pos[1]) if batch is not None else fault.fields
     found = batch_fingerprint(fields)
