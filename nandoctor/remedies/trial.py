@@ -203,8 +203,6 @@ def _at_the_source(trial: _Trial, c: Candidate, row: dict[str, Any], control: Re
     layer = control.source_layer
     if layer is None or time.perf_counter() - trial.t0 > trial.budget:
         return []
-    import dataclasses
-
     before = baseline_loss(trial.report, c.start.step)
     cand = Candidate("source_clamp", "", Change(), c.start, accumulate=c.accumulate)
     tried: list[str] = []
@@ -218,7 +216,7 @@ def _at_the_source(trial: _Trial, c: Candidate, row: dict[str, Any], control: Re
         tried.append(f"clipped at {limit:g}: {note}")
     cand.change_text = source_clamp_text(guard.op, layer, limit, c.change.source, control.overflows)
     note = "; ".join(n for n in ("; ".join(tried), note) if n) or None
-    return [_row(dataclasses.replace(cand), outcome, r, note=note, before=before)]
+    return [_row(cand, outcome, r, note=note, before=before)]
 
 
 def _unverify(rows: list[dict[str, Any]], why: str) -> None:
