@@ -36,6 +36,7 @@ class Candidate:
     why_not: str | None = None  # not applicable: why
     extra: dict[str, Any] = field(default_factory=dict)
     accumulate: int = 1
+    nan_weights: frozenset[str] = frozenset()  # drop_samples: the NaN weights (param.nonfinite) the samples read
 
 
 @dataclass
@@ -63,8 +64,10 @@ def candidates_for(report: Report, fault: Any, workload: Any, ring: SnapshotRing
     """Every remedy for this fault, each ready to replay or saying why not, kept to those its cause calls
     for and put in the order a practitioner would try them."""
     found = _found(report, fault, workload, ring, here)
-    out = [_op_guard(found), *_reinit_rows(found), _drop_samples(found), *_reinit(found), _grad_clip(found),
-           _lower_lr(found), _warmup(found)]
+    repairs = _reinit_rows(found)
+    drop = _drop_samples(found)
+    drop.nan_weights = frozenset(name for c in repairs for name in c.change.reinit_rows)
+    out = [_op_guard(found), *repairs, drop, *_reinit(found), _grad_clip(found), _lower_lr(found), _warmup(found)]
     if amp:  # (on a GPU, try_remedies has returned with a note before getting here)
         out += _amp_remedies()
     for c in out:

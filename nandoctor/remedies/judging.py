@@ -97,12 +97,12 @@ def _loss_not_recovered(r: Replay, before: float | None) -> str | None:
 
 
 def _dodged_nan_weight(r: Replay, c: Candidate) -> str | None:
-    """Samples left out around a weight that still holds NaN/Inf: finite only because no batch the replay
-    read reached it again (now that a record is left out in every epoch), so the samples were never the
-    cause; the weight is."""
-    held = _held(r)
-    if c.remedy != "drop_samples" or not held:
+    """Samples left out around a weight the report found NaN (param.nonfinite) that still holds NaN/Inf:
+    finite only because no batch the replay read reached it again (now that a record is left out in every
+    epoch), so the samples were never the cause; the weight is."""
+    if c.remedy != "drop_samples" or not set(r.still_nonfinite) & c.nan_weights:
         return None
+    held = _held(r)
     last = r.start_step + r.steps_run - 1
     return (f"finite through step {last} only because no later batch read the weight again: {held}; leaving "
             "samples out cannot repair a NaN weight, and any later batch that reads it goes NaN (re-initialise it)")
