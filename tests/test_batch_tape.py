@@ -41,10 +41,10 @@ def test_the_loop_keeps_the_newest_batches_within_the_cap_and_replays_read_them(
     assert got[-1][2] is END and tape.stream is None and tape.loaders == 1
     for (_, b, batch), want in zip(got[:-1], truth[5:]):
         assert all(np.array_equal(x, y) for x, y in zip(batch, want)), b
-    # what that replay read was kept in turn, the oldest let go each time: the newest three again, and the
-    # index the replay built follows what is kept
+    # what that replay read before the kept ones was not kept: it would have let go of the training's own
+    # batches at later positions, which the replay was about to check the loader against and read (issue 34)
     assert list(tape.batches) == [(0, 7), (0, 8), (0, 9)] and tape.nbytes == 3 * BATCH_BYTES
-    assert tape.evicted == 7 + 5
+    assert tape.evicted == 7 and all(tape.batches[(0, i)] is seen[i] for i in (7, 8, 9))
     assert set(tape.batches) == {e[0] for e in tape._kept}
 
 

@@ -82,7 +82,9 @@ def test_no_remedy_is_verified_when_the_no_change_replay_never_met_the_fault(mon
     assert report.details["remedies"]["control"]["reproduced"] is False
     assert report.remedies and all(r["outcome"] == "not_applicable" for r in report.remedies), report.remedies
     tried = [r for r in report.remedies if r["remedy"] in ("op_guard", "lr_x0.1")]
-    assert all("did not reproduce the fault" in r["note"] for r in tried)
+    # each replay read other records at the fault's step than the training did, and says so; so did the control
+    assert all("another batch at step 12 than the training did" in r["note"] for r in tried), tried
+    assert "did not reproduce the fault at step 12" in report.details["remedies"]["control"]["note"]
 
 
 # -- 2. replays read the kept batches, not the user's dataset ------------------------------------------------
@@ -227,11 +229,14 @@ def test_a_bad_record_is_left_out_in_every_epoch_by_its_dataset_index():
     assert len(set(epochs)) >= 3 and epochs == sorted(epochs)  # the record came again, each epoch, and was left out
 
 
-def test_without_a_batch_sampler_the_drop_says_it_is_by_position_only():
+def test_without_a_batch_sampler_the_drop_names_the_records_by_their_values():
+    """log_of_zero's list of batches: no sampler index, so the two records are named by their fingerprints
+    (the full check, epoch after epoch: test_remedy_records.py)."""
     report = _probe("log_of_zero")
     drop = _rows(report)["drop_samples"]
     assert "records" not in (drop.get("skip_list") or {})
-    assert "no batch sampler to name the records by" in drop["change"]
+    assert "no batch sampler names them by index" in drop["change"]
+    assert len(drop["skip_list"]["fingerprints"]) == 2 and drop["outcome"] == "fixed"
 
 
 # -- 8. the progress display while remedies replay --------------------------------------------------------------

@@ -48,6 +48,7 @@ class BatchTape:
         self.loaders = 0  # loaders made for replays (the probe's own not counted)
         self.stream: str | None = None  # why the loader cannot be re-read the same way
         self._open: dict[int, tuple[Any, int]] = {}  # epoch -> a replay's loader left open, its next position
+        self._own: dict[tuple[int, int], tuple[Any, ...]] = {}  # the kept entries the training's loop read
         self._epochs = 0
 
     def recording(self) -> Any:
@@ -56,8 +57,10 @@ class BatchTape:
         self._epochs += 1
         return _Recording(self._make(), self, epoch)
 
-    def keep(self, pos: tuple[int, int], batch: Any, records: list[int] | None) -> None:
-        """Keep a batch (a reference, no copy), the oldest let go past the cap: O(1) but for its size."""
+    def keep(self, pos: tuple[int, int], batch: Any, records: list[int] | None, reread: bool = False) -> None:
+        """Keep a batch (a reference, no copy), the oldest let go past the cap: O(1) but for its size. A batch a
+        replay re-read (`reread`) is kept only where that lets go of no batch at a later position: those are
+        the training's own, which the replay is about to check the loader against (a stream) and read."""
         size = batch_nbytes(batch)
         cap = self.cap
         if cap is None:
@@ -65,8 +68,12 @@ class BatchTape:
         if size > cap:
             self.evicted += 1
             return
+        if reread and not self._room_before(pos, size, cap):
+            return
         entry = (pos, batch, records, size)
         self._kept.append(entry)
+        if not reread:
+            self._own[pos] = entry
         if self._index is not None:
             self._index[pos] = entry
         self.nbytes += size
@@ -75,7 +82,20 @@ class BatchTape:
             self.nbytes -= old[3]
             if self._index is not None and self._index.get(old[0]) is old:
                 del self._index[old[0]]
+            if self._own.get(old[0]) is old:
+                del self._own[old[0]]
             self.evicted += 1
+
+    def _room_before(self, pos: tuple[int, int], size: int, cap: int) -> bool:
+        """Whether `size` more bytes fit by letting go only of kept batches at positions before `pos`."""
+        need = self.nbytes + size - cap
+        for entry in self._kept:
+            if need <= 0:
+                break
+            if entry[0] > pos:
+                return False
+            need -= entry[3]
+        return True
 
     def _by_pos(self) -> dict[tuple[int, int], tuple[tuple[int, int], Any, list[int] | None, int]]:
         """The kept entries by position, built on a replay's first question (the loop never asks)."""
@@ -92,6 +112,11 @@ class BatchTape:
     def records(self) -> Mapping[tuple[int, int], list[int]]:
         """The dataset indices of the kept batches a batch sampler gave (for dropping a bad record)."""
         return _Column(self._by_pos(), 2)
+
+    def read_by_training(self, pos: tuple[int, int], batch: Any) -> bool:
+        """Whether `batch` is the very batch the training's loop read at `pos` (kept, not re-read)."""
+        entry = self._own.get(pos)
+        return entry is not None and entry[1] is batch
 
     def kept_from(self) -> tuple[int, int] | None:
         """The earliest kept position (None: nothing kept)."""
@@ -157,7 +182,7 @@ class BatchTape:
                                        "read it (a stream, or an order that is not seeded)")
                         return
                 elif n >= start:  # (a batch skipped on the way is not kept: it would push out newer ones)
-                    self.keep(pos, batch, it.last_records)
+                    self.keep(pos, batch, it.last_records, reread=True)
                 if n >= start:
                     try:
                         yield n, batch if entry is None else entry[1]

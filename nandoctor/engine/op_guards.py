@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 EPS = 1e-12
 EXP_MAX = 60.0  # exp(60) ~ 1e26: a sum over 1e12 such terms still fits float32
+EXP_OVERFLOW = 88.72  # exp of more is inf in float32
 
 
 @dataclass(frozen=True)
@@ -187,8 +188,9 @@ def guarded(guard: Guard, source: str | None, scope: str = "line", limit: float 
     those made while the call at `source` runs ("within"), or all of them ("any", also when `source` is
     unknown). Yields {"calls": firings, "sites": {line that made the call: firings that changed a value}},
     so a replay can tell whether the guard was reached at all, and where it mattered. `limit` replaces the
-    clamp's upper bound (exp's 60: the threshold search); with `observe`, nothing is changed: each call's
-    largest input goes to `observe` (what the healthy steps feed the op)."""
+    clamp's upper bound (exp's 60: the threshold search); with `observe`, nothing is changed: every call of
+    the op, wherever made, goes to `observe(at_source, frame, input)` (what the healthy steps feed the op, and
+    what its other calls get)."""
     import paddle
 
     where = _at(source) if scope != "any" else None
@@ -198,16 +200,17 @@ def guarded(guard: Guard, source: str | None, scope: str = "line", limit: float 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         def guarded_fn(*args: Any, **kwargs: Any) -> Any:
             frame = sys._getframe(1)
+            mine = True
             if where is not None:
                 mine = _within(frame, where) if scope == "within" else \
                     frame.f_lineno == where[1] and os.path.basename(frame.f_code.co_filename) == where[0]
-                if not mine:
+                if not mine and observe is None:
                     return fn(*args, **kwargs)
             new = _guarded_args(guard.op, args, limit)
             if new is args:  # not a tensor call the guard can change (a / 2.0)
                 return fn(*args, **kwargs)
-            if observe is not None:
-                observe(float(args[RULES[guard.op].arg].max()))
+            if observe is not None:  # every call, and whether it is the one at `source`
+                observe(mine, frame, args[RULES[guard.op].arg])
                 return fn(*args, **kwargs)
             hits["calls"] += 1
             if _changes(guard.op, args, limit):

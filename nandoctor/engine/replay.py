@@ -22,6 +22,7 @@ import numpy as np
 from nandoctor.engine.batch_source import END, BatchSource
 from nandoctor.engine.batch_tape import BatchTape
 from nandoctor.engine.op_guards import Guard, guarded
+from nandoctor.engine.op_watch import OpWatch, clamped_output, watching
 from nandoctor.engine.snapshots import Snapshot, SnapshotRing, restore
 from nandoctor.tensors.sizes import subset
 
@@ -36,12 +37,14 @@ class Change:
     drop: tuple[int, int, list[int]] | None = None  # (epoch, batch_index, rows) left out of that batch
     drop_nonfinite: bool = False  # leave out every sample holding NaN/Inf, in every batch (a loader filter)
     drop_records: frozenset[int] = frozenset()  # dataset indices left out wherever the sampler yields them
+    drop_fingerprints: frozenset[str] = frozenset()  # with no sampler: records named by their values' hash
     guard: Guard | None = None
     source: str | None = None  # where the guarded op was created ("model.py:13 in forward")
     guard_scope: str = "line"  # op_guards.guarded: "line", "within" (the line's call) or "any"
     guard_limit: float | None = None  # the clamp's bound when searched (exp: 60, then tighter), else the rule's
     reinit_rows: dict[str, list[int]] = field(default_factory=dict)  # parameter -> rows drawn afresh (NaN rows)
     reinit: dict[str, float] = field(default_factory=dict)  # parameter name -> std to draw it from
+    clamp_output: tuple[str, float] | None = None  # (layer, bound): its output clipped where it is made
 
 
 @dataclass
@@ -74,11 +77,18 @@ class Replay:
     still_nonfinite: dict[str, int] = field(default_factory=dict)  # parameter -> NaN/Inf values at the end
     ended: bool = False  # the data ran out (a loader that cannot be re-made)
     dropped: list[tuple[int, int | None, int, list[int]]] = field(default_factory=list)  # (epoch, batch, step, rows)
-    dropped_records: list[list[int]] = field(default_factory=list)  # with drop_records: the records of each drop
+    dropped_records: list[list[Any]] = field(default_factory=list)  # the records (or fingerprints) of each drop
     failed: FailedStep | None = None  # with record=True: the step it stopped at
     data_note: str | None = None  # why the replay's data ended early (a loader that cannot be re-read the same way)
     not_applicable: str | None = None  # the change cannot be made on this optimizer (in `.error` too), and why
     observed: list[tuple[int, float]] = field(default_factory=list)  # (step, largest input) of a watched op
+    # a watched op's other lines whose input overflowed too -> (the largest input, the layer it came out of)
+    overflows: dict[str, tuple[float, str | None]] = field(default_factory=dict)
+    source_layer: str | None = None  # the layer a watched op's overflowing input came out of
+    clamp_hits: int = 0  # forwards where `clamp_output` changed a value
+    # (step, fingerprint) of the batch the training read there (the fault's), to check the replay reads it too
+    expect: tuple[int, str] | None = None
+    other_data_at: int | None = None  # the step where the replay read another batch than the training did
 
 
 class NotApplicable(Exception):
@@ -86,20 +96,26 @@ class NotApplicable(Exception):
 
 
 def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change,
-           deadline: float, record: bool = False, watch: tuple[Guard, str | None] | None = None) -> Replay:
+           deadline: float, record: bool = False, watch: tuple[Guard, str | None, int] | None = None,
+           expect: tuple[int, str] | None = None) -> Replay:
     """Train from `snap` to `end_step` with `change`; never raises for the user's errors (they go in `.error`).
     `record`: keep the failing step's batch and RNG state (`.failed`) and check the weights after every
     update too, so the step that went non-finite first is named exactly (the rollback's replay). `watch`
-    (a guard's op and source line): record each step's largest input to that op, changing nothing."""
+    (a guard's op, source line and the fault's step): record each step's largest input to that op at that
+    line, and from the fault's step its other calls that overflow and the layer the value comes from
+    (op_watch.py), changing nothing. `expect`
+    (step, fingerprint): the batch the training read at that step, checked (`.other_data_at`)."""
     t0 = time.perf_counter()
-    out = Replay(snap.step)
+    out = Replay(snap.step, expect=expect)
     now = [snap.step]  # the step running, for what `watch` records
     restore(snap, workload.model, optimizer)
     _reinit(workload.model, change.reinit)
     _reinit_rows(workload.model, change.reinit_rows)
+    seen, clamped = OpWatch(), [0]
     try:
         with _optimizer_changed(optimizer, change) as set_factor, _guard(change) as hits, \
-                _watched(watch, lambda v: out.observed.append((now[0], v))):
+                _watched(workload.model, watch, now, seen), \
+                clamped_output(workload.model, change.clamp_output, clamped):
             _run(workload, optimizer, ring, snap, end_step, change, deadline, set_factor, out, record, now)
             if hits is not None:
                 out.guard_calls, out.guard_sites = hits["calls"], dict(hits["sites"])
@@ -116,6 +132,8 @@ def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, en
     finally:
         with contextlib.suppress(Exception):
             optimizer.clear_grad()
+    out.observed, out.overflows, out.source_layer = seen.observed, seen.others, seen.layer
+    out.clamp_hits = clamped[0]
     out.seconds = time.perf_counter() - t0
     return out
 
@@ -143,8 +161,10 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
         for step, epoch, batch_index, batch in feed:
             now[0] = step
             records = ring.batches.records.get((epoch, batch_index)) if ring.batches is not None else None
-            fields = _changed_fields(w.layout.fields(batch, batch_index), change, epoch, batch_index, step, out,
-                                     records)
+            fields = w.layout.fields(batch, batch_index)
+            if out.expect is not None and step == out.expect[0]:
+                _check_same(out, ring, (epoch, batch_index), batch, fields)
+            fields = _changed_fields(fields, change, epoch, batch_index, step, out, records)
             set_factor(step)
             here = (step, epoch, batch_index, fields, paddle.get_rng_state()) if record else None
             loss = engine.loss(fields)
@@ -172,6 +192,19 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
             out.finite, out.failed_at = False, feed.step  # the last update wrote (more) NaN/Inf
     finally:
         feed.close()  # a DataLoader's worker processes end with the replay
+
+
+def _check_same(out: Replay, ring: SnapshotRing, pos: tuple[int, int], batch: Any, fields: dict[str, Any]) -> None:
+    """Whether the replay reads, at the expected step, the batch the training read there: a loader re-read (a
+    stream, an unseeded order) may give other data, and a replay of other data says nothing about the
+    training's fault. The training's own kept batch needs no check; another is hashed (once per replay)."""
+    if ring.batches is not None and ring.batches.read_by_training(pos, batch):
+        return
+    from nandoctor.tensors.fingerprint import batch_fingerprint
+
+    seen = batch_fingerprint(fields)
+    if seen is not None and out.expect is not None and seen != out.expect[1]:
+        out.other_data_at = out.expect[0]
 
 
 def _data_ended(out: Replay, feed: BatchSource, ring: SnapshotRing) -> None:
@@ -203,14 +236,17 @@ def _failed(out: Replay, step: int, kind: str, here: tuple[Any, ...] | None, los
 def _changed_fields(fields: dict[str, Any], change: Change, epoch: int, batch_index: int, step: int,
                     out: Replay, records: list[int] | None = None) -> dict[str, Any]:
     """The batch as the remedy sees it: the offending records left out wherever they come (by dataset
-    index), the offending samples left out of their batch, or every sample holding NaN/Inf left out of
-    every batch (a loader filter); what was dropped is recorded."""
-    if change.drop_records and records is not None:
-        drop = {i for i, r in enumerate(records) if r in change.drop_records}
+    index, or by their values' fingerprint where no sampler names them), the offending samples left out of
+    their batch, or every sample holding NaN/Inf left out of every batch (a loader filter); what was dropped
+    is recorded."""
+    ids = _record_ids(fields, change, records)
+    if ids is not None:
+        wanted = change.drop_records if change.drop_records and records is not None else change.drop_fingerprints
+        drop = {i for i, r in enumerate(ids) if r in wanted}
         if drop:
             fields = subset(fields, [i for i in range(_rows(fields)) if i not in drop])
             out.dropped.append((epoch, batch_index, step, sorted(drop)))
-            out.dropped_records.append(sorted(records[i] for i in drop))
+            out.dropped_records.append(sorted(ids[i] for i in drop))
     elif change.drop is not None and (epoch, batch_index) == change.drop[:2]:
         drop = set(change.drop[2])
         fields = subset(fields, [i for i in range(_rows(fields)) if i not in drop])
@@ -221,6 +257,18 @@ def _changed_fields(fields: dict[str, Any], change: Change, epoch: int, batch_in
             fields = subset(fields, [i for i in range(_rows(fields)) if i not in bad])
             out.dropped.append((epoch, batch_index, step, sorted(bad)))
     return fields
+
+
+def _record_ids(fields: dict[str, Any], change: Change, records: list[int] | None) -> list[Any] | None:
+    """What names each sample of the batch for a records remedy: the sampler's dataset indices, else (no
+    sampler) the fingerprint of its values; None for any other change."""
+    if change.drop_records and records is not None:
+        return records
+    if change.drop_fingerprints:
+        from nandoctor.tensors.fingerprint import row_fingerprints
+
+        return row_fingerprints(fields)
+    return None
 
 
 def _batches(w: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, end_epoch: Any, late: Any) -> BatchSource:
@@ -312,12 +360,12 @@ def _guard(change: Change) -> Iterator[dict[str, int] | None]:
 
 
 @contextlib.contextmanager
-def _watched(watch: tuple[Guard, str | None] | None, observe: Any) -> Iterator[None]:
+def _watched(model: Any, watch: tuple[Guard, str | None, int] | None, now: list[int],
+             seen: OpWatch) -> Iterator[None]:
     if watch is None:
         yield
         return
-    guard, source = watch
-    with guarded(guard, source, "line" if source else "any", observe=observe):
+    with watching(model, watch[0], watch[1], now, seen, from_step=watch[2]):
         yield
 
 

@@ -36,6 +36,7 @@ class Candidate:
     why_not: str | None = None  # not applicable: why
     extra: dict[str, Any] = field(default_factory=dict)
     accumulate: int = 1
+    nan_weights: frozenset[str] = frozenset()  # drop_samples: the NaN weights (param.nonfinite) the samples read
 
 
 @dataclass
@@ -63,8 +64,10 @@ def candidates_for(report: Report, fault: Any, workload: Any, ring: SnapshotRing
     """Every remedy for this fault, each ready to replay or saying why not, kept to those its cause calls
     for and put in the order a practitioner would try them."""
     found = _found(report, fault, workload, ring, here)
-    out = [_op_guard(found), *_reinit_rows(found), _drop_samples(found), *_reinit(found), _grad_clip(found),
-           _lower_lr(found), _warmup(found)]
+    repairs = _reinit_rows(found)
+    drop = _drop_samples(found)
+    drop.nan_weights = frozenset(name for c in repairs for name in c.change.reinit_rows)
+    out = [_op_guard(found), *repairs, drop, *_reinit(found), _grad_clip(found), _lower_lr(found), _warmup(found)]
     if amp:  # (on a GPU, try_remedies has returned with a note before getting here)
         out += _amp_remedies()
     for c in out:
@@ -120,16 +123,36 @@ def _drop_samples(found: _Found) -> Candidate:
 
 
 def _drop_rows(found: _Found, rows: list[int]) -> Candidate:
-    """The named samples left out: as dataset records when the batch sampler names them (left out in every
-    epoch), else as that position of that batch (with the skip list to resume with)."""
+    """The named samples left out wherever they come again: as dataset records when the batch sampler names
+    them, else by a fingerprint of their values (a list or generator names nothing); as that position of
+    that batch only when neither can be had (with the skip list to resume with)."""
     fault, workload = found.fault, found.workload
     records = _records(found.ring, fault, rows)
     if records is not None:  # the dataset's own indices: left out wherever the sampler yields them
         return Candidate("drop_samples", _records_text(fault, rows, records), Change(
             drop_records=frozenset(records)), found.here, extra={"records": records})
+    prints = _fingerprints(found, rows)
+    if prints is not None:  # no sampler: the records named by their values, left out wherever they come
+        return Candidate("drop_samples", rt.fingerprints_text(fault, rows, prints), Change(
+            drop_fingerprints=frozenset(prints)), found.here, extra={"fingerprints": prints})
     drop = (fault.epoch, fault.batch_index or 0, rows)
     return Candidate("drop_samples", _skip_text(fault, rows, workload), Change(drop=drop), found.here,
                      extra={"skip_list": _skip_list(fault, rows, workload)})
+
+
+def _fingerprints(found: _Found, rows: list[int]) -> list[str] | None:
+    """The fingerprints of the faulty batch's `rows` (the batch the probe kept, else the fault's own), in the
+    order of `rows`, without repeats; None when the batch is gone or has no rows to hash."""
+    from nandoctor.tensors.fingerprint import row_fingerprints
+
+    fault, tape = found.fault, found.ring.batches
+    pos = (fault.epoch, fault.batch_index or 0)
+    batch = tape.batches.get(pos) if tape is not None else None
+    fields = found.workload.layout.fields(batch, pos[1]) if batch is not None else fault.fields
+    prints = row_fingerprints(fields) if fields else None
+    if prints is None or any(r >= len(prints) for r in rows):
+        return None
+    return list(dict.fromkeys(prints[r] for r in rows))
 
 
 def _reinit(found: _Found) -> list[Candidate]:

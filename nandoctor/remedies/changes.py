@@ -62,3 +62,12 @@ def drop_nonfinite_text(fault: Any, rows: list[int]) -> str:
     keep = f"keep the samples where {masks}" if masks else "keep the samples with no NaN/Inf in any field"
     return (f"filter samples holding NaN/Inf out in the loader ({keep}), first found: sample(s) {rows} of batch "
             f"{fault.batch_index}")
+
+
+def fingerprints_text(fault: Any, rows: list[int], prints: list[str]) -> str:
+    """Leave out records a loader without a batch sampler cannot name by index: named by their values'
+    fingerprint (tensors/fingerprint.py), with how to compute it in the user's data code."""
+    return (f"leave out the record(s) of sample(s) {rows} of batch {fault.batch_index} (epoch {fault.epoch}) wherever "
+            f"they come again: no batch sampler names them by index, so they go by their values' fingerprint {prints} "
+            "(hashlib.blake2b(digest_size=6), updated for each field in name order with f'{name}:{row.dtype.str}:' "
+            "and the row's bytes); fix or filter those records in your data code")

@@ -70,3 +70,28 @@ def scope_note(change: Change, r: Replay) -> str | None:
 def guard_info(change: Change, r: Replay) -> dict[str, Any]:
     """The row's evidence that the guard was reached: its scope, firings and the lines where it mattered."""
     return {"scope": change.guard_scope, "calls": r.guard_calls or 0, "sites": dict(r.guard_sites)}
+
+
+def elsewhere_note(op: str, others: dict[str, tuple[float, str | None]], layer: str | None) -> str | None:
+    """Why a clamp at the reported line cannot help: the op's other calls whose input overflowed as well (the
+    replay without any change saw them), saying where the value that feeds them is made."""
+    if not others:
+        return None
+    same = [at for at, (_, made) in others.items() if layer is not None and made == layer]
+    calls = "; ".join(f"{at} (input up to {top:.3g})" for at, (top, _) in others.items())
+    if same:
+        what = f"the same value (layer {layer}'s output) overflows {op} at another call too"
+    else:
+        what = f"another {op} call overflows on the same step too"
+    where = f"clamp layer {layer}'s output where it is made (source_clamp)" if layer is not None else \
+        "clamp the value where it is made, before it feeds every call"
+    return f"{what}: {calls}; a clamp at one call cannot help: {where}"
+
+
+def source_clamp_text(op: str, layer: str, limit: float, source: str | None,
+                      others: dict[str, tuple[float, str | None]]) -> str:
+    """The clamp of the layer output that feeds every overflowing call, as the user writes it."""
+    calls = [c for c in (source, *others) if c]
+    fed = f" (it reaches {op} at {' and at '.join(calls)})" if calls else ""
+    return (f"clip layer {layer}'s output where it is made, before it feeds every {op}: "
+            f"paddle.clip(self.{layer}(...), max={limit:g}) in the forward that calls it{fed}")

@@ -37,6 +37,9 @@ def judge(r: Replay, fault_step: int, end_step: int, c: Candidate, before: float
     unrecovered = _loss_not_recovered(r, before)
     if unrecovered is not None:
         return NOT_FIXED, unrecovered
+    dodged = _dodged_nan_weight(r, c)
+    if dodged is not None:
+        return NOT_FIXED, dodged
     return FIXED, _fixed_note(r, fault_step, end_step, last, kept_only)
 
 
@@ -46,10 +49,22 @@ def _no_evidence(r: Replay, c: Candidate) -> tuple[str, str | None] | None:
         return NOT_APPLICABLE, r.not_applicable
     if r.error is not None:
         return NOT_FIXED, f"the replay raised {r.error}"
+    if r.other_data_at is not None:
+        return NOT_APPLICABLE, (f"this replay read another batch at step {r.other_data_at} than the training did "
+                                f"(the loader gave other data when re-read: {_why_other(r)}), so it says nothing "
+                                "about the fix")
+    clamp = c.change.clamp_output
+    if clamp is not None and not r.clamp_hits:
+        return NOT_APPLICABLE, (f"the clamp never changed a value of layer {clamp[0]}'s output during the replay, so "
+                                "this replay says nothing about the fix")
     unused = never_fired(r, c.change)  # before the outcome: a guard never applied says nothing about the fix
     if unused is not None:
         return NOT_APPLICABLE, unused
     return None
+
+
+def _why_other(r: Replay) -> str:
+    return r.data_note or "a stream, an unseeded shuffle or augmentation"
 
 
 def _still_nonfinite(r: Replay, fault_step: int) -> str:
@@ -79,6 +94,18 @@ def _loss_not_recovered(r: Replay, before: float | None) -> str | None:
     if after is not None and abs(after) > STUCK:
         return f"finite, but the loss stays at {after:.3g}: training does not recover"
     return None
+
+
+def _dodged_nan_weight(r: Replay, c: Candidate) -> str | None:
+    """Samples left out around a weight the report found NaN (param.nonfinite) that still holds NaN/Inf:
+    finite only because no batch the replay read reached it again (now that a record is left out in every
+    epoch), so the samples were never the cause; the weight is."""
+    if c.remedy != "drop_samples" or not set(r.still_nonfinite) & c.nan_weights:
+        return None
+    held = _held(r)
+    last = r.start_step + r.steps_run - 1
+    return (f"finite through step {last} only because no later batch read the weight again: {held}; leaving "
+            "samples out cannot repair a NaN weight, and any later batch that reads it goes NaN (re-initialise it)")
 
 
 def _fixed_note(r: Replay, fault_step: int, end_step: int, last: int, kept_only: bool) -> str | None:
@@ -125,22 +152,32 @@ def fault_reproduced(control: Replay | None, fault: Any) -> bool | None:
     if control is None or control.cut:
         return None
     late = 1 if fault.kind == FaultKind.UPDATE else 0
-    return not control.finite and control.failed_at is not None and \
+    return not control.finite and control.failed_at is not None and control.other_data_at is None and \
         fault.step <= control.failed_at <= fault.step + late
 
 
-def unverified_note(control: Replay | None, reproduced: bool | None, ring: SnapshotRing) -> str:
-    """Why no remedy can be called verified: the replay without any change did not meet the fault."""
+def unverified_note(control: Replay | None, reproduced: bool | None, ring: SnapshotRing, fault_step: int) -> str:
+    """Why no remedy can be called verified: the replay without any change did not meet the fault at its step
+    on the training's batch."""
     tail = ", so no replay is evidence for or against a remedy"
     if control is None:
         return "no replay without any change could start (no state before the fault to restart from)" + tail
     if control.not_applicable:
         return control.not_applicable
     if control.cut:
-        return "the replay without any change ran out of time before the fault step" + tail
+        return f"the replay without any change ran out of time before the fault step ({fault_step})" + tail
+    said = f"the replay without any change did not reproduce the fault at step {fault_step}"
+    if control.other_data_at is not None:
+        return (f"{said}: it read another batch at step {control.other_data_at} than the training did (the loader "
+                f"gave other data when re-read: {_why_other(control)})" + tail)
     data = control.data_note or getattr(ring.batches, "stream", None)
-    seen = f"it stopped at step {control.failed_at}" if control.failed_at is not None else "it stayed finite"
+    last = control.start_step + control.steps_run - 1
+    if control.failed_at is not None:
+        seen = f"it stopped at step {control.failed_at}"
+    elif control.ended:
+        seen = f"its data ended after step {last}"
+    else:
+        seen = "it stayed finite"
     if data:
-        return f"the replay without any change did not reproduce the fault ({seen}): {data}" + tail
-    return (f"the replay without any change did not reproduce the fault on the same batches ({seen}; a "
-            "nondeterministic run)" + tail)
+        return f"{said} ({seen}): {data}" + tail
+    return f"{said} on the same batches ({seen}; a nondeterministic run)" + tail

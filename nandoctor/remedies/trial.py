@@ -24,7 +24,14 @@ from nandoctor.engine.watcher import FaultKind
 from nandoctor.findings import Code, Report
 from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.remedies.candidates import SYMPTOMS, Candidate, candidates_for, skip_list_of
-from nandoctor.remedies.guard import guard_info, guard_text, replay_guard, scope_note
+from nandoctor.remedies.guard import (
+    elsewhere_note,
+    guard_info,
+    guard_text,
+    replay_guard,
+    scope_note,
+    source_clamp_text,
+)
 from nandoctor.remedies.judging import (
     FIXED,
     NOT_APPLICABLE,
@@ -58,7 +65,8 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
     budget = max(MIN_BUDGET_SECONDS, BUDGET_FACTOR * probe_seconds)
     entry = ring.take(fault.step, fault.epoch, fault.batch_index or 0)  # to put back afterwards
     here = _fault_snapshot(fault, ring, entry)
-    trial = _Trial(report, fault, workload, optimizer, ring, fault.step + max(1, fix_steps), t0, budget)
+    trial = _Trial(report, fault, workload, optimizer, ring, fault.step + max(1, fix_steps), t0, budget,
+                   _fault_batch(fault, workload, ring))
     cands = candidates_for(report, fault, workload, ring, here, amp)
     # The fault's batch has served (localisation, findings, the candidates' texts; a bundle took its own
     # copy): the replays read the batch again, so holding this one too keeps a second copy of a batch alive
@@ -66,14 +74,17 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
     fault.fields = None
     try:
         control = _control(trial, cands, progress)
-        rows = _try_all(trial, cands, _healthy_max(control, fault.step), progress)
+        rows = _try_all(trial, cands, control, progress)
     finally:  # the weights, optimizer state and RNG as the probe left them, whatever stopped the replays
         restore(entry, workload.model, optimizer)
         entry.rng.restore()
     reproduced = fault_reproduced(control, fault)
-    if not reproduced:  # a replay that never met the fault says nothing about a remedy, either way
-        _unverify(rows, unverified_note(control, reproduced, ring))
+    why = None if reproduced else unverified_note(control, reproduced, ring, fault.step)
+    if why is not None:  # a replay that never met the fault says nothing about a remedy, either way
+        _unverify(rows, why)
     _record(trial, rows, control, reproduced, probe_seconds, fix_steps)
+    if why is not None and control is not None:
+        report.details["remedies"]["control"]["note"] = why
 
 
 @dataclass
@@ -89,10 +100,13 @@ class _Trial:
     end_step: int
     t0: float
     budget: float
+    expect: tuple[int, str] | None = None  # the fault's step and its batch's fingerprint (replay.Replay.expect)
+    elsewhere: bool = False  # the control saw the guarded op overflow at another call as well
 
     def run_from(self, start: Snapshot, change: Change) -> Replay:
         """A replay with `change` from `start` to `end_step`, cut where the budget ends."""
-        return replay(self.workload, self.optimizer, self.ring, start, self.end_step, change, self.t0 + self.budget)
+        return replay(self.workload, self.optimizer, self.ring, start, self.end_step, change, self.t0 + self.budget,
+                      expect=self.expect)
 
 
 def _control(trial: _Trial, cands: list[Candidate], progress: ProgressFn) -> Replay | None:
@@ -104,12 +118,30 @@ def _control(trial: _Trial, cands: list[Candidate], progress: ProgressFn) -> Rep
         return None
     progress(0, None, "replaying without any change (does the fault come back?)")
     return replay(trial.workload, trial.optimizer, trial.ring, control_start, fault.step + 2, Change(),
-                  trial.t0 + trial.budget, watch=_watch(cands))
+                  trial.t0 + trial.budget, watch=_watch(cands, fault.step), expect=trial.expect)
 
 
-def _try_all(trial: _Trial, cands: list[Candidate], healthy: float | None,
+def _fault_batch(fault: Any, workload: Any, ring: SnapshotRing) -> tuple[int, str] | None:
+    """The fault's step and the fingerprint of the batch the training read there (the one the probe kept, else
+    the fault's own fields), for every replay to check it reads that batch too; None: no batch to check by."""
+    from nandoctor.tensors.fingerprint import batch_fingerprint
+
+    if fault.batch_index is None:  # (where the batch came in its epoch is unknown: nothing to check against)
+        return None
+    pos = (fault.epoch, fault.batch_index)
+    batch = ring.batches.batches.get(pos) if ring.batches is not None else None
+    fields = workload.layout.fields(batch, pos[1]) if batch is not None else fault.fields
+    found = batch_fingerprint(fields)
+    return None if found is None else (fault.step, found)
+
+
+def _try_all(trial: _Trial, cands: list[Candidate], control: Replay | None,
              progress: ProgressFn) -> list[dict[str, Any]]:
-    """One row per candidate, in the candidates' order, each replayed in turn while the budget lasts."""
+    """One row per candidate, in the candidates' order, each replayed in turn while the budget lasts; after a
+    clamp that did not help, the clamp where the value is made."""
+    healthy = _healthy_max(control, trial.fault.step)
+    # the value overflows the op at another call too: a tighter clamp at this one cannot help, so none is searched
+    trial.elsewhere = bool(control is not None and control.overflows)
     rows: list[dict[str, Any]] = []
     tried = [c for c in cands if c.why_not is None and c.start is not None]
     for c in cands:
@@ -117,6 +149,8 @@ def _try_all(trial: _Trial, cands: list[Candidate], healthy: float | None,
             k = tried.index(c) + 1
             progress(k, len(tried), f"trying remedy {k}/{len(tried)}: {c.remedy}")
         rows.append(_try_one(trial, c, healthy))
+        if c.remedy == "op_guard" and rows[-1]["outcome"] == NOT_FIXED and control is not None:
+            rows += _at_the_source(trial, c, rows[-1], control)
     return rows
 
 
@@ -148,10 +182,41 @@ def _replay_candidate(trial: _Trial, c: Candidate, start: Snapshot,
 
     if c.change.guard is None:
         return run(c.change), None
-    r, c.change, searched = _search_guard(run, c, trial.report, trial.fault.step, trial.end_step, healthy)
+    r, c.change, searched = _search_guard(run, c, trial.report, trial.fault.step, trial.end_step, healthy,
+                                          trial.elsewhere)
     c.change_text = guard_text(c.change, r)
     c.extra["guard"] = guard_info(c.change, r)
     return r, searched
+
+
+def _at_the_source(trial: _Trial, c: Candidate, row: dict[str, Any], control: Replay) -> list[dict[str, Any]]:
+    """A clamp at the reported line that did not help, because the value also overflows the op at another
+    call: the row says so, and the layer output that feeds them is clamped where it is made, its bound
+    searched as the guard's (a `source_clamp` row), when the watch found that layer."""
+    guard = c.change.guard
+    top = limit_of(guard.op) if guard is not None else None
+    if guard is None or top is None or c.start is None:
+        return []
+    said = elsewhere_note(guard.op, control.overflows, control.source_layer)
+    if said:
+        row["note"] = "; ".join(n for n in (said, row["note"]) if n)
+    layer = control.source_layer
+    if layer is None or time.perf_counter() - trial.t0 > trial.budget:
+        return []
+    before = baseline_loss(trial.report, c.start.step)
+    cand = Candidate("source_clamp", "", Change(), c.start, accumulate=c.accumulate)
+    tried: list[str] = []
+    for limit in _limits(top, None):
+        cand.change = Change(clamp_output=(layer, limit))
+        r = trial.run_from(c.start, cand.change)
+        outcome, note = _judge(r, trial.fault.step, trial.end_step, cand, before)
+        cand.extra["threshold"] = limit
+        if outcome != NOT_FIXED or r.error is not None or time.perf_counter() - trial.t0 > trial.budget:
+            break
+        tried.append(f"clipped at {limit:g}: {note}")
+    cand.change_text = source_clamp_text(guard.op, layer, limit, c.change.source, control.overflows)
+    note = "; ".join(n for n in ("; ".join(tried), note) if n) or None
+    return [_row(cand, outcome, r, note=note, before=before)]
 
 
 def _unverify(rows: list[dict[str, Any]], why: str) -> None:
@@ -160,6 +225,7 @@ def _unverify(rows: list[dict[str, Any]], why: str) -> None:
         if row["outcome"] != NOT_APPLICABLE:
             row["outcome"], row["note"] = NOT_APPLICABLE, why
             row.pop("skip_list", None)
+            row.pop("failed_at", None)  # (where a replay of unverified data failed is no evidence either)
 
 
 def _record(trial: _Trial, rows: list[dict[str, Any]], control: Replay | None, reproduced: bool | None,
@@ -183,12 +249,13 @@ def _record(trial: _Trial, rows: list[dict[str, Any]], control: Replay | None, r
 _MAX_LIMITS = 6  # clamps a threshold search tries: the rule's bound, then halved
 
 
-def _watch(cands: list[Candidate]) -> tuple[Any, str | None] | None:
-    """The op of a clamp whose bound may be searched (exp), for the control replay to record its inputs."""
+def _watch(cands: list[Candidate], fault_step: int) -> tuple[Any, str | None, int] | None:
+    """The op of a clamp whose bound may be searched (exp), for the control replay to record its inputs (and,
+    from the fault's step, its other calls that overflow)."""
     c = next((c for c in cands if c.change.guard is not None and c.why_not is None and c.start is not None), None)
     if c is None or limit_of(c.change.guard.op) is None:
         return None
-    return c.change.guard, c.change.source
+    return c.change.guard, c.change.source, fault_step
 
 
 def _healthy_max(control: Replay | None, fault_step: int) -> float | None:
@@ -209,9 +276,10 @@ def _limits(top: float, healthy: float | None) -> list[float]:
 
 
 def _search_guard(run: Any, c: Candidate, report: Report, fault_step: int, end_step: int,
-                  healthy: float | None) -> tuple[Replay, Change, str | None]:
+                  healthy: float | None, elsewhere: bool = False) -> tuple[Replay, Change, str | None]:
     """The guard's replay; for a clamp with an upper bound (exp's 60), tighter bounds while it does not
-    verify: a value clamped at 60 can still overflow where it is squared downstream (a VAE's std). Returns
+    verify: a value clamped at 60 can still overflow where it is squared downstream (a VAE's std); not when
+    the value overflows the op at another call too (`elsewhere`: no bound at this call can help). Returns
     the last replay, its change, and what the search tried (for the row's note)."""
     import dataclasses
 
@@ -220,7 +288,7 @@ def _search_guard(run: Any, c: Candidate, report: Report, fault_step: int, end_s
         r, change = replay_guard(run, c.change)
         return r, change, None
     tried: list[tuple[float, str]] = []
-    for limit in _limits(top, healthy):
+    for limit in _limits(top, healthy)[:1 if elsewhere else None]:
         r, change = replay_guard(run, dataclasses.replace(c.change, guard_limit=limit))
         outcome, note = _judge(r, fault_step, end_step, dataclasses.replace(c, change=change),
                                baseline_loss(report, r.start_step))
@@ -292,10 +360,11 @@ def _row(c: Candidate, outcome: str, r: Replay | None, note: str | None,
         row.update(c.extra)
         if r is not None and r.dropped:
             row["skip_list"] = skip_list_of(r.dropped, c.accumulate)
-            if "records" in c.extra:  # the records themselves: what to filter out, whatever epoch reads them
+            named = next((k for k in ("records", "fingerprints") if k in c.extra), None)
+            if named is not None:  # the records themselves: what to filter out, whatever epoch reads them
                 for entry, ids in zip(row["skip_list"]["batches"], r.dropped_records):
-                    entry["records"] = ids
-                row["skip_list"] = {"records": c.extra["records"], **row["skip_list"]}
+                    entry[named] = ids
+                row["skip_list"] = {named: c.extra[named], **row["skip_list"]}
     elif "threshold" in c.extra:
         row["threshold"] = c.extra["threshold"]
     return row
