@@ -9,6 +9,7 @@ clamped at the bound the report gives (finite through the replays' horizon and b
 from __future__ import annotations
 
 import inspect
+import runpy
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import two_exp
 import yaml
 
 from nandoctor.probe import ProbeOptions, run_probe
+from nandoctor.report.bundle import write_bundle
 from nandoctor.spec import load_spec
 
 HERE = Path(__file__).resolve().parent
@@ -57,14 +59,21 @@ def _plain(steps: int, *, at_call: float | None = None, at_source: float | None 
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def probed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """The probe's report on two_exp.py, and its spec (for a bundle)."""
     folder = tmp_path_factory.mktemp("two_exp")
     entry = f"{HERE / 'two_exp.py'}"
     raw = {"version": 1, "model": {"entry": f"{entry}:build_model"},
            "data": {"entry": f"{entry}:build_loader", "fields": ["x"]}, "step": {"entry": f"{entry}:vae_step"},
            "optimizer": {"name": "Adam", "args": {"learning_rate": 0.003}}}
     (folder / "config.yaml").write_text(yaml.safe_dump(raw), encoding="utf-8")
-    return run_probe(load_spec(folder / "config.yaml"), ProbeOptions(steps=STEPS, seed=0, device="cpu"))
+    spec = load_spec(folder / "config.yaml")
+    return run_probe(spec, ProbeOptions(steps=STEPS, seed=0, device="cpu")), spec
+
+
+@pytest.fixture(scope="module")
+def report(probed: tuple[Any, Any]) -> Any:
+    return probed[0]
 
 
 def test_the_clamp_at_one_call_says_the_same_value_overflows_at_the_other(report):
@@ -91,3 +100,20 @@ def test_the_value_clamped_where_it_is_made_is_verified(report):
     assert horizon <= STEPS and _plain(2 * STEPS, at_source=limit) is None  # clamped at the source: finite
     symptom = next(f for f in report.findings if f.location.step == 10 and f.severity.value == "error")
     assert any(a.startswith("Verified by replay (source_clamp)") for a in symptom.advice)
+
+
+def test_reproduce_py_applies_the_source_clamp(probed: tuple[Any, Any], tmp_path: Path,
+                                                capfd: pytest.CaptureFixture[str]):
+    """The bundle's reproduce.py replays the faulting step as is (exp overflows) and with the row's clamp of
+    logvar's output (clean), the layer and bound read from report.json."""
+    report, spec = probed
+    bundle = write_bundle(report, spec, tmp_path / "b")
+    main = runpy.run_path(str(bundle / "reproduce.py"), run_name="bundle_reproduce")["main"]
+    capfd.readouterr()
+    assert main([]) == 1
+    assert "exp" in capfd.readouterr().out
+    assert main(["--with-remedy", "source_clamp"]) == 0
+    row = next(r for r in report.remedies if r["remedy"] == "source_clamp")
+    out = capfd.readouterr().out
+    assert f"clipping layer logvar's output at {row['clamp']['max']:g}" in out and "no fault" in out, out
+    assert row["clamp"] == {"layer": "logvar", "max": row["threshold"]}

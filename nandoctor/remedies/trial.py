@@ -216,7 +216,9 @@ def _at_the_source(trial: _Trial, c: Candidate, row: dict[str, Any], control: Re
         tried.append(f"clipped at {limit:g}: {note}")
     cand.change_text = source_clamp_text(guard.op, layer, limit, c.change.source, control.overflows)
     note = "; ".join(n for n in ("; ".join(tried), note) if n) or None
-    return [_row(cand, outcome, r, note=note, before=before)]
+    row = _row(cand, outcome, r, note=note, before=before)
+    row["clamp"] = {"layer": layer, "max": limit}  # what reproduce.py --with-remedy source_clamp applies
+    return [row]
 
 
 def _unverify(rows: list[dict[str, Any]], why: str) -> None:

@@ -23,8 +23,9 @@ fault it re-checks the saved batch for NaN/Inf and prints the field and samples.
 
 `--with-remedy NAME` replays the step with one of the report's remedies applied: `op_guard` (the epsilon
 or clamp for the faulting op from op_guards.json, at the source line the report names, or as widely as
-the probe's replay had to apply it: while that line's call runs, or everywhere) or `drop_samples` (the
-offending samples left out). Remedies that act over many steps (learning rate, warmup, clipping,
+the probe's replay had to apply it: while that line's call runs, or everywhere), `source_clamp` (the output
+of the layer that feeds the overflowing op clipped where it is made, at the probe's bound) or `drop_samples`
+(the offending samples left out). Remedies that act over many steps (learning rate, warmup, clipping,
 re-initialising) were verified by the probe from an earlier state this bundle does not hold; reproduce.py
 says so, and says when the probe judged a remedy that leaves this step clean not to fix the run.
 
@@ -59,7 +60,7 @@ class BundleError(Exception):
     """The bundle is missing a file or names code that cannot be loaded."""
 
 
-USAGE = "usage: python reproduce.py [--with-remedy NAME]   (NAME: op_guard or drop_samples, from report.json)"
+USAGE = "usage: python reproduce.py [--with-remedy NAME]   (NAME: op_guard, source_clamp or drop_samples, from report.json)"
 
 
 def parse_remedy(argv: list[str]) -> str | None:
@@ -515,9 +516,10 @@ def select_output(outputs: Any, selector: Any) -> Any:
 
 
 def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expected: dict[str, Any],
-                rate: float | None = None) -> dict[str, Any] | None:
+                rate: float | None = None, clamp: tuple[str, float] | None = None) -> dict[str, Any] | None:
     """The failing step from the saved state, batch and RNG; `rate` is the learning rate the run had at
-    that step (the optimizer only steps when the fault was in its update)."""
+    that step (the optimizer only steps when the fault was in its update); `clamp` clips a layer's output
+    (the source_clamp remedy)."""
     import paddle
 
     if batch is None:
@@ -533,12 +535,15 @@ def replay_step(spec: dict[str, Any], batch: dict[str, np.ndarray] | None, expec
     rng = load_rng()
     if rng is None:
         print("note: no rng_state.json in the bundle; a model with dropout may replay with other masks")
+    clipped = clip_output(model, clamp) if clamp is not None else None
     tracker = Tracker(model)
     log = quiet_paddle()
     try:
         return checked_step(step, tracker, state, rng, optimizer)
     finally:
         tracker.remove()
+        if clipped is not None:
+            clipped.remove()
         restore_output(log)
 
 
@@ -781,6 +786,8 @@ def replay_with_remedy(report: dict[str, Any], spec: dict[str, Any], batch: dict
     rate = step_lr(report, expected.get("step"))
     if name == "drop_samples":
         found = replay_without_samples(row, spec, batch, expected, rate)
+    elif name == "source_clamp":
+        found = replay_with_source_clamp(row, spec, batch, expected, rate)
     else:
         found = replay_with_guard(report, row, spec, batch, expected, rate)
     if found is None:
@@ -803,11 +810,43 @@ def replayable_remedy(report: dict[str, Any], name: str) -> dict[str, Any]:
     if row is None:
         raise BundleError(f"report.json has no remedy {name!r}; it has: {', '.join(map(str, rows)) or 'none'}.")
     print(f"remedy {name} ({row.get('outcome')} in nandoctor's replay): {row.get('change')}")
-    if name not in ("op_guard", "drop_samples"):
+    if name not in REPLAYABLE:
         raise BundleError(f"{name} acts over many steps, from a state before the fault that this bundle does not "
                           f"hold; nandoctor replayed it in the probe (outcome {row.get('outcome')}, see report.md). "
-                          "reproduce.py replays op_guard and drop_samples.")
+                          f"reproduce.py replays {', '.join(REPLAYABLE)}.")
     return row
+
+
+REPLAYABLE = ("op_guard", "source_clamp", "drop_samples")
+
+
+def replay_with_source_clamp(row: dict[str, Any], spec: dict[str, Any], batch: dict[str, np.ndarray],
+                             expected: dict[str, Any], rate: float | None) -> dict[str, Any] | None:
+    """The source_clamp remedy: the step replayed with the named layer's output clipped where it is made,
+    at the bound nandoctor's replay used, so every op it feeds sees the clipped value."""
+    clamp = row.get("clamp")
+    if not isinstance(clamp, dict) or not isinstance(clamp.get("layer"), str) \
+            or not isinstance(clamp.get("max"), (int, float)):
+        raise BundleError("report.json's source_clamp row names no layer and bound (`clamp`); it was written by "
+                          "an older nandoctor: clip the layer's output as its `change` says.")
+    print(f"clipping layer {clamp['layer']}'s output at {clamp['max']:g}, as nandoctor's replay did")
+    return replay_step(spec, batch, expected, rate, clamp=(clamp["layer"], float(clamp["max"])))
+
+
+def clip_output(model: Any, clamp: tuple[str, float]) -> Any:
+    """A forward hook on layer `clamp[0]` that clips its output at `clamp[1]`; the hook's handle."""
+    import paddle
+
+    name, top = clamp
+    layers = dict(model.named_sublayers())
+    if name not in layers:
+        raise BundleError(f"the model has no sublayer {name!r} (the source_clamp row's layer); its sublayers: "
+                          f"{', '.join(list(layers)[:10]) or 'none'}.")
+
+    def hook(_layer: Any, _inputs: Any, out: Any) -> Any:
+        return paddle.clip(out, max=top) if isinstance(out, paddle.Tensor) else None
+
+    return layers[name].register_forward_post_hook(hook)
 
 
 def replay_without_samples(row: dict[str, Any], spec: dict[str, Any], batch: dict[str, np.ndarray],
