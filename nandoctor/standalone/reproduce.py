@@ -60,7 +60,8 @@ class BundleError(Exception):
     """The bundle is missing a file or names code that cannot be loaded."""
 
 
-USAGE = "usage: python reproduce.py [--with-remedy NAME]   (NAME: op_guard, source_clamp or drop_samples, from report.json)"
+USAGE = ("usage: python reproduce.py [--with-remedy NAME]   (NAME: op_guard, source_clamp or drop_samples, "
+         "from report.json)")
 
 
 def parse_remedy(argv: list[str]) -> str | None:
