@@ -64,6 +64,10 @@ class StepTarget:
     label_bounds: tuple[float, float] | None = None
     # Before any replay: a fault that began in loss code no replay can reach (`nandoctor run`), else None
     loss_code_fault: Callable[[Fault], LossCodeFault | None] | None = None
+    # The user's line that called the model in the failing step, for a replay that calls it from nandoctor's
+    # own code (`nandoctor run`): the op's user line when no line of the user's runs inside the replay
+    # (file, line, function)
+    model_caller: Callable[[], tuple[str, int, str] | None] | None = None
 
 
 def spec_target(workload: Any) -> StepTarget:

@@ -107,6 +107,8 @@ def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: l
     evidence = _nonfinite_evidence(fault, loc_, sample_notes, scope, reason)
     if loc_.source:
         report.details["source"] = loc_.source  # the first-fault panel shows it beside layer and op
+    if loc_.library_source:
+        report.details["library_source"] = loc_.library_source
     report.findings.append(Finding(code, Severity.ERROR, what, loc, evidence, advice_for(code.value, op=loc_.op)))
     if loc_.offending:
         report.details["offending_tensor"] = loc_.offending
@@ -154,9 +156,19 @@ def _nonfinite_what(fault: Fault, loc_: Localization, who: str) -> str:
     else:
         what = (f"The loss became NaN/Inf at step {fault.step} {where}{op} while the model's outputs were finite. "
                 f"{who}")
-    if loc_.source:
-        what += f" The op was created at {loc_.source}."
-    return what
+    return what + created_at(loc_.source, loc_.library_source)
+
+
+def created_at(source: str | None, library: str | None) -> str:
+    """Where the op was made: the user's line, and the library line inside it when their line only called
+    into a library's code."""
+    if source and library:
+        return f" The op was created at {library}, in library code your line {source} called."
+    if source:
+        return f" The op was created at {source}."
+    if library:
+        return f" The op was created at {library}, in library code."
+    return ""
 
 
 def _nonfinite_evidence(fault: Fault, loc_: Localization, sample_notes: list[str], scope: str | None,
@@ -168,6 +180,8 @@ def _nonfinite_evidence(fault: Fault, loc_: Localization, sample_notes: list[str
         evidence["nan_op"] = loc_.nan_op
     if loc_.source:
         evidence["source"] = loc_.source
+    if loc_.library_source:
+        evidence["library_source"] = loc_.library_source
     if scope is not None:
         evidence["samples_scope"] = scope
     if reason is not None:

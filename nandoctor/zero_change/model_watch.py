@@ -8,6 +8,8 @@ that comes back to it) and its loss layer's labels, and replays the step's loss 
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 from nandoctor.tensors.convert import leaves
@@ -30,6 +32,7 @@ class ModelWatch:
         self.handles: list[Any] = []
         self.index = 0  # its position among the models the process watched
         self._rows: Any = None  # the sample positions of the last batch size seen (never written to)
+        self.call_site: list[tuple[str, int, str]] = []  # the frames that called the model last (call_site())
 
     def start(self, call: Any, report_dir: str | None, sync: Any, on_fault: str, first_step: int = 0) -> None:
         """The Doctor on the model found, with the step whose forward already ran open from its RNG (step
@@ -38,10 +41,12 @@ class ModelWatch:
         from nandoctor.inloop.doctor import Doctor
 
         self.record(call.args, call.kwargs)
+        self.call_site = getattr(call, "site", None) or []
         self.output, self.grads = call.output, call.grads
         self.doctor = Doctor(self.model, self.optimizer, step_fn=self.replay, report_dir=report_dir,
                              on_fault=on_fault, wrap_step=False, sync=sync, mode=Mode.RUN)
         self.doctor.loss_code_fault = self.loss_code_fault
+        self.doctor.model_caller = self.model_caller
         self.doctor.step = first_step
         self.doctor.open_step(call.rng)
 
@@ -59,6 +64,7 @@ class ModelWatch:
         def on_model(_layer: Any, args: Any, kwargs: Any) -> None:
             if not session.busy and self.model.training:
                 self.record(args, kwargs)
+                self.call_site = call_site(sys._getframe(1))
                 session.current = self
 
         def on_model_out(_layer: Any, _args: Any, out: Any) -> None:
@@ -100,6 +106,15 @@ class ModelWatch:
             self.doctor.close()
         except Exception:  # noqa: BLE001 - inside the user's loop nothing of ours may raise
             pass
+
+    def model_caller(self) -> tuple[str, int, str] | None:
+        """(file, line, function) of the user's line that called the model last: where the step the
+        replays re-run called into a library's model (theirs run it from nandoctor's own code)."""
+        from pathlib import Path
+
+        from nandoctor.workload.entrypoints import is_user_file
+
+        return next((f for f in self.call_site if is_user_file(Path(f[0]), None)), None)
 
     def fields(self) -> dict[str, Any]:
         import paddle
@@ -209,3 +224,25 @@ class ModelWatch:
             shown = ", ".join(answer["changed_files"][:10])
             found.notes.append(f"the checked pass changed {len(answer['changed_files'])} file(s) in the working "
                                f"folder by a route nandoctor does not redirect (C code): {shown}")
+
+
+_MACHINERY: tuple[str, ...] = ()
+_SITE_DEPTH = 12
+
+
+def call_site(frame: Any) -> list[tuple[str, int, str]]:
+    """The frames that called a layer, innermost first, past Paddle's machinery and nandoctor's seams: up to
+    _SITE_DEPTH of them, as (file, line, function), read from the running stack (no file system call: this
+    runs at every training call of the model)."""
+    global _MACHINERY
+    if not _MACHINERY:
+        paddle_dir = os.path.dirname(sys.modules["paddle"].__file__)
+        own_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        _MACHINERY = (paddle_dir + os.sep, own_dir + os.sep)
+    while frame is not None and frame.f_code.co_filename.startswith(_MACHINERY):
+        frame = frame.f_back
+    out = []
+    while frame is not None and len(out) < _SITE_DEPTH:
+        out.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return out

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from nandoctor.zero_change.capture import keep_grads
-from nandoctor.zero_change.model_watch import ModelWatch
+from nandoctor.zero_change.model_watch import ModelWatch, call_site
 from nandoctor.zero_change.processes import in_pool_worker
 
 ENV = "NANDOCTOR_RUN"
@@ -56,6 +56,7 @@ class _Call:
         self.layer, self.args, self.kwargs, self.rng = layer, args, kwargs, rng
         self.output: Any = None
         self.grads: dict[int, Any] = {}
+        self.site: list[tuple[str, int, str]] = []
 
 
 class Session:
@@ -99,6 +100,8 @@ class Session:
         training = layer.training
         # The RNG state before the call (a replay of step 0 needs its dropout masks): until the model is known
         root = _Call(layer, args, kwargs, sys.modules["paddle"].get_rng_state()) if training else None
+        if root is not None:
+            root.site = call_site(sys._getframe(1))  # the line that called it: a library model's caller
         self.depth += 1
         try:
             out = call(layer, *args, **kwargs)
