@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nandoctor.diagnosis.frames import creation_lines, live_stack
 from nandoctor.engine.checker import disable_checker, enable_checker
 from nandoctor.engine.native import capture_native_output
-from nandoctor.diagnosis.frames import creation_lines, live_stack
 from nandoctor.workload.entrypoints import is_library_file, is_user_file, library_site, short_path
 
 NAN, INF = "nan", "inf"
