@@ -72,7 +72,8 @@ class ModelWatch:
                 return
             recheck = session.recheck
             if recheck is not None and recheck.is_model(self.model):
-                recheck.after_model(self.doctor.step if self.doctor is not None else 0)
+                recheck.after_model(self.doctor.step if self.doctor is not None else 0, self.model, self.inputs,
+                                    self.kwargs, out)
             self.output = out
             self.grads = {}
             if self.loss_layer is None:
@@ -205,6 +206,9 @@ class ModelWatch:
         # The checked pass re-runs the whole command: not ours to start on a rank, nor in a child process
         if session.recheck is None and self.doctor.sync is None and session.process is None:
             self._checked_pass(found, fault.step)
+        else:
+            found.no_pass = ("a rank of a distributed run" if self.doctor.sync is not None else
+                             "a child process of your script")
         return found
 
     def _checked_pass(self, found: Any, step: int) -> None:
@@ -212,6 +216,7 @@ class ModelWatch:
         from nandoctor.zero_change.recheck import run_checked_pass
 
         answer = run_checked_pass(self.session.config, step, self.model, self.session.started)
+        found.samples = answer.get("samples")
         if answer.get("op"):
             found.op, found.source = answer["op"], answer.get("source")
             if answer.get("phase") == "loss":  # a harmful Inf in the loss code's forward came first

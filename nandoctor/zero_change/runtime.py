@@ -110,7 +110,8 @@ class Session:
         if root is None:
             return out
         if self.recheck is not None and self.recheck.is_model(layer):
-            self.recheck.after_model(0)  # step 0: the model is not known yet, but its class is
+            # step 0: the model is not known yet, but its class is
+            self.recheck.after_model(0, layer, args, kwargs, out)
         self._keep_root(root, out)
         return out
 
