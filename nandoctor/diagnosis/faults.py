@@ -286,7 +286,8 @@ _NOT_NAMED = {
     "inline": "your loss code is not a function that takes the model's output, which nandoctor could call again "
               "on part of the batch (it is written inline in the loop, or given a tensor derived from the output)",
     "no_batch": "the model's inputs have no common batch dimension to split",
-    "not_reproduced": "your loss function, replayed on the whole batch through the model, did not fault again",
+    "not_reproduced": "the first function of yours that took the model's output ({function}), replayed on the whole "
+                      "batch through the model, did not fault again: it is not the loss, or not all of it",
     "failed": "nandoctor's own replay of your loss function failed (a nandoctor bug, please report it)",
 }
 
@@ -296,7 +297,7 @@ def _not_named(outside: Any, batch_index: int | None, mode: str) -> str:
     a loss that mixes its rows spreads one sample's NaN to others, so they are not named as causes)."""
     bis = outside.samples or {}
     if bis.get("why") in _NOT_NAMED:
-        why = _NOT_NAMED[bis["why"]]
+        why = _NOT_NAMED[bis["why"]].format(function=bis.get("function") or "?")
     elif outside.no_pass:
         why = f"this is {outside.no_pass}, where nandoctor run does not re-run the command to replay your loss code"
     elif mode == "run":

@@ -134,23 +134,23 @@ def loss_samples(call: LossCall | None) -> dict[str, Any]:
     loss code cannot be replayed on part of the batch."""
     from nandoctor.diagnosis.samples import find_samples
     from nandoctor.engine.checker import disable_checker
+    from nandoctor.workload.entrypoints import short_path
 
     if call is None or call.fn is None:
         return {"samples": None, "why": "inline"}
+    code = call.fn.__code__
+    function = f"{short_path(Path(code.co_filename), Path.cwd())}:{code.co_firstlineno} in {code.co_name}"
     disable_checker()
     replay = _Replay(call)
     fields = replay.fields()
     if fields is None:
-        return {"samples": None, "why": "no_batch"}
+        return {"samples": None, "why": "no_batch", "function": function}
     whole = list(range(int(fields[_ROW].shape[0])))
     if not _faults(replay, fields, whole):
-        return {"samples": None, "why": "not_reproduced"}
+        return {"samples": None, "why": "not_reproduced", "function": function}
     bis = find_samples(replay, fields, "backward")
-    from nandoctor.workload.entrypoints import short_path
-
-    code = call.fn.__code__
     return {"samples": bis.samples, "scope": bis.scope, "reason": bis.reason, "notes": list(bis.notes),
-            "function": f"{short_path(Path(code.co_filename), Path.cwd())}:{code.co_firstlineno} in {code.co_name}"}
+            "function": function}
 
 
 def _faults(replay: _Replay, fields: dict[str, Any], rows: list[int]) -> bool:
