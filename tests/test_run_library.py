@@ -188,3 +188,70 @@ def test_a_crash_inside_a_library_names_the_users_call_and_the_raising_line(tmp_
         assert _source_at(finding["evidence"]["origin"]) == (SCRIPT.name, user[1], user[2])
         assert finding["evidence"]["library_origin"] == expected["library"]
         assert f"raised inside library code at {expected['library']}" in finding["message"]
+
+
+_MODEL = '''import sys
+
+import paddle
+
+sys.path.insert(0, {lib!r})
+from nd_runlib.layers import Strict  # noqa: E402
+
+
+class Net(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.strict, self.head = paddle.nn.Linear(4, 8, bias_attr=False), Strict(), paddle.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.strict(self.fc(x)))  # the user's call into the library
+
+
+def build_model():
+    paddle.seed(0)
+    return Net()
+'''
+
+_DATA = '''import numpy as np
+
+
+def build_loader():
+    batches = []
+    for step in range(6):
+        rng = np.random.default_rng(step)
+        x = rng.normal(size=(6, 4)).astype("float32")
+        if step == 3:
+            x[[1, 4]] = 0.0
+        batches.append((x, rng.integers(0, 3, size=(6,)).astype("int64")))
+    return batches
+'''
+
+_CONFIG = '''version: 1
+model: {entry: "model.py:build_model"}
+data: {entry: "data.py:build_loader", fields: [x, y], label: y}
+loss: {builtin: cross_entropy}
+optimizer: {name: Adam, args: {learning_rate: 0.01}}
+'''
+
+
+def test_the_probe_names_the_raising_library_line_too(tmp_path: Path) -> None:
+    """The same library check raising under `nandoctor probe`: the crash finding names the user's model line
+    and the library line, as a plain call of the model on that batch raises them."""
+    from nandoctor.probe import ProbeOptions, run_probe
+    from nandoctor.spec import load_spec
+
+    (tmp_path / "model.py").write_text(_MODEL.format(lib=str(LIBRARY)), encoding="utf-8")
+    (tmp_path / "data.py").write_text(_DATA, encoding="utf-8")
+    (tmp_path / "config.yaml").write_text(_CONFIG, encoding="utf-8")
+    model_mod, data_mod = run_script(tmp_path / "model.py"), run_script(tmp_path / "data.py")
+    x, _ = data_mod.build_loader()[3]
+    with pytest.raises(ValueError) as raised:
+        model_mod.build_model()(paddle.to_tensor(x))
+    frames = [(Path(f.filename).resolve(), f.lineno, f.name) for f in traceback.extract_tb(raised.value.__traceback__)]
+    user, library = innermost_under(frames, tmp_path), _line(innermost_under(frames, LIBRARY), LIBRARY)
+    report = run_probe(load_spec(tmp_path / "config.yaml"), ProbeOptions(steps=6, seed=0, device="cpu")).to_dict()
+    finding = next(f for f in report["findings"] if f["code"] == "user_code.error")
+    assert report["first_fault"]["step"] == 3 and finding["location"]["layer"] == "strict"
+    assert _source_at(finding["evidence"]["origin"]) == ("model.py", user[1], user[2])
+    assert finding["evidence"]["library_origin"] == library
+    assert f"raised inside library code at {library}" in finding["message"]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 _ROW = "nandoctor_row"
-_OUT = "nandoctor_out"  # a loss argument that is the model's output: the part's own output goes there
+_WHOLE = -1  # the loss function took the model's whole output (else the position of the tensor it took)
 
 
 class LossCall:
@@ -33,6 +33,10 @@ class LossCall:
         self.rng = paddle.get_rng_state()
         self.fn: Any = None
         self.arguments: dict[str, Any] = {}
+        # the arguments that are the model's output or one of its tensors (`outputs.logits`): name -> _WHOLE or
+        # the tensor's position among the output's leaves; a part's own output goes there
+        self.outputs: dict[str, int] = {}
+        self._leaves = [out] + list(_leaves(out))
         self._user: dict[str, bool] = {}
 
     def start(self) -> None:
@@ -55,12 +59,13 @@ class LossCall:
         code = frame.f_code
         names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
         values = frame.f_locals
-        if not any(values.get(n) is self.out for n in names):
+        outputs = {n: i - 1 for n in names for i, leaf in enumerate(self._leaves) if values.get(n) is leaf}
+        if not outputs:
             return
         self.stop()
         fn = _function_of(frame)
         if fn is not None and code.co_posonlyargcount == 0:
-            self.fn, self.arguments = fn, {n: values[n] for n in names}
+            self.fn, self.arguments, self.outputs = fn, {n: values[n] for n in names}, outputs
 
 
 def _function_of(frame: Any) -> Any:
@@ -98,7 +103,7 @@ class _Replay:
         n = batch_size({k: v for k, v in every.items() if isinstance(v, paddle.Tensor)})
         if n is None:
             return None
-        every.update({f"arg:{k}": v for k, v in c.arguments.items() if v is not c.out})
+        every.update({f"arg:{k}": v for k, v in c.arguments.items() if k not in c.outputs})
         fields = {k: v for k, v in every.items() if _rows(v) == n}
         self.const = {k: v for k, v in every.items() if k not in fields}
         fields[_ROW] = paddle.arange(n, dtype="int64")
@@ -116,11 +121,25 @@ class _Replay:
             return fields[key] if key in fields else self.const[key]
 
         out = c.model(*[value(f"input{i}") for i in range(len(c.args))], **{k: value(f"kw:{k}") for k in c.kwargs})
-        return c.fn(**{k: out if v is c.out else value(f"arg:{k}") for k, v in c.arguments.items()})
+        parts = _leaves(out)
+
+        def argument(name: str) -> Any:
+            if name not in c.outputs:
+                return value(f"arg:{name}")
+            i = c.outputs[name]
+            return out if i == _WHOLE else parts[i]
+
+        return c.fn(**{k: argument(k) for k in c.arguments})
 
     def clear(self) -> None:
         for _, p in self.params:
             p.clear_gradient(False)
+
+
+def _leaves(out: Any) -> list[Any]:
+    from nandoctor.tensors.convert import leaves
+
+    return list(leaves(out))
 
 
 def _rows(value: Any) -> int | None:
