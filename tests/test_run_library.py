@@ -96,6 +96,40 @@ def _op_truth(capfd: pytest.CaptureFixture) -> dict[str, Any]:
             "sample_indices": samples, "user": user, "library": _line(lib, LIBRARY)}
 
 
+def _forward_truth() -> dict[str, Any]:
+    """The first forward fault of a plain loop under the checker in abort mode: its step, op, the innermost
+    frame of the abort's traceback in the script and in the library, and the samples whose output alone is
+    NaN/Inf."""
+    from paddle.amp import debugging
+
+    script = run_script(SCRIPT)
+    model, opt = script.build("fwd")
+    checker = debugging.TensorCheckerConfig(enable=True, debug_mode=debugging.DebugMode.CHECK_NAN_INF_AND_ABORT)
+    found = None
+    for step in range(STEPS):
+        batch = _tensors(*script.batch(step))
+        debugging.enable_tensor_checker(checker)
+        try:
+            loss = script.loss_of(model, batch)
+        except RuntimeError as exc:
+            found = step, batch, exc
+            break
+        finally:
+            debugging.disable_tensor_checker()
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+    assert found is not None, "the plain loop never went non-finite"
+    step, (x, _), exc = found
+    frames = [(Path(f.filename).resolve(), f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
+    with paddle.no_grad():
+        samples = [row for row in range(int(x.shape[0]))
+                   if not bool(paddle.isfinite(model(x[row:row + 1])).all())]
+    return {"step": step, "phase": "forward", "op": re.search(r"op=(\w+)", str(exc)).group(1),
+            "sample_indices": samples, "user": innermost_under(frames, SCRIPT.parent),
+            "library": _line(innermost_under(frames, LIBRARY), LIBRARY)}
+
+
 def _raise_truth() -> dict[str, Any]:
     """The plain loop's exception: its step, the innermost frame of its traceback in the script and in the
     library."""
@@ -174,6 +208,23 @@ def test_an_op_made_in_a_library_names_the_model_call_and_the_library_line(tmp_p
         assert f"created at {library}, in library code your line {finding['evidence']['source']}" in finding["message"]
     assert "opt.step()" not in SCRIPT.read_text(encoding="utf-8").splitlines()[
         _source_at(data["findings"][0]["evidence"]["source"])[1] - 1]
+
+
+def test_a_forward_op_made_in_a_library_names_the_model_call_and_the_library_line(tmp_path: Path) -> None:
+    """The same for an op whose forward output is the fault: the line comes from the replay's line tracer,
+    which now follows the library's lines too, not from a printed stack."""
+    expected = _forward_truth()
+    user, library = expected.pop("user"), expected.pop("library")
+    assert expected["op"] == "log" and expected["sample_indices"] == [1, 4]
+    proc, data = _run(tmp_path, "fwd")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    watched = _watch(tmp_path, "fwd")
+    for report in (data, watched):
+        assert {k: report["first_fault"][k] for k in expected} == expected
+        assert report["first_fault"]["layer"] == "1"  # LogScale, the library's layer
+        finding = report["findings"][0]
+        assert _source_at(finding["evidence"]["source"]) == (SCRIPT.name, user[1], user[2])
+        assert finding["evidence"]["library_source"] == library
 
 
 def test_a_crash_inside_a_library_names_the_users_call_and_the_raising_line(tmp_path: Path) -> None:

@@ -133,7 +133,7 @@ def user_origin(exc: BaseException, base_dir: Path | None = None) -> str | None:
 def is_user_file(file: Path, base: Path | None) -> bool:
     """Not nandoctor (its package or its console script), not an installed package, not the standard
     library, not anything else in the interpreter's own prefix (a venv's bin/ scripts); anything under
-    `base` counts."""
+    `base` counts, but for installed packages there (a venv inside the project)."""
     text = str(file)
     if text.startswith("<"):
         return False
@@ -144,11 +144,15 @@ def is_user_file(file: Path, base: Path | None) -> bool:
     if _OUR_DIR in resolved.parents or resolved.name == "nandoctor":  # the package, the console script
         return False
     if base is not None and base in resolved.parents:
-        return True
+        # a venv inside the project holds installed packages, not the user's code
+        return not _INSTALLED.intersection(resolved.relative_to(base).parts)
     if any(prefix in resolved.parents for prefix in _interpreter_dirs()):
         return False
     lowered = text.replace("\\", "/")
     return "site-packages" not in lowered and "/lib/python" not in lowered
+
+
+_INSTALLED = frozenset({"site-packages", "dist-packages"})
 
 
 def is_own_file(file: str) -> bool:

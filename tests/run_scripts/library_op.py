@@ -3,6 +3,7 @@ site-packages/nd_runlib): the op that goes non-finite, or the check that raises,
 called from this script's model call. For `nandoctor run`'s and `nandoctor.watch`'s tests.
 
     python library_op.py log     # LogEnergy's log of a zero energy: samples 1 and 4 of step 3 are blank
+    python library_op.py fwd     # LogScale's: the same log, its -inf turned into NaN in the forward
     python library_op.py raise   # Strict raises on those blank samples
 """
 
@@ -16,12 +17,12 @@ import paddle
 import paddle.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "run_libs", "site-packages"))
-from nd_runlib.layers import LogEnergy, Strict  # noqa: E402 - the library's folder goes on the path first
+from nd_runlib.layers import LogEnergy, LogScale, Strict  # noqa: E402 - the library's folder goes on the path first
 
 
 def build(kind: str) -> tuple[paddle.nn.Layer, paddle.optimizer.Optimizer]:
     paddle.seed(0)
-    middle = LogEnergy() if kind == "log" else Strict()
+    middle = {"log": LogEnergy, "fwd": LogScale, "raise": Strict}[kind]()
     # no bias: a blank sample's hidden features are exactly 0
     model = paddle.nn.Sequential(paddle.nn.Linear(4, 8, bias_attr=False), middle, paddle.nn.Linear(8, 3))
     return model, paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters())
