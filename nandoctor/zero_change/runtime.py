@@ -25,8 +25,9 @@ label)`; with a model that returns its own loss (an output object's `.loss`), th
 written as functions, the gradient that came back to each of the model's output tensors is recorded
 (one tensor hook each) and the replay backpropagates those same gradients through the model, which
 reproduces every fault inside the model. A fault that began in loss code written as functions (the
-model's outputs finite, the loss or the gradient coming back to them not) cannot be replayed: it is
-named as such, with the samples whose rows of that gradient are non-finite (`loss_code_fault`).
+model's outputs finite, the loss or the gradient coming back to them not) cannot be replayed here: it is
+named as such (`loss_code_fault`), and a checked second pass of the command names its op, line and samples
+(recheck.py, loss_samples.py).
 """
 
 from __future__ import annotations
