@@ -8,7 +8,6 @@ that comes back to it) and its loss layer's labels, and replays the step's loss 
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -111,11 +110,7 @@ class ModelWatch:
     def model_caller(self) -> tuple[str, int, str] | None:
         """(file, line, function) of the user's line that called the model last: where the step the
         replays re-run called into a library's model (theirs run it from nandoctor's own code)."""
-        from pathlib import Path
-
-        from nandoctor.workload.entrypoints import is_user_file
-
-        return next((f for f in self.call_site if is_user_file(Path(f[0]), None)), None)
+        return self.call_site[0] if self.call_site else None
 
     def fields(self) -> dict[str, Any]:
         import paddle
@@ -231,23 +226,30 @@ class ModelWatch:
                                f"folder by a route nandoctor does not redirect (C code): {shown}")
 
 
-_MACHINERY: tuple[str, ...] = ()
-_SITE_DEPTH = 12
+_SITE_DEPTH = 24
+_USER: dict[Any, bool] = {}  # code object -> whether it is the user's (is_user_file, asked once per code)
 
 
 def call_site(frame: Any) -> list[tuple[str, int, str]]:
-    """The frames that called a layer, innermost first, past Paddle's machinery and nandoctor's seams: up to
-    _SITE_DEPTH of them, as (file, line, function), read from the running stack (no file system call: this
-    runs at every training call of the model)."""
-    global _MACHINERY
-    if not _MACHINERY:
-        paddle_dir = os.path.dirname(sys.modules["paddle"].__file__)
-        own_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        _MACHINERY = (paddle_dir + os.sep, own_dir + os.sep)
-    while frame is not None and frame.f_code.co_filename.startswith(_MACHINERY):
+    """[(file, line, function)] of the innermost frame of the user's code that called a layer (past Paddle's
+    machinery, nandoctor's seams, a library's trainer), or [] when none is within _SITE_DEPTH frames. Runs
+    at every training call of the model: one dict lookup a frame once its code was seen."""
+    for _ in range(_SITE_DEPTH):
+        if frame is None:
+            return []
+        code = frame.f_code
+        user = _USER.get(code)
+        if user is None:
+            user = _USER[code] = _is_user(code.co_filename)
+        if user:
+            return [(code.co_filename, frame.f_lineno, code.co_name)]
         frame = frame.f_back
-    out = []
-    while frame is not None and len(out) < _SITE_DEPTH:
-        out.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
-        frame = frame.f_back
-    return out
+    return []
+
+
+def _is_user(file: str) -> bool:
+    from pathlib import Path
+
+    from nandoctor.workload.entrypoints import is_user_file
+
+    return is_user_file(Path(file), None)
