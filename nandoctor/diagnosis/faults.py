@@ -286,8 +286,8 @@ _NOT_NAMED = {
     "inline": "your loss code is not a function that takes the model's output, which nandoctor could call again "
               "on part of the batch (it is written inline in the loop, or given a tensor derived from the output)",
     "no_batch": "the model's inputs have no common batch dimension to split",
-    "not_reproduced": "the first function of yours that took the model's output ({function}), replayed on the whole "
-                      "batch through the model, did not fault again: it is not the loss, or not all of it",
+    "not_reproduced": "no function of yours that took the model's output ({function}), replayed on the whole "
+                      "batch through the model, faulted again: none of them is the loss, or all of it",
     "failed": "nandoctor's own replay of your loss function failed (a nandoctor bug, please report it)",
 }
 

@@ -3,13 +3,15 @@
 The first pass cannot call the user's loss code again: it sees only the model's outputs and the gradient
 that came back to them, and a NaN row there is not proof that the sample is a cause (a loss that mixes the
 rows spreads one sample's NaN to others). The checked pass re-runs the script to the faulting step, where
-the loss code runs once more: the first call of a function of the user's code that receives the model's
-output is the loss function (`LossCall`), caught with its arguments. The batch is then bisected as the probe
-bisects it (diagnosis/samples.py), each part replayed through the model and that function: a sample is named
-only when it faults alone and the rest of the batch without it does not.
+the loss code runs once more: the calls of functions of the user's code that receive the model's output (or
+one of its tensors) are caught with their arguments (`LossCall`). The first of them whose replay on the whole
+batch, through the model, faults again is the loss function (a helper that only picks the output, called
+first, does not). The batch is then bisected as the probe bisects it (diagnosis/samples.py), each part
+replayed through the model and that function: a sample is named only when it faults alone and the rest of
+the batch without it does not.
 
 When the loss is not such a function (written inline in the loop, or given only a tensor derived from the
-output), or its replay on the whole batch does not fault, no sample is named, and the reason says why.
+output), or no replay on the whole batch faults, no sample is named, and the reason says why.
 """
 
 from __future__ import annotations
@@ -21,6 +23,22 @@ from typing import Any
 
 _ROW = "nandoctor_row"
 _WHOLE = -1  # the loss function took the model's whole output (else the position of the tensor it took)
+_MAX_CANDIDATES = 8
+
+
+class Candidate:
+    """A function of the user's called with the model's output: the loss, if its replay faults."""
+
+    def __init__(self, fn: Any, arguments: dict[str, Any], outputs: dict[str, int]) -> None:
+        # outputs: the arguments that are the model's output or one of its tensors (`outputs.logits`): name ->
+        # _WHOLE or the tensor's position among the output's leaves; a part's own output goes there
+        self.fn, self.arguments, self.outputs = fn, arguments, outputs
+
+    def where(self) -> str:
+        from nandoctor.workload.entrypoints import short_path
+
+        code = self.fn.__code__
+        return f"{short_path(Path(code.co_filename), Path.cwd())}:{code.co_firstlineno} in {code.co_name}"
 
 
 class LossCall:
@@ -31,11 +49,7 @@ class LossCall:
 
         self.model, self.args, self.kwargs, self.out = model, tuple(args), dict(kwargs or {}), out
         self.rng = paddle.get_rng_state()
-        self.fn: Any = None
-        self.arguments: dict[str, Any] = {}
-        # the arguments that are the model's output or one of its tensors (`outputs.logits`): name -> _WHOLE or
-        # the tensor's position among the output's leaves; a part's own output goes there
-        self.outputs: dict[str, int] = {}
+        self.candidates: list[Candidate] = []
         self._leaves = [out] + list(_leaves(out))
         self._user: dict[str, bool] = {}
 
@@ -53,19 +67,20 @@ class LossCall:
         return self._user[file]
 
     def _profile(self, frame: Any, event: str, _arg: Any) -> None:
-        """The first Python call of the user's code that takes the model's output as an argument."""
+        """A Python call of the user's code that takes the model's output (or one of its tensors)."""
         if event != "call" or not self._is_user(frame.f_code.co_filename):
             return
         code = frame.f_code
         names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
         values = frame.f_locals
         outputs = {n: i - 1 for n in names for i, leaf in enumerate(self._leaves) if values.get(n) is leaf}
-        if not outputs:
+        if not outputs or code.co_posonlyargcount or any(c.fn.__code__ is code for c in self.candidates):
             return
-        self.stop()
         fn = _function_of(frame)
-        if fn is not None and code.co_posonlyargcount == 0:
-            self.fn, self.arguments, self.outputs = fn, {n: values[n] for n in names}, outputs
+        if fn is not None:
+            self.candidates.append(Candidate(fn, {n: values[n] for n in names}, outputs))
+        if len(self.candidates) >= _MAX_CANDIDATES:
+            self.stop()
 
 
 def _function_of(frame: Any) -> Any:
@@ -85,8 +100,8 @@ class _Replay:
     """What diagnosis/samples.find_samples replays: the model on part of the batch, then the loss function on
     its output and the matching rows of the loss function's other batch-sized arguments."""
 
-    def __init__(self, call: LossCall) -> None:
-        self.call = call
+    def __init__(self, call: LossCall, fn: Candidate) -> None:
+        self.call, self.fn = call, fn
         self.params = [(n, p) for n, p in call.model.named_parameters() if not p.stop_gradient]
         self.const: dict[str, Any] = {}
 
@@ -103,7 +118,7 @@ class _Replay:
         n = batch_size({k: v for k, v in every.items() if isinstance(v, paddle.Tensor)})
         if n is None:
             return None
-        every.update({f"arg:{k}": v for k, v in c.arguments.items() if k not in c.outputs})
+        every.update({f"arg:{k}": v for k, v in self.fn.arguments.items() if k not in self.fn.outputs})
         fields = {k: v for k, v in every.items() if _rows(v) == n}
         self.const = {k: v for k, v in every.items() if k not in fields}
         fields[_ROW] = paddle.arange(n, dtype="int64")
@@ -115,7 +130,7 @@ class _Replay:
         paddle.set_rng_state(self.call.rng)
 
     def loss(self, fields: dict[str, Any]) -> Any:
-        c = self.call
+        c, f = self.call, self.fn
 
         def value(key: str) -> Any:
             return fields[key] if key in fields else self.const[key]
@@ -124,12 +139,12 @@ class _Replay:
         parts = _leaves(out)
 
         def argument(name: str) -> Any:
-            if name not in c.outputs:
+            if name not in f.outputs:
                 return value(f"arg:{name}")
-            i = c.outputs[name]
+            i = f.outputs[name]
             return out if i == _WHOLE else parts[i]
 
-        return c.fn(**{k: argument(k) for k in c.arguments})
+        return f.fn(**{k: argument(k) for k in f.arguments})
 
     def clear(self) -> None:
         for _, p in self.params:
@@ -149,27 +164,28 @@ def _rows(value: Any) -> int | None:
 
 
 def loss_samples(call: LossCall | None) -> dict[str, Any]:
-    """{"samples", "scope", "reason", "notes"} from the bisection, or {"samples": None, "why": ...} when the
-    loss code cannot be replayed on part of the batch."""
+    """{"samples", "scope", "reason", "notes", "function"} from the bisection through the first caught
+    function whose replay of the whole batch faults, or {"samples": None, "why": ...} when none can be
+    replayed on part of the batch."""
     from nandoctor.diagnosis.samples import find_samples
     from nandoctor.engine.checker import disable_checker
-    from nandoctor.workload.entrypoints import short_path
 
-    if call is None or call.fn is None:
+    if call is None or not call.candidates:
         return {"samples": None, "why": "inline"}
-    code = call.fn.__code__
-    function = f"{short_path(Path(code.co_filename), Path.cwd())}:{code.co_firstlineno} in {code.co_name}"
     disable_checker()
-    replay = _Replay(call)
-    fields = replay.fields()
-    if fields is None:
-        return {"samples": None, "why": "no_batch", "function": function}
-    whole = list(range(int(fields[_ROW].shape[0])))
-    if not _faults(replay, fields, whole):
-        return {"samples": None, "why": "not_reproduced", "function": function}
-    bis = find_samples(replay, fields, "backward")
-    return {"samples": bis.samples, "scope": bis.scope, "reason": bis.reason, "notes": list(bis.notes),
-            "function": function}
+    why = "no_batch"
+    for candidate in call.candidates:
+        replay = _Replay(call, candidate)
+        fields = replay.fields()
+        if fields is None:
+            continue
+        if not _faults(replay, fields, list(range(int(fields[_ROW].shape[0])))):
+            why = "not_reproduced"
+            continue
+        bis = find_samples(replay, fields, "backward")
+        return {"samples": bis.samples, "scope": bis.scope, "reason": bis.reason, "notes": list(bis.notes),
+                "function": candidate.where()}
+    return {"samples": None, "why": why, "function": ", ".join(c.where() for c in call.candidates)}
 
 
 def _faults(replay: _Replay, fields: dict[str, Any], rows: list[int]) -> bool:
