@@ -39,6 +39,22 @@ def run_script(path: Path) -> Any:
     return module
 
 
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def printed_frames(text: str) -> list[tuple[Path, int, str]]:
+    """The frames of the Python stacks Paddle printed (with FLAGS_call_stack_level=3: where the op that
+    went non-finite was created), outermost first, as (resolved file, line, function)."""
+    return [(Path(f).resolve(), int(n), fn) for f, n, fn in _FRAME_RE.findall(text)]
+
+
+def innermost_under(frames: list[tuple[Path, int, str]], folder: Path) -> tuple[Path, int, str]:
+    """The innermost of `frames` whose file is under `folder` (the script's, or a library's)."""
+    found = [f for f in frames if f[0].is_relative_to(folder.resolve())]
+    assert found, f"no frame under {folder}"
+    return found[-1]
+
+
 def bad_params(model: Any) -> list[str]:
     return [n for n, p in model.named_parameters()
             if p.grad is not None and not np.isfinite(p.grad.numpy().astype("float64")).all()]
@@ -75,9 +91,8 @@ def first_backward_fault(phases: Iterable[Phase], script: Path, capfd: pytest.Ca
         paddle.set_flags(old)
     assert found is not None, "the plain loop never went non-finite"
     step, model, loss_of, row_loss, rows, op, printed = found
-    frames = [(Path(f).resolve(), int(n))
-              for f, n, fn in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', printed.out + printed.err)
-              if Path(f).resolve().parent == script.resolve().parent and fn == "forward"]
+    frames = [(f, n) for f, n, fn in printed_frames(printed.out + printed.err)
+              if f.parent == script.resolve().parent and fn == "forward"]
     assert frames, printed.err[-2000:]
 
     def owns(layer: Any) -> bool:

@@ -71,10 +71,8 @@ _WORKER = ("probe: step 4, data (the worker's own KeyError, which the probe's lo
            "on timing (Paddle keeps the worker's exception in the worker's own traceback)")
 KNOWN: dict[tuple[str, str], str] = {("loader_worker_crash", entry): _WORKER.format(entry=entry)
                                      for entry in ("run", "watch")}
-# the MSE of target_scale_divergence overflows for 13 of 32 samples alone: the probe's bisection names them;
-# under `run` the loss is the script's own code, which no replay reaches, so no samples are named
-KNOWN[("target_scale_divergence", "run")] = ("probe: samples [1, 3, 5, ...] (each overflows alone); run: null (the "
-                                             "loss code is outside the model, no bisection)")
+# (target_scale_divergence under `run`, whose MSE overflows for 13 of 32 samples alone, names them as the probe
+# does since the checked pass bisects the batch through the loss function it catches: zero_change/loss_samples.py)
 
 
 # paddle.io.DataLoader(num_workers > 0): its worker processes are forked from the process that trains. Forked

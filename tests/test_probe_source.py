@@ -74,6 +74,11 @@ def test_the_interpreters_own_files_and_nandoctors_console_script_are_not_the_us
     user.write_text("x = 1\n")
     assert is_user_file(user, None) and is_user_file(user, tmp_path.resolve())
     assert is_user_file(bin_dir / "train.py", bin_dir.resolve())  # the spec's own folder always counts
+    # ... but for a venv inside it: installed packages, not the user's code (nandoctor run's folder is the
+    # working folder when the model is a library's, and a project's .venv sits there)
+    venv_lib = tmp_path / ".venv" / "lib" / "python3.11" / "site-packages" / "lib_x" / "layers.py"
+    assert not is_user_file(venv_lib, tmp_path.resolve())
+    assert is_user_file(tmp_path / "src" / "model.py", tmp_path.resolve())
 
 
 def test_no_paddle_warning_caused_by_nandoctors_own_ops(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from inloop_helpers import ROOT
 from run_truth import run_script
 
 SCRIPT = ROOT / "tests" / "run_scripts" / "loss_code.py"
-LINE = {"log": "return -(y * paddle.log(p)", "sqrt": "return paddle.sqrt("}
+LINE = {"log": "return -(y * paddle.log(p)", "sqrt": "return paddle.sqrt(", "weight": "w = paddle.sqrt("}
 
 
 def _script() -> Any:
@@ -79,10 +79,13 @@ def _run(tmp_path: Path, kind: str) -> tuple[subprocess.CompletedProcess, dict[s
     return proc, json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
 
 
-@pytest.mark.parametrize("kind", ["log", "sqrt"])
+@pytest.mark.parametrize("kind", ["log", "sqrt", "weight"])
 def test_a_fault_in_the_loss_code_is_named_with_its_op_line_and_samples(tmp_path: Path, kind: str) -> None:
+    """The samples come from the checked pass's bisection through the loss function it caught, each named
+    sample faulting alone: for `weight` every row of the gradient at the model's output is NaN (the weighted
+    mean divides by the sum of the weights), and sample 2 alone is the cause (issue 34, item 3)."""
     expected = ground_truth(kind)
-    assert expected["op"] == {"log": "log", "sqrt": "sqrt_grad"}[kind] and expected["sample_indices"]
+    assert expected["op"] == {"log": "log", "sqrt": "sqrt_grad", "weight": "sqrt"}[kind] and expected["sample_indices"]
     proc, data = _run(tmp_path, kind)
     assert proc.returncode == 1, proc.stderr[-3000:]
     ff = data["first_fault"]
@@ -94,12 +97,31 @@ def test_a_fault_in_the_loss_code_is_named_with_its_op_line_and_samples(tmp_path
     assert Path(file).name == SCRIPT.name and rest.endswith(" in loss_of")
     assert LINE[kind] in SCRIPT.read_text(encoding="utf-8").splitlines()[int(rest.split()[0]) - 1]
     assert "checked second pass" in " ".join(finding["evidence"]["notes"])
+    assert finding["evidence"]["samples_scope"] == "samples" and "loss function" in finding["message"]
     # the real run stopped before the faulty update; the checked pass wrote nothing of the user's
     log = (tmp_path / "train.log").read_text(encoding="utf-8").splitlines()
     assert [line.split()[1] for line in log] == [str(s) for s in range(expected["step"])]
     saved = paddle.load(str(tmp_path / "ckpt" / "model.pdparams"))
     assert all(np.isfinite(v.numpy()).all() for v in saved.values())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "r.json", "train.log"]
+
+
+def test_an_inline_loss_names_no_sample_and_says_why(tmp_path: Path) -> None:
+    """The weighted mean written inline in the loop: no function of the loss to call on part of the batch, and
+    every row of the gradient at the model's output is NaN, so no sample can be confirmed as a cause: none is
+    named (null, not tried apart), and the report says why, with the plain loop's step and op."""
+    expected = ground_truth("inline")
+    assert expected["sample_indices"] == [2]  # the cause, which nandoctor run cannot confirm here
+    proc, data = _run(tmp_path, "inline")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    ff = data["first_fault"]
+    assert {k: ff[k] for k in ("step", "phase", "op")} == {k: expected[k] for k in ("step", "phase", "op")}
+    assert ff["sample_indices"] is None
+    finding = data["findings"][0]
+    assert finding["evidence"]["samples_reason"] == "loss_code_not_replayed"
+    assert "samples_scope" not in finding["evidence"]
+    assert "No sample is named as a cause: your loss code is not a function" in finding["message"]
+    assert "every row of batch 4" in finding["message"]
 
 
 def test_sandbox_keeps_the_users_files_and_still_reads_its_own_writes(tmp_path: Path) -> None:

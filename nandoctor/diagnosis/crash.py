@@ -24,7 +24,7 @@ from nandoctor.advice import advice_for
 from nandoctor.findings import Code, Finding, Location, Phase, Severity
 from nandoctor.tensors.convert import to_numpy
 from nandoctor.tensors.sizes import batch_size
-from nandoctor.workload.entrypoints import user_origin
+from nandoctor.workload.entrypoints import library_origin, user_origin
 
 _LABEL_RE = re.compile(r"label value should less than|received label value as|Expected lbl < axis_dim", re.I)
 _EMBED_RE = re.compile(r"OP\(embedding\)|Expected ids\[i\] < row_number|lookup_table", re.I)
@@ -104,6 +104,7 @@ def crash_findings(exc: BaseException, ctx: CrashContext, base_dir: Path, model:
         phase = Phase.LOSS  # raised outside the model: the loss function or the user's step code
     layer = layer or None  # "" is the model itself: forward, but outside every named sublayer
     origin = user_origin(exc, base_dir)
+    library = library_origin(exc, base_dir)  # the library line that raised, inside the user's
     loc = Location(step=ctx.step, phase=phase, layer=layer, batch_index=ctx.batch_index)
     findings: list[Finding] = []
     text = str(exc)
@@ -126,6 +127,8 @@ def crash_findings(exc: BaseException, ctx: CrashContext, base_dir: Path, model:
             findings.append(translated)
             loc = translated.location
     where = f" at {origin}" if origin else ""
+    if library:
+        where += f" (raised inside library code at {library})" if origin else f" in library code at {library}"
     in_layer = f" inside layer {layer}" if layer else ""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
     findings.append(Finding(
@@ -134,7 +137,8 @@ def crash_findings(exc: BaseException, ctx: CrashContext, base_dir: Path, model:
         f"{_batch_text(ctx)}: {first_line(text)}. Training stopped there; open "
         f"{origin or 'the traceback in the evidence'} and fix it.",
         Location(step=ctx.step, phase=phase, layer=layer, batch_index=ctx.batch_index),
-        {"exception": type(exc).__name__, "error": text[:2000], "origin": origin, "what": ctx.what,
+        {"exception": type(exc).__name__, "error": text[:2000], "origin": origin, "library_origin": library,
+         "what": ctx.what,
          "epoch": ctx.epoch, "traceback": tb.splitlines()[-40:]},
         advice_for(Code.USER_CODE_ERROR.value)))
     return findings, loc

@@ -38,8 +38,11 @@ class LossCodeFault:
     """A fault that began in the user's loss code, outside the model, where no replay can reach it.
 
     `nandoctor run` cannot call the user's loss code again: it sees only the model's outputs and the
-    gradient that came back to them. `rows` are the samples whose output gradient was non-finite (all of
-    them when the fault is not sample-specific); `op`/`source` are filled when a checked pass saw it."""
+    gradient that came back to them. `rows` are the samples whose output gradient was non-finite (evidence,
+    not causes: a loss that mixes rows spreads one sample's NaN); `op`/`source` are filled when a checked pass
+    saw it, and `samples` when that pass bisected the batch through the loss function it caught
+    (zero_change/loss_samples.py: {"samples", "scope", "reason", "notes", "function"}, or {"samples": None,
+    "why"}); None when no pass ran."""
 
     phase: Phase  # LOSS: the loss value itself; BACKWARD: a gradient inside the loss code
     rows: list[int] | None
@@ -47,6 +50,8 @@ class LossCodeFault:
     op: str | None = None
     source: str | None = None
     notes: list[str] = field(default_factory=list)
+    samples: dict[str, Any] | None = None
+    no_pass: str | None = None  # why no checked pass bisected the batch, when none did
 
 
 @dataclass
@@ -66,6 +71,10 @@ class StepTarget:
     loss_code_fault: Callable[[Fault], LossCodeFault | None] | None = None
     # Why the replay failed, in the user's terms, when it was tried and could not run (replay_loss is then None)
     replay_failed: str | None = None
+    # The user's line that called the model in the failing step, for a replay that calls it from nandoctor's
+    # own code (`nandoctor run`): the op's user line when no line of the user's runs inside the replay
+    # (file, line, function)
+    model_caller: Callable[[], tuple[str, int, str] | None] | None = None
 
 
 def spec_target(workload: Any) -> StepTarget:

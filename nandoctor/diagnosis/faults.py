@@ -108,6 +108,8 @@ def nonfinite_fault(report: Report, fault: Fault, loc_: Localization, samples: l
     evidence = _nonfinite_evidence(fault, loc_, sample_notes, scope, reason)
     if loc_.source:
         report.details["source"] = loc_.source  # the first-fault panel shows it beside layer and op
+    if loc_.library_source:
+        report.details["library_source"] = loc_.library_source
     advice = advice_for(code.value, op=loc_.op, hidden_op=loc_.hidden_forward_op)
     report.findings.append(Finding(code, Severity.ERROR, what, loc, evidence, advice))
     if loc_.offending:
@@ -173,9 +175,19 @@ def _nonfinite_what(fault: Fault, loc_: Localization, who: str) -> str:
     else:
         what = (f"The loss became NaN/Inf at step {fault.step} {where}{op} while the model's outputs were finite. "
                 f"{who}")
-    if loc_.source:
-        what += f" The op was created at {loc_.source}."
-    return what
+    return what + created_at(loc_.source, loc_.library_source)
+
+
+def created_at(source: str | None, library: str | None) -> str:
+    """Where the op was made: the user's line, and the library line inside it when their line only called
+    into a library's code."""
+    if source and library:
+        return f" The op was created at {library}, in library code your line {source} called."
+    if source:
+        return f" The op was created at {source}."
+    if library:
+        return f" The op was created at {library}, in library code."
+    return ""
 
 
 def _nonfinite_evidence(fault: Fault, loc_: Localization, sample_notes: list[str], scope: str | None,
@@ -189,6 +201,8 @@ def _nonfinite_evidence(fault: Fault, loc_: Localization, sample_notes: list[str
         evidence["hidden_forward_op"] = loc_.hidden_forward_op
     if loc_.source:
         evidence["source"] = loc_.source
+    if loc_.library_source:
+        evidence["library_source"] = loc_.library_source
     if scope is not None:
         evidence["samples_scope"] = scope
     if reason is not None:
@@ -283,20 +297,66 @@ def detection_only(report: Report, fault: Fault, model: Any, mode: str, failed: 
 
 def loss_code_fault(report: Report, fault: Fault, outside: Any, mode: str) -> None:
     """A fault that began in the user's loss code, outside the model (`diagnose.LossCodeFault`): its phase,
-    its samples from the rows of the gradient at the model's output, and its op where a pass saw it."""
+    its samples where the checked pass bisected the batch through the loss function (else why none is
+    named, with the rows of the gradient at the model's output as evidence), and its op where a pass saw it."""
     phase = outside.phase
     code = Code.LOSS_NONFINITE if phase == Phase.LOSS else Code.GRAD_NONFINITE
-    rows = outside.rows
-    specific = bool(rows) and outside.batch_size is not None and len(rows) < outside.batch_size
+    bis = outside.samples or {}
+    checked = bis.get("scope") is not None  # the bisection tried the samples apart
+    samples = list(bis.get("samples") or []) if checked else None
     loc = Location(step=fault.step, phase=phase, layer=None, op=outside.op, batch_index=fault.batch_index,
-                   sample_indices=list(rows) if specific else [] if rows else None)
-    what = (_loss_code_what(fault, outside) + _output_rows_said(rows, specific, fault.batch_index)
-            + _loss_code_source_said(outside, mode))
-    evidence = _loss_code_evidence(fault, outside, specific)
+                   sample_indices=samples)
+    if checked:
+        who = " " + _samples_said(fault.batch_index, samples, bis.get("reason")) + _bisected_with(bis)
+    else:
+        who = _not_named(outside, fault.batch_index, mode)
+    what = _loss_code_what(fault, outside) + who + _loss_code_source_said(outside, mode)
+    evidence = _loss_code_evidence(fault, outside, bis if checked else None)
     if outside.source:
         report.details["source"] = outside.source
     report.findings.append(Finding(code, Severity.ERROR, what, loc, evidence, advice_for(code.value, op=outside.op)))
     set_first(report, loc)
+
+
+def _bisected_with(bis: dict[str, Any]) -> str:
+    """How the samples were tried apart: the checked pass's replays through the model and the loss function."""
+    fn = bis.get("function")
+    return (f" Each part of the batch was replayed through the model and your loss function ({fn}) in the checked "
+            "second pass." if fn else "")
+
+
+_NOT_NAMED = {
+    "inline": "your loss code is not a function that takes the model's output, which nandoctor could call again "
+              "on part of the batch (it is written inline in the loop, or given a tensor derived from the output)",
+    "no_batch": "the model's inputs have no common batch dimension to split",
+    "not_reproduced": "no function of yours that took the model's output ({function}), replayed on the whole "
+                      "batch through the model, faulted again: none of them is the loss, or all of it",
+    "failed": "nandoctor's own replay of your loss function failed (a nandoctor bug, please report it)",
+}
+
+
+def _not_named(outside: Any, batch_index: int | None, mode: str) -> str:
+    """Why no sample is named, and the rows of the gradient at the model's output that are NaN/Inf (evidence:
+    a loss that mixes its rows spreads one sample's NaN to others, so they are not named as causes)."""
+    bis = outside.samples or {}
+    if bis.get("why") in _NOT_NAMED:
+        why = _NOT_NAMED[bis["why"]].format(function=bis.get("function") or "?")
+    elif outside.no_pass:
+        why = f"this is {outside.no_pass}, where nandoctor run does not re-run the command to replay your loss code"
+    elif mode == "run":
+        why = "the checked second pass did not replay your loss code"
+    else:
+        why = "your loss code was not replayed on part of the batch"
+    rows = outside.rows
+    seen = ""
+    if rows and outside.batch_size is not None and len(rows) >= outside.batch_size:
+        seen = (f" The gradient that came back to the model's output is NaN/Inf in every row of batch {batch_index}, "
+                "so it does not tell the samples apart.")
+    elif rows:
+        shown = ", ".join(str(r) for r in rows[:10]) + ("…" if len(rows) > 10 else "")
+        seen = (f" The gradient that came back to the model's output is NaN/Inf in the rows of sample(s) {shown} of "
+                f"batch {batch_index}: look at those first.")
+    return f" No sample is named as a cause: {why}.{seen}"
 
 
 def _loss_code_what(fault: Fault, outside: Any) -> str:
@@ -314,18 +374,6 @@ def _loss_code_what(fault: Fault, outside: Any) -> str:
             f"model{op}, while the loss was finite ({st.loss:.4g}) and the model's outputs were finite.")
 
 
-def _output_rows_said(rows: Any, specific: bool, batch_index: int | None) -> str:
-    """The samples whose rows of the gradient at the model's output are non-finite, or that all rows are."""
-    if specific:
-        shown = ", ".join(str(r) for r in rows[:10]) + ("…" if len(rows) > 10 else "")
-        return (f" Caused by sample(s) {shown} of batch {batch_index}: theirs are the rows of the gradient "
-                "that came back to the model's output as NaN/Inf.")
-    if rows:
-        return (f" Not sample-specific: every row of the gradient that came back to the model's output is NaN/Inf "
-                f"(batch {batch_index} as a whole).")
-    return ""
-
-
 def _loss_code_source_said(outside: Any, mode: str) -> str:
     """The user's line that created the op, or why nandoctor run cannot name one."""
     if outside.source:
@@ -336,8 +384,9 @@ def _loss_code_source_said(outside: Any, mode: str) -> str:
     return ""
 
 
-def _loss_code_evidence(fault: Fault, outside: Any, specific: bool) -> dict[str, Any]:
-    """The finding's evidence: the step's numbers, the output gradient's bad rows and the pass's notes."""
+def _loss_code_evidence(fault: Fault, outside: Any, bis: dict[str, Any] | None) -> dict[str, Any]:
+    """The finding's evidence: the step's numbers, the output gradient's bad rows, the bisection's scope (or
+    that there was none) and the pass's notes."""
     st = fault.stats
     rows = outside.rows
     evidence: dict[str, Any] = {"epoch": fault.epoch, "loss": st.loss if st else None,
@@ -346,7 +395,14 @@ def _loss_code_evidence(fault: Fault, outside: Any, specific: bool) -> dict[str,
         evidence["source"] = outside.source
     if rows:
         evidence["nonfinite_output_grad_rows"] = list(rows[:100])
-        evidence["samples_scope"] = "samples" if specific else "not_sample_specific"
-    if outside.notes:
-        evidence["notes"] = list(outside.notes)
+    notes = list(outside.notes)
+    if bis is not None:
+        evidence["samples_scope"] = bis["scope"]
+        if bis.get("reason"):
+            evidence["samples_reason"] = bis["reason"]
+        notes += list(bis.get("notes") or [])
+    else:
+        evidence["samples_reason"] = "loss_code_not_replayed"
+    if notes:
+        evidence["notes"] = notes
     return evidence

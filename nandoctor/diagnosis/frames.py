@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from nandoctor.engine.native import FRAME_RE
+from nandoctor.workload.entrypoints import is_library_file, is_own_file, is_user_file, library_site, short_path
 
 _MACHINERY = ("paddle/nn/layer/layers.py", "paddle\\nn\\layer\\layers.py")
 
@@ -33,6 +34,34 @@ def printed_frames(text: str) -> list[tuple[str, int, str]]:
 
 
 _OWN = str(Path(__file__).resolve().parent.parent)
+
+
+def creation_lines(frames: list[tuple[str, int, str]], base_dir: Path | None) -> tuple[str | None, str | None]:
+    """(the user's line, the library line) on an op's creation stack (outermost first): the innermost frame
+    of the user's code, and the innermost frame of a library's code inside it (None when the user's own line
+    made the op, or Paddle's).
+
+    Only frames inside nandoctor's outermost frame count: the replay runs there, and the user's frames around
+    it (the loop that called `check()`, the script's `opt.step()` under `nandoctor run`) did not make the op.
+    A stack with no frame of nandoctor's (a plain run) counts whole."""
+    base = base_dir.resolve() if base_dir else None
+    first_own = next((i for i, (file, _, _) in enumerate(frames) if is_own_file(file)), -1)
+    user = library = None
+    for file, line, func in frames[first_own + 1:]:
+        if is_user_file(Path(file), base):
+            user, library = f"{short_path(Path(file), base_dir)}:{line} in {func}", None
+        elif is_library_file(file, base):
+            library = library_site(file, line, func)
+    return user, library
+
+
+def live_stack(frame: Any) -> list[tuple[str, int, str]]:
+    """The running stack from `frame` out, outermost first, as `printed_frames` gives a printed one."""
+    out = []
+    while frame is not None:
+        out.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return out[::-1]
 
 
 def _machinery(file: str) -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,9 +33,10 @@ import numpy as np
 from nandoctor.diagnosis import frames, origin
 from nandoctor.engine.checker import FLAGS as _FLAGS
 from nandoctor.engine.checker import aborted_op, checking, disable_checker, enable_checker, get_flags
-from nandoctor.engine.native import capture_native_output, user_frame
+from nandoctor.engine.native import capture_native_output
 from nandoctor.findings import Phase
 from nandoctor.tensors.convert import float_dtypes
+from nandoctor.workload.entrypoints import short_path
 
 
 @dataclass
@@ -48,6 +50,8 @@ class Localization:
     notes: list[str] = field(default_factory=list)
     # The user's source line that created the offending op ("model.py:23 in forward"), when known.
     source: str | None = None
+    # The library line inside it that made the op, when the user's line only called into a library's code
+    library_source: str | None = None
     # The op that first made a NaN, when a harmful Inf before it is the fault (`op`): log's -inf, then multiply
     nan_op: str | None = None
     # layer is None because the op was made in the root model's own forward, outside every sublayer
@@ -109,6 +113,7 @@ class Replayer:
         self.model = target.model
         self.rng = rng
         self.source: str | None = None  # set by the checked replays: the user's line that made the op
+        self.library_source: str | None = None  # ... and the library line inside it, when one did
         self.model_forward = False  # set by checked_backward: the op was made in the root's own forward
         self.bad_input_grads: dict[str, Any] = {}
         self.sublayers = list(self.model.named_sublayers())
@@ -187,6 +192,7 @@ class Replayer:
             loc.nan_op = nan_op
         if chosen is not None:
             self.source = tracer.line_at(chosen.offset)
+            self.library_source = tracer.library_at(chosen.offset)
         else:
             loc.notes.append("the tensor checker logged no non-finite op in the replay of that span")
         if call is not None and call.tensor is not None:
@@ -239,8 +245,8 @@ class Replayer:
                 op = aborted_op(exc)
                 if op is None:
                     raise
-                self.source = user_frame(native.text, self.w.base_dir)
                 stack = frames.printed_frames(native.text)
+                self.source, self.library_source = frames.creation_lines(stack, self.w.base_dir)
                 layers = frames.layers_on_stack(stack, self.sublayers, sites)
                 self.model_forward = not layers and frames.in_forward_of(stack, self.model)
         finally:
@@ -379,12 +385,25 @@ def localize(target: Any, fields: dict[str, Any], rng: Any, loss_finite: bool) -
     forward_nan = any(c.output == origin.NAN for c in tr.calls)
     if not loss_finite or (tr.creator() is not None and forward_nan):
         loc = rp.forward_origin(fields, tr)
-        loc.source = rp.source
+        loc.source, loc.library_source = rp.source, rp.library_source
         if loss_finite:
             root = next((c for c in reversed(tr.calls) if c.name == ""), None)
             loc.hidden_by = "loss" if root is not None and root.output is not None else "model"
-        return loc, rp
-    return _backward_localization(rp, fields), rp
+        return _model_called_at(loc, target), rp
+    return _model_called_at(_backward_localization(rp, fields), target), rp
+
+
+def _model_called_at(loc: Localization, target: Any) -> Localization:
+    """An op made inside the model's call with no line of the user's code inside the replay (the model and
+    the op are a library's, replayed by `nandoctor run` from its own code): the user's line is the one that
+    called the model in the step the script ran (`StepTarget.model_caller`)."""
+    model_caller = getattr(target, "model_caller", None)
+    caller = model_caller() if model_caller is not None else None
+    in_model = loc.phase == Phase.FORWARD or loc.layer is not None or loc.model_forward
+    if loc.source is None and loc.op is not None and in_model and caller is not None:
+        file, line, func = caller
+        loc.source = f"{short_path(Path(file), target.base_dir)}:{line} in {func}"
+    return loc
 
 
 @dataclass
@@ -413,6 +432,7 @@ def _backward_localization(rp: Replayer, fields: dict[str, Any]) -> Localization
         _in_model_forward(found, notes)
     loc = Localization(Phase.BACKWARD, layer=found.layer, op=op, parameter=params[0] if params else None,
                        bad_parameters=params, offending=found.grad_stats, source=rp.source,
+                       library_source=rp.library_source,
                        model_forward=rp.model_forward and found.layer is None)
     loc.notes += notes
     if found.note:
@@ -444,7 +464,7 @@ def _past_discarded_inf(rp: Replayer, fields: dict[str, Any], op: str | None, on
     notes.append(f"the checker first stopped at {op} inside {on_stack[-1]}, an Inf that layer's own backward "
                  "discards; the first NaN that reaches the gradients is named instead")
     if first_nan is not None and first_nan != op:
-        op, rp.source = first_nan, None
+        op, rp.source, rp.library_source = first_nan, None, None
     return op
 
 

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nandoctor.diagnosis.frames import creation_lines, live_stack
 from nandoctor.engine.checker import disable_checker, enable_checker
 from nandoctor.engine.native import capture_native_output
-from nandoctor.workload.entrypoints import is_user_file, short_path
+from nandoctor.workload.entrypoints import is_library_file, is_user_file, library_site, short_path
 
 NAN, INF = "nan", "inf"
 # Ops that turn finite inputs into an Inf of either sign (log(0) = -inf, -1 / 0 = -inf, 0 ** -1 = inf). A
@@ -210,15 +211,18 @@ _UNSET = object()
 
 
 class _LineTracer:
-    """Records (bytes printed so far, user's file:line) at each line the user's code runs."""
+    """Records (bytes printed so far, file:line, the user's?) at each line the user's code or a library's
+    runs (Paddle's own and nandoctor's are not traced)."""
 
     def __init__(self, base_dir: Path | None, size: Callable[[], int]) -> None:
         self.base = base_dir.resolve() if base_dir else None
         self.base_dir = base_dir
         self.size = size
-        self.events: list[tuple[int, str]] = []
-        self.fallback: str | None = None
+        self.events: list[tuple[int, str, bool]] = []
+        self.fallback: str | None = None  # the user's line that called into the span
+        self.fallback_library: str | None = None  # ... and the library line inside it that did
         self._user: dict[str, bool] = {}
+        self._library: dict[str, bool] = {}
         self._previous: Any = _UNSET
         self._frames: list[Any] = []
         self.active = False
@@ -228,15 +232,25 @@ class _LineTracer:
             self._user[file] = not file.startswith("<") and is_user_file(Path(file), self.base)
         return self._user[file]
 
+    def is_library(self, file: str) -> bool:
+        if file not in self._library:
+            self._library[file] = not self.is_user(file) and is_library_file(file, self.base)
+        return self._library[file]
+
     def where(self, frame: Any) -> str:
         code = frame.f_code
+        if not self.is_user(code.co_filename):
+            return library_site(code.co_filename, frame.f_lineno, code.co_name)
         return f"{short_path(Path(code.co_filename), self.base_dir)}:{frame.f_lineno} in {code.co_name}"
 
+    def traced(self, file: str) -> bool:
+        return self.is_user(file) or self.is_library(file)
+
     def __call__(self, frame: Any, event: str, _arg: Any) -> Any:
-        if not self.active or not self.is_user(frame.f_code.co_filename):
+        if not self.active or not self.traced(frame.f_code.co_filename):
             return None
         if event == "line":
-            self.events.append((self.size(), self.where(frame)))
+            self.events.append((self.size(), self.where(frame), self.is_user(frame.f_code.co_filename)))
         return self
 
     def start(self) -> None:
@@ -246,7 +260,7 @@ class _LineTracer:
         self.active = True
         frame = sys._getframe(1)
         while frame is not None:  # the frames already running (the user's loss code) trace from here on
-            if self.is_user(frame.f_code.co_filename) and frame.f_trace is None:
+            if self.traced(frame.f_code.co_filename) and frame.f_trace is None:
                 frame.f_trace = self
                 self._frames.append(frame)
             frame = frame.f_back
@@ -264,10 +278,21 @@ class _LineTracer:
         """The user's line running when Paddle printed at `offset`; else the user's line that called into
         the library code that did (an nn.MultiHeadAttention's softmax: the line calling the encoder)."""
         found = self.fallback
-        for size, where in self.events:
+        for size, where, user in self.events:
             if size > offset:
                 break
-            found = where
+            if user:
+                found = where
+        return found
+
+    def library_at(self, offset: int) -> str | None:
+        """The library line running when Paddle printed at `offset`, when a library's code ran inside the
+        user's line then (None when the user's own line made the op)."""
+        found = self.fallback_library
+        for size, where, user in self.events:
+            if size > offset:
+                break
+            found = None if user else where
         return found
 
 
@@ -282,12 +307,11 @@ def scoped_ops(model: Any, layers: dict[str, Any], target: LayerCall | None, run
     state: dict[str, Any] = {}
 
     def on() -> None:
-        # the user's line that called into this span: the fallback when the op is in library code
-        frame = sys._getframe(1)
-        while frame is not None and not state["tracer"].is_user(frame.f_code.co_filename):
-            frame = frame.f_back
-        if frame is not None and state["tracer"].fallback is None:
-            state["tracer"].fallback = state["tracer"].where(frame)
+        # the user's line that called into this span (and the library line inside it that did): the
+        # fallback when the op is made in library code
+        tracer = state["tracer"]
+        if tracer.fallback is None and tracer.fallback_library is None:
+            tracer.fallback, tracer.fallback_library = creation_lines(live_stack(sys._getframe(1)), base_dir)
         rng = paddle.get_rng_state()
         enable_checker(log_only=True)
         paddle.set_rng_state(rng)  # the checker reseeds: the rest of the step must see the step's RNG

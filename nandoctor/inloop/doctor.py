@@ -91,6 +91,8 @@ class Doctor:
         self.described = target
         # `nandoctor run`: a fault that began in loss code it cannot replay (runtime.py), else None
         self.loss_code_fault: Callable[[Fault], Any] | None = None
+        # nandoctor run: (file, line, function) of the script's model call
+        self.model_caller: Callable[[], tuple[str, int, str] | None] | None = None
         self.sync = sync  # nandoctor.parallel.distributed.RankSync under a multi-process launch, else None
         # A GradScaler Paddle left disabled (CPU: no float16 kernels) skips nothing: the probe has none there either
         if scaler is not None and not _enabled(scaler):
@@ -568,13 +570,13 @@ class Doctor:
         """What the diagnosis reads of this loop: the user's step_fn as the replay, their code's folder."""
         if self.described is not None:
             return dataclasses.replace(self.described, model=self.model, replay_loss=replay_loss,
-                                       loss_code_fault=self.loss_code_fault)
+                                       loss_code_fault=self.loss_code_fault, model_caller=self.model_caller)
         what = "step_fn" if self.step_fn is not None and self.mode != Mode.RUN else "your loss code"
         data = "your script's data loading" if self.mode == Mode.RUN else "the loop's batches"
         return StepTarget(model=self.model, replay_loss=replay_loss, base_dir=_base_dir(self._user_step_fn, self.model),
                           mode=self.mode, loss_source=what, data_source=data,
                           label_name=lambda fields: "label" if "label" in fields else None,
-                          loss_code_fault=self.loss_code_fault)
+                          loss_code_fault=self.loss_code_fault, model_caller=self.model_caller)
 
     def _replay_loss(self, fault: Fault | None, rebuild: Callable[[dict], Any]) -> Any:
         """The replay's loss: the user's step_fn on the batch rebuilt in the user's shape (None: no replay)."""

@@ -154,7 +154,8 @@ def _first_fault_panel(report: Report) -> Panel:
         layer = "the model's forward (outside every sublayer)"
     for label, value in (("step", ff.step), ("phase", ff.phase.value), ("layer", layer), ("op", ff.op),
                          ("parameter", ff.parameter), ("batch", ff.batch_index), ("samples", samples),
-                         ("source", report.details.get("source"))):
+                         ("source", report.details.get("source")),
+                         ("library line", report.details.get("library_source"))):
         if value is not None:  # a data fault has no step, layer or op: rows of dashes would only be noise
             grid.add_row(label, Text(fmt_value(value)))
             line = source_text(report) if label == "source" else None

@@ -141,8 +141,14 @@ def _first_fault(report: Report) -> list[str]:
                    cell(ff.op, code_span=True), cell(ff.parameter, code_span=True), cell(ff.batch_index),
                    cell(samples))])
     source = report.details.get("source")
-    if source:
+    library = report.details.get("library_source")
+    if source and library:
+        out += [f"The offending op was created at {code(library)} (library code), called from {code(source)} "
+                "(the user's code).", ""]
+    elif source:
         out += [f"The offending op was created at {code(source)} (the user's code).", ""]
+    elif library:
+        out += [f"The offending op was created at {code(library)} (library code).", ""]
     replays = replay_calls_text(report)
     if replays:
         out += [prose(f"nandoctor's replays {replays}."), ""]

@@ -27,7 +27,7 @@ from nandoctor.spec import Spec
 from nandoctor.tensors.sizes import batch_size
 from nandoctor.workload import build_workload, loader_factory, scan_outputs
 from nandoctor.workload.batches import BatchLayout
-from nandoctor.workload.entrypoints import call_user, user_import_path, user_origin
+from nandoctor.workload.entrypoints import call_user, library_origin, user_import_path, user_origin
 
 if TYPE_CHECKING:  # the data checks load when a scan runs, not when the probe imports scan.params (5 ms)
     from nandoctor.scan.data import DataLimits, DataScanner
@@ -327,14 +327,17 @@ def _length(loader: Any) -> int | None:
 def _user_code_finding(err: UserCodeError, spec: Spec, phase: Phase, batch_index: int | None,
                        consequence: str) -> Finding:
     exc = err.exc
+    library = library_origin(exc, spec.base_dir)  # the library line that raised, inside the user's
     where = f" Open {err.origin} and fix it." if err.origin else ""
+    if library:
+        where = f" It was raised inside library code at {library}.{where}"
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-6))
     return Finding(
         Code.USER_CODE_ERROR, Severity.ERROR,
         f"{err}.{' ' + consequence if consequence else ''}{where}",
         Location(phase=phase, batch_index=batch_index),
-        {"exception": type(exc).__name__, "error": str(exc), "origin": err.origin, "what": err.what,
-         "traceback": tb.splitlines()[-40:]},
+        {"exception": type(exc).__name__, "error": str(exc), "origin": err.origin, "library_origin": library,
+         "what": err.what, "traceback": tb.splitlines()[-40:]},
         advice_for(Code.USER_CODE_ERROR.value))
 
 

@@ -133,7 +133,7 @@ def user_origin(exc: BaseException, base_dir: Path | None = None) -> str | None:
 def is_user_file(file: Path, base: Path | None) -> bool:
     """Not nandoctor (its package or its console script), not an installed package, not the standard
     library, not anything else in the interpreter's own prefix (a venv's bin/ scripts); anything under
-    `base` counts."""
+    `base` counts, but for installed packages there (a venv inside the project)."""
     text = str(file)
     if text.startswith("<"):
         return False
@@ -144,11 +144,61 @@ def is_user_file(file: Path, base: Path | None) -> bool:
     if _OUR_DIR in resolved.parents or resolved.name == "nandoctor":  # the package, the console script
         return False
     if base is not None and base in resolved.parents:
-        return True
+        # a venv inside the project holds installed packages, not the user's code
+        return not _INSTALLED.intersection(resolved.relative_to(base).parts)
     if any(prefix in resolved.parents for prefix in _interpreter_dirs()):
         return False
     lowered = text.replace("\\", "/")
     return "site-packages" not in lowered and "/lib/python" not in lowered
+
+
+_INSTALLED = frozenset({"site-packages", "dist-packages"})
+
+
+def is_own_file(file: str) -> bool:
+    """nandoctor's own package: on a stack, the boundary between the user's loop and a replay it runs."""
+    return not file.startswith("<") and Path(file).resolve().is_relative_to(_OUR_DIR)
+
+
+def is_library_file(file: str, base: Path | None) -> bool:
+    """An installed library's code (a model zoo's layer, a criterion): not the user's, not nandoctor's, not
+    Paddle's own (every op is made inside Paddle's wrappers: naming them says nothing) and not the standard
+    library's."""
+    if file.startswith("<") or is_user_file(Path(file), base) or is_own_file(file):
+        return False
+    lowered = file.replace("\\", "/")
+    for mark in ("site-packages/", "dist-packages/"):
+        if mark in lowered:
+            top = lowered.rsplit(mark, 1)[1].split("/", 1)[0]
+            return top not in _NOT_LIBRARIES
+    return False
+
+
+# Installed packages whose frames are the framework itself, not a library the user chose (and nandoctor's)
+_NOT_LIBRARIES = frozenset({"paddle", "paddle_bfloat", "numpy", "nandoctor", "_pytest", "pytest", "pluggy"})
+
+
+def library_site(file: str, line: int, func: str) -> str:
+    """'nd_fakelib/layers.py:12 in forward': a library's file by its path inside the installed packages."""
+    path = file.replace("\\", "/")
+    for mark in ("site-packages/", "dist-packages/"):
+        if mark in path:
+            path = path.rsplit(mark, 1)[1]
+            break
+    return f"{path}:{line} in {func}"
+
+
+def library_origin(exc: BaseException, base_dir: Path | None = None) -> str | None:
+    """The innermost traceback frame in a library's code below the user's innermost frame (`user_origin`):
+    the library line that raised, when the user's line only called into it."""
+    base = base_dir.resolve() if base_dir else None
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if is_user_file(Path(frame.filename), base):
+            found = None  # only a library frame inside the user's innermost call counts
+        elif is_library_file(frame.filename, base):
+            found = library_site(frame.filename, frame.lineno or 0, frame.name)
+    return found
 
 
 @functools.lru_cache(maxsize=1)

@@ -8,11 +8,12 @@ that comes back to it) and its loss layer's labels, and replays the step's loss 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 from nandoctor.tensors.convert import leaves
-from nandoctor.zero_change.capture import ROW, batch_rows, caller_frames, input_names, keep_grads
+from nandoctor.zero_change.capture import ROW, batch_rows, input_names, keep_grads
 
 
 class ModelWatch:
@@ -31,8 +32,8 @@ class ModelWatch:
         self.handles: list[Any] = []
         self.index = 0  # its position among the models the process watched
         self._rows: Any = None  # the sample positions of the last batch size seen (never written to)
-        self.site: tuple = ()  # the frames above the model's call in the script (capture.caller_frames)
         self._model_raised: tuple = ()  # (type, message) of what the last replay's call of the model raised
+        self.call_site: list[tuple[str, int, str]] = []  # the frames that called the model last (call_site())
 
     def start(self, call: Any, report_dir: str | None, sync: Any, on_fault: str, first_step: int = 0) -> None:
         """The Doctor on the model found, with the step whose forward already ran open from its RNG (step
@@ -41,10 +42,12 @@ class ModelWatch:
         from nandoctor.inloop.doctor import Doctor
 
         self.record(call.args, call.kwargs)
-        self.output, self.grads, self.site = call.output, call.grads, call.site
+        self.call_site = getattr(call, "site", None) or []
+        self.output, self.grads = call.output, call.grads
         self.doctor = Doctor(self.model, self.optimizer, step_fn=self.replay, report_dir=report_dir,
                              on_fault=on_fault, wrap_step=False, sync=sync, mode=Mode.RUN)
         self.doctor.loss_code_fault = self.loss_code_fault
+        self.doctor.model_caller = self.model_caller
         self.doctor.replay_failure = self.replay_failed
         self.doctor.replayed_code = "your model and its loss layer" if self.loss_layer is not None else "your model"
         self.doctor.step = first_step
@@ -64,16 +67,16 @@ class ModelWatch:
         def on_model(_layer: Any, args: Any, kwargs: Any) -> None:
             if not session.busy and self.model.training:
                 self.record(args, kwargs)
+                self.call_site = call_site(sys._getframe(1))
                 session.current = self
-                if not self.site:  # (once: a script calls its model from one place)
-                    self.site = caller_frames()
 
         def on_model_out(_layer: Any, _args: Any, out: Any) -> None:
             if session.busy or not self.model.training:
                 return
             recheck = session.recheck
             if recheck is not None and recheck.is_model(self.model):
-                recheck.after_model(self.doctor.step if self.doctor is not None else 0)
+                recheck.after_model(self.doctor.step if self.doctor is not None else 0, self.model, self.inputs,
+                                    self.kwargs, out)
             self.output = out
             self.grads = {}
             if self.loss_layer is None:
@@ -107,6 +110,11 @@ class ModelWatch:
             self.doctor.close()
         except Exception:  # noqa: BLE001 - inside the user's loop nothing of ours may raise
             pass
+
+    def model_caller(self) -> tuple[str, int, str] | None:
+        """(file, line, function) of the user's line that called the model last: where the step the
+        replays re-run called into a library's model (theirs run it from nandoctor's own code)."""
+        return self.call_site[0] if self.call_site else None
 
     def fields(self) -> dict[str, Any]:
         import paddle
@@ -169,8 +177,7 @@ class ModelWatch:
         """Why the replay failed, in the terms of a script's user: the call of their model it repeated, what
         that raised and where; a failure of nandoctor's own replay code said to be ours."""
         from nandoctor.inloop.doctor import ReplayError
-        from nandoctor.workload.entrypoints import user_origin
-        from nandoctor.zero_change.capture import call_site
+        from nandoctor.workload.entrypoints import short_path, user_origin
 
         if isinstance(exc, ReplayError):
             return str(exc)
@@ -180,8 +187,9 @@ class ModelWatch:
         if not by_model and origin is None:
             return f"nandoctor's own replay failed ({text}); this is a nandoctor bug, please report it"
         args = ", ".join([*self.names, *(f"{k}={k}" for k in self.kwargs)])
-        site = call_site(self.site)
-        call = f"{type(self.model).__name__}({args})" + (f", as called at {site}" if site else "")
+        site = "".join(f", as called at {short_path(Path(file), Path.cwd())}:{line} in {func}"
+                       for file, line, func in self.call_site[:1])
+        call = f"{type(self.model).__name__}({args}){site}"
         what = ("calling your model again" if by_model else "calling your loss layer again after your model"
                 if self.loss_layer is not None else "replaying the step of your model")
         return (f"{what} with the inputs your script gave it ({call}) raised {text}"
@@ -226,6 +234,9 @@ class ModelWatch:
         # The checked pass re-runs the whole command: not ours to start on a rank, nor in a child process
         if session.recheck is None and self.doctor.sync is None and session.process is None:
             self._checked_pass(found, fault.step)
+        else:
+            found.no_pass = ("a rank of a distributed run" if self.doctor.sync is not None else
+                             "a child process of your script")
         return found
 
     def _checked_pass(self, found: Any, step: int) -> None:
@@ -233,6 +244,7 @@ class ModelWatch:
         from nandoctor.zero_change.recheck import run_checked_pass
 
         answer = run_checked_pass(self.session.config, step, self.model, self.session.started)
+        found.samples = answer.get("samples")
         if answer.get("op"):
             found.op, found.source = answer["op"], answer.get("source")
             if answer.get("phase") == "loss":  # a harmful Inf in the loss code's forward came first
@@ -245,3 +257,32 @@ class ModelWatch:
             shown = ", ".join(answer["changed_files"][:10])
             found.notes.append(f"the checked pass changed {len(answer['changed_files'])} file(s) in the working "
                                f"folder by a route nandoctor does not redirect (C code): {shown}")
+
+
+_SITE_DEPTH = 24
+_USER: dict[Any, bool] = {}  # code object -> whether it is the user's (is_user_file, asked once per code)
+
+
+def call_site(frame: Any) -> list[tuple[str, int, str]]:
+    """[(file, line, function)] of the innermost frame of the user's code that called a layer (past Paddle's
+    machinery, nandoctor's seams, a library's trainer), or [] when none is within _SITE_DEPTH frames. Runs
+    at every training call of the model: one dict lookup a frame once its code was seen."""
+    for _ in range(_SITE_DEPTH):
+        if frame is None:
+            return []
+        code = frame.f_code
+        user = _USER.get(code)
+        if user is None:
+            user = _USER[code] = _is_user(code.co_filename)
+        if user:
+            return [(code.co_filename, frame.f_lineno, code.co_name)]
+        frame = frame.f_back
+    return []
+
+
+def _is_user(file: str) -> bool:
+    from pathlib import Path
+
+    from nandoctor.workload.entrypoints import is_user_file
+
+    return is_user_file(Path(file), None)

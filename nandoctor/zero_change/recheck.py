@@ -110,27 +110,33 @@ class CheckedPass:
         self.model_class = str(config.get("model_class") or "")
         self.armed = False
         self.base = Path.cwd()
+        self.call: Any = None  # the model's call at the step, and the loss function it went to (loss_samples.py)
+        self.bisecting = False  # the replays of the bisection run their backward as it is
 
     def is_model(self, layer: Any) -> bool:
         cls = type(layer)
         return f"{cls.__module__}.{cls.__qualname__}" == self.model_class
 
-    def after_model(self, step: int) -> None:
-        """The model's forward at `step` returned: everything after it is the loss code, checked."""
+    def after_model(self, step: int, model: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """The model's forward at `step` returned: everything after it is the loss code, checked, and the
+        first function of the user's that takes the output is caught (the loss, to bisect the batch with)."""
         if self.armed or step != self.step:
             return
         import paddle
 
         from nandoctor.engine.checker import enable_checker
+        from nandoctor.zero_change.loss_samples import LossCall
 
         self.armed = True
         sys.excepthook = self._excepthook
+        self.call = LossCall(model, args, kwargs, out)
         paddle.set_flags({"FLAGS_call_stack_level": 3})  # backward ops print the line of their forward op
         enable_checker()
+        self.call.start()
 
     def backward(self, run: Any) -> Any:
         """`loss.backward()` of the checked step: an abort there names a backward op of the loss code."""
-        if not self.armed:
+        if not self.armed or self.bisecting:
             return run()
         from nandoctor.engine.native import FRAME_RE, capture_native_output
 
@@ -155,7 +161,19 @@ class CheckedPass:
         if op is None:
             self._write({"error": f"the checked step raised {type(exc).__name__}, not the tensor checker"})
             return
-        self._write({"op": op, "source": source, "step": self.step, "phase": phase})
+        self._write({"op": op, "source": source, "step": self.step, "phase": phase, "samples": self._samples()})
+
+    def _samples(self) -> dict[str, Any]:
+        """The faulting step's batch bisected through the model and the loss function (loss_samples.py)."""
+        from nandoctor.zero_change.loss_samples import loss_samples
+
+        if self.call is not None:
+            self.call.stop()
+        self.bisecting = True
+        try:
+            return loss_samples(self.call)
+        except Exception as exc:  # noqa: BLE001 - nandoctor's own failure: no sample named, and it says so
+            return {"samples": None, "why": "failed", "error": f"{type(exc).__name__}: {exc}"[:300]}
 
     def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
         self.answer(exc, self._innermost([(f.filename, f.lineno, f.name) for f in traceback.extract_tb(tb)]), "loss")

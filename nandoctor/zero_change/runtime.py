@@ -25,8 +25,9 @@ label)`; with a model that returns its own loss (an output object's `.loss`), th
 written as functions, the gradient that came back to each of the model's output tensors is recorded
 (one tensor hook each) and the replay backpropagates those same gradients through the model, which
 reproduces every fault inside the model. A fault that began in loss code written as functions (the
-model's outputs finite, the loss or the gradient coming back to them not) cannot be replayed: it is
-named as such, with the samples whose rows of that gradient are non-finite (`loss_code_fault`).
+model's outputs finite, the loss or the gradient coming back to them not) cannot be replayed here: it is
+named as such (`loss_code_fault`), and a checked second pass of the command names its op, line and samples
+(recheck.py, loss_samples.py).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nandoctor.zero_change.capture import caller_frames, keep_grads
-from nandoctor.zero_change.model_watch import ModelWatch
+from nandoctor.zero_change.capture import keep_grads
+from nandoctor.zero_change.model_watch import ModelWatch, call_site
 from nandoctor.zero_change.processes import in_pool_worker
 
 ENV = "NANDOCTOR_RUN"
@@ -54,9 +55,9 @@ class _Call:
 
     def __init__(self, layer: Any, args: tuple, kwargs: dict, rng: Any) -> None:
         self.layer, self.args, self.kwargs, self.rng = layer, args, kwargs, rng
-        self.site = caller_frames()  # where the script called it (named if a replay of this call fails)
         self.output: Any = None
         self.grads: dict[int, Any] = {}
+        self.site: list[tuple[str, int, str]] = []
 
 
 class Session:
@@ -100,6 +101,8 @@ class Session:
         training = layer.training
         # The RNG state before the call (a replay of step 0 needs its dropout masks): until the model is known
         root = _Call(layer, args, kwargs, sys.modules["paddle"].get_rng_state()) if training else None
+        if root is not None:
+            root.site = call_site(sys._getframe(1))  # the line that called it: a library model's caller
         self.depth += 1
         try:
             out = call(layer, *args, **kwargs)
@@ -108,7 +111,8 @@ class Session:
         if root is None:
             return out
         if self.recheck is not None and self.recheck.is_model(layer):
-            self.recheck.after_model(0)  # step 0: the model is not known yet, but its class is
+            # step 0: the model is not known yet, but its class is
+            self.recheck.after_model(0, layer, args, kwargs, out)
         self._keep_root(root, out)
         return out
 

@@ -3,6 +3,9 @@ real training does (a log appended and a checkpoint saved every step). For `nand
 
     python loss_code.py log    # log(1 - sigmoid(z)) is -inf for samples 1 and 4 of step 3: the loss is NaN
     python loss_code.py sqrt   # sqrt of a distance that is exactly 0 for sample 2 of step 4: its gradient is inf
+    python loss_code.py weight # a weighted mean whose weights are sqrt of a column of y, negative for sample 2
+                               # of step 4: the loss is NaN, and its gradient at every row of the output too
+    python loss_code.py inline # the same loss written inline in the loop: no function of it to call again
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ def batch(kind: str, step: int) -> tuple[np.ndarray, np.ndarray]:
         if step == 3:
             x[[1, 4], 0] = 1000.0  # a feature in the wrong unit: the logit saturates the sigmoid
         return x, y
+    if kind in ("weight", "inline"):  # (target, weight): a corrupt weight of -1 for sample 2 of step 4
+        y = np.stack([rng.normal(size=6), rng.uniform(0.5, 1.5, size=6)], axis=1).astype("float32")
+        if step == 4:
+            y[2, 1] = -1.0
+        return x, y
     y = np.ones((6, 1), dtype="float32")
     if step == 4:
         y[2] = 0.0
@@ -34,13 +42,21 @@ def loss_of(kind: str, out: paddle.Tensor, y: paddle.Tensor) -> paddle.Tensor:
     if kind == "log":  # a hand-written binary cross-entropy
         p = F.sigmoid(out[:, :1])
         return -(y * paddle.log(p) + (1 - y) * paddle.log(1 - p)).mean()
+    if kind in ("weight", "inline"):  # a weighted mean: one NaN weight makes every row's gradient NaN
+        w = paddle.sqrt(y[:, 1:])
+        return (w * (out[:, :1] - y[:, :1]) ** 2).sum() / w.sum()
     target = out.detach() + y  # a distance of exactly 0 where y is 0
     return paddle.sqrt(((out - target) ** 2).sum(axis=1)).mean()
 
 
 def train_step(kind: str, model: paddle.nn.Layer, x: np.ndarray, y: np.ndarray) -> paddle.Tensor:
     """Forward, the loss code, backward: the step without its update."""
-    loss = loss_of(kind, model(paddle.to_tensor(x)), paddle.to_tensor(y))
+    out, target = model(paddle.to_tensor(x)), paddle.to_tensor(y)
+    if kind == "inline":  # loss_of's weighted mean, written inline
+        w = paddle.sqrt(target[:, 1:])
+        loss = (w * (out[:, :1] - target[:, :1]) ** 2).sum() / w.sum()
+    else:
+        loss = loss_of(kind, out, target)
     loss.backward()
     return loss
 
