@@ -13,15 +13,22 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
+import os
 import re
+import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import numpy as np
 import paddle
 import pytest
+from inloop_helpers import ROOT
+
+from nandoctor.report.json import schema_path
 
 # (step, model, optimizer, loss of the whole batch, loss of one row of it, rows)
 Phase = tuple[int, Any, Any, Callable[[], Any], Callable[[int], Any], int]
@@ -119,3 +126,17 @@ def first_backward_fault(phases: Iterable[Phase], script: Path, capfd: pytest.Ca
         file, line = frames[-1]
         found["source"] = f"{file.relative_to(script.resolve().parent)}:{line} in forward"
     return model, found
+
+
+def nandoctor_run(script: Path, args: list[str], cwd: Path, columns: int = 120
+                  ) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
+    """`nandoctor run --json r.json --markdown r.md -- python SCRIPT ARGS` from `cwd`, as a process (the run's
+    child and its stderr are what is checked) -> the process and its report.json, checked against the schema."""
+    cmd = [sys.executable, "-m", "nandoctor", "run", "--json", "r.json", "--markdown", "r.md", "--",
+           sys.executable, str(script), *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": str(columns)}
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+    assert (cwd / "r.json").is_file(), proc.stderr[-3000:]
+    data = json.loads((cwd / "r.json").read_text(encoding="utf-8"))
+    jsonschema.validate(data, json.loads(schema_path().read_text(encoding="utf-8")))
+    return proc, data

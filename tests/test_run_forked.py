@@ -18,13 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import paddle
 import pytest
 from inloop_helpers import ROOT
-from run_truth import first_backward_fault, run_script
-
-from nandoctor.report.json import schema_path
+from run_truth import first_backward_fault, nandoctor_run, run_script
 
 SCRIPT = ROOT / "tests" / "run_scripts" / "forked.py"
 KEYS = ("step", "phase", "layer", "op", "parameter", "sample_indices")
@@ -53,13 +50,7 @@ def ground_truth(capfd: pytest.CaptureFixture, worker: int = 2, groups: bool = F
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
-    cmd = [sys.executable, "-m", "nandoctor", "run", "--json", "r.json", "--", sys.executable, str(SCRIPT), *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
-    assert (tmp_path / "r.json").is_file(), proc.stderr[-3000:]
-    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
-    jsonschema.validate(data, json.loads(schema_path().read_text(encoding="utf-8")))
-    return proc, data
+    return nandoctor_run(SCRIPT, list(args), tmp_path)
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])

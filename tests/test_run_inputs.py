@@ -14,21 +14,15 @@ printed Paddle's "To copy construct" warning on the script's stderr (pgl's numpy
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import paddle
 import pytest
 from inloop_helpers import ROOT
-from run_truth import first_backward_fault, run_script
-
-from nandoctor.report.json import schema_path
+from run_truth import first_backward_fault, nandoctor_run, run_script
 
 SCRIPT = ROOT / "tests" / "run_scripts" / "graph_input.py"
 KEYS = ("step", "phase", "layer", "op", "parameter", "sample_indices")
@@ -52,14 +46,7 @@ def ground_truth(capfd: pytest.CaptureFixture) -> dict[str, Any]:
 
 
 def _run(tmp_path: Path, kind: str) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
-    cmd = [sys.executable, "-m", "nandoctor", "run", "--json", "r.json", "--markdown", "r.md", "--",
-           sys.executable, str(SCRIPT), kind]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
-    assert (tmp_path / "r.json").is_file(), proc.stderr[-3000:]
-    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
-    jsonschema.validate(data, json.loads(schema_path().read_text(encoding="utf-8")))
-    return proc, data
+    return nandoctor_run(SCRIPT, [kind], tmp_path, columns=200)
 
 
 def _extra_calls(stdout: str) -> int:

@@ -15,8 +15,6 @@ failing batch replayed alone for the samples; for the exception, its own traceba
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import subprocess
 import sys
@@ -24,14 +22,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import paddle
 import pytest
 from inloop_helpers import ROOT
-from run_truth import bad_params, innermost_under, printed_frames, run_script
+from run_truth import bad_params, innermost_under, nandoctor_run, printed_frames, run_script
 
 import nandoctor
-from nandoctor.report.json import schema_path
 
 SCRIPT = ROOT / "tests" / "run_scripts" / "library_op.py"
 LIBRARY = ROOT / "tests" / "run_libs" / "site-packages"
@@ -149,13 +145,7 @@ def _raise_truth() -> dict[str, Any]:
 
 def _run(tmp_path: Path, kind: str) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
     """`nandoctor run -- python library_op.py KIND`: a process, as the run's child is what is checked."""
-    cmd = [sys.executable, "-m", "nandoctor", "run", "--json", "r.json", "--", sys.executable, str(SCRIPT), kind]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
-    assert (tmp_path / "r.json").is_file(), proc.stderr[-3000:]
-    data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
-    jsonschema.validate(data, json.loads(schema_path().read_text(encoding="utf-8")))
-    return proc, data
+    return nandoctor_run(SCRIPT, [kind], tmp_path)
 
 
 def _watch(tmp_path: Path, kind: str) -> dict[str, Any]:
