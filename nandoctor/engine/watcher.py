@@ -99,6 +99,8 @@ class StepRecord:
     loss_scale: float | None = None
     skipped: bool | None = None
     lr: float | None = None
+    batch_index: int | None = None  # the loader's position of the step's batch: what a loss spike names
+    epoch: int | None = None
 
 
 class StatsSchedule:
@@ -417,10 +419,11 @@ class StepWatcher:
         the batch's fault when a NaN in it did it, an AMP overflow the scaler skips (recorded, no fault), or
         else the update's or the step's own (`_nonfinite_fault`)."""
         lr = current_lr(self.optimizer)
-        record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, st.loss_scale, lr=lr)
+        at = {"batch_index": self._batch_index, "epoch": self._epoch}
+        record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, st.loss_scale, lr=lr, **at)
         skipped = self.scaler is not None and math.isfinite(st.loss) and not st.grads_finite
         if not skipped and math.isfinite(st.loss) and not st.grads_finite and self.monitor.recheck_grads(st):
-            record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, lr=lr)  # a norm overflow
+            record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, lr=lr, **at)  # a norm overflow
         if not math.isfinite(st.loss) or not st.grads_finite:
             fault = self.data_fault()  # a NaN in the batch did it (also what AMP would take for an overflow)
             if fault is not None:
@@ -461,7 +464,7 @@ class StepWatcher:
         # A record with a loss alone gives the warnings nothing but its learning rate (WarningTracker.update
         # would raise no alert for it): taken together, ~1 us a step less than one `_keep` each, on a read
         # of up to 256 of them
-        records = [StepRecord(p[0], value, None, None, None, None, None, p[4])
+        records = [StepRecord(p[0], value, None, None, None, None, None, p[4], p[1], p[2])
                    for p, value in zip(pending, values[:end].tolist())]
         self.tracker.note_lrs(records)
         self._record(*records)
@@ -720,7 +723,8 @@ def _drop_some_arrays(kept: list[StepRecord], near: set[int]) -> None:
     if len(with_arrays) > MAX_ARRAYS:  # every other one's arrays go (the oldest stretch thins most)
         for i in with_arrays[1::2]:
             r = kept[i]
-            kept[i] = StepRecord(r.step, r.loss, r.grad_norm, None, None, r.loss_scale, r.skipped, r.lr)
+            kept[i] = StepRecord(r.step, r.loss, r.grad_norm, None, None, r.loss_scale, r.skipped, r.lr, r.batch_index,
+                                 r.epoch)
 
 
 def current_lr(optimizer: Any) -> float | None:
