@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from nandoctor.advice import clip_advice, lower_lr_advice
+from nandoctor.advice import lower_lr_advice
 from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity
 
 MIN_STEPS = 30  # fewer losses than this say nothing about a trend
@@ -174,11 +174,8 @@ def divergence_finding(d: Divergence, lr: float | None, fault_step: int | None, 
     message = (f"The loss diverged: it fell to its minimum of {d.min_loss:.3g} at step {d.min_step}, began to rise "
                f"at step {d.start_step} and stayed several-fold above it {until}: {d.level:.3g} (the median of the "
                f"last {d.stretch} steps, {d.ratio:.3g}x the minimum; {d.last_loss:.3g} at step {d.last_step}).{then}"
-               " The step size is too large from there on: lower the learning rate, or add a warmup and clipping.")
-    mode = report.mode
-    at = f"at step {d.start_step}"
-    advice = [lower_lr_advice(lr, at, mode), clip_advice(None, mode, " so one large gradient cannot throw the "
-                                                          "weights this far")]
+               " The step size is too large from there on: lower the learning rate, or warm up to it longer.")
+    advice = [lower_lr_advice(lr, f"at step {d.start_step}", report.mode)]
     return Finding(
         Code.LOSS_DIVERGENCE, Severity.WARNING, message, Location(step=d.start_step, phase=Phase.OPTIMIZER),
         {"quantity": "loss", "layer": None, "start_step": d.start_step, "early_level": d.min_loss,
@@ -198,10 +195,8 @@ def spike_finding(s: Spike, lr: float | None, report: Report, others: int) -> Fi
                f"median of the steps before it ({s.baseline:.3g}), and recovered by step {s.recovered_step}. "
                f"Its highest losses were on {tops}: check those batches (outliers, bad labels), and if they are "
                f"sound the step size is marginal.{more}")
-    mode = report.mode
     advice = [f"Look at the batch(es) at the spike's top ({tops}) for outliers or corrupt records.",
-              clip_advice(None, mode, " so one batch cannot throw the weights far"),
-              lower_lr_advice(lr, f"at step {s.start_step}", mode)]
+              "If they are sound: " + lower_lr_advice(lr, f"at step {s.start_step}", report.mode)]
     return Finding(
         Code.LOSS_SPIKE, Severity.WARNING, message, Location(step=s.start_step, phase=Phase.LOSS,
                                                              batch_index=s.top[0][2]),
