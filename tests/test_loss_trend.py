@@ -42,22 +42,30 @@ def plain_losses(peak: float, *, warmup: int = WARMUP, n: int = STEPS, spike_at:
     return np.asarray(out, dtype=np.float64)
 
 
-def probe(tmp_path: Path, peak: float, *, warmup: int = WARMUP, n: int = STEPS, spike_at: int = -1) -> dict[str, Any]:
-    from nandoctor.probe import ProbeOptions, run_probe
-    from nandoctor.spec import load_spec
-
+def trend_spec(tmp_path: Path, peak: float, *, warmup: int = WARMUP, n: int = STEPS, spike_at: int = -1,
+               optimizer: str = "Adam", start_lr: float = START_LR, loss: str | None = None) -> Path:
+    """A spec for tests/trend_models.py: `optimizer` warmed up from `start_lr` to `peak` over `warmup` steps."""
     raw: dict[str, Any] = {
         "version": 1, "model": {"entry": f"{MODELS}:mlp"},
         "data": {"entry": f"{MODELS}:batches", "args": {"n": n, "spike_at": spike_at}, "fields": ["x", "y"],
                  "label": "y"},
-        "loss": {"builtin": "mse"},
-        "optimizer": {"name": "Adam", "args": {"learning_rate": peak}},
+        "loss": {"entry": f"{MODELS}:{loss}"} if loss else {"builtin": "mse"},
+        "optimizer": {"name": optimizer, "args": {"learning_rate": peak}},
     }
     if warmup:
-        raw["optimizer"]["lr_scheduler"] = {"warmup": {"steps": warmup, "start_lr": START_LR}}
-    path = tmp_path / "trend.yaml"
+        raw["optimizer"]["lr_scheduler"] = {"warmup": {"steps": warmup, "start_lr": start_lr}}
+    path = tmp_path / f"trend_{optimizer}_{peak}_{warmup}_{n}_{spike_at}_{loss}.yaml"
     path.write_text(yaml.safe_dump(raw), encoding="utf-8")
-    return run_probe(load_spec(path), ProbeOptions(steps=n, seed=0, device="cpu", try_fixes=False)).to_dict()
+    return path
+
+
+def probe(tmp_path: Path, peak: float, *, try_fixes: bool = False, **kw: Any) -> dict[str, Any]:
+    from nandoctor.probe import ProbeOptions, run_probe
+    from nandoctor.spec import load_spec
+
+    n = kw.get("n", STEPS)
+    return run_probe(load_spec(trend_spec(tmp_path, peak, **kw)),
+                     ProbeOptions(steps=n, seed=0, device="cpu", try_fixes=try_fixes)).to_dict()
 
 
 def watched(peak: float, *, warmup: int = WARMUP, n: int = STEPS, spike_at: int = -1) -> dict[str, Any]:

@@ -16,6 +16,7 @@ non-finite is a fault whose step the rollback finds by replay (engine/rollback.p
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections import deque
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from nandoctor.engine.monitors import StepMonitor, StepStats
+from nandoctor.engine.snapshots import MIN_EVERY
 from nandoctor.findings import Code, Phase
 from nandoctor.tensors.finite import harmful_fields
 
@@ -55,6 +57,20 @@ MAX_UNREAD = 256
 # probe (the samples run 10-60 steps), keep every step's norm, so a growth is placed at its exact step there
 READ_ALL_STEPS = 64
 DETECT_SPAN = 256  # the steps the reads' mean cost is taken over (StatsSchedule.detect): MAX_UNREAD
+# The same report on every run (issue 35): how often a step is read follows measured timings, so what is
+# concluded from gradient norms may only read steps that every stride reads: the first READ_ALL_STEPS steps and
+# every NORM_GRID-th step after them (read whatever the stride: ~0.4% of a 0.3 ms step), and of those, on a
+# model whose gradients are read one step in MIN_EVERY (defer_grads), the multiples of MIN_EVERY. Other steps'
+# norms only decide how closely to watch (they are not recorded).
+NORM_GRID = 64
+# Tests only: the read stride forced (an integer), so a test can run one probe at two strides
+READ_EVERY_ENV = "NANDOCTOR_READ_EVERY"
+
+
+def forced_read_every() -> int | None:
+    """The read stride a test forces through READ_EVERY_ENV, else None (the measured one)."""
+    raw = os.environ.get(READ_EVERY_ENV, "").strip()
+    return max(1, min(int(raw), MAX_UNREAD)) if raw.isdigit() else None
 
 
 class FaultKind(str, Enum):
@@ -240,6 +256,18 @@ class StepWatcher:
         # the unread steps since the last read: (step, batch_index, epoch, loss tensor, learning rate)
         # (a driver's quiet steps are taken as they are: lists beginning with these five, `quiet_steps`)
         self._pending: list[Any] = []
+        self._forced = forced_read_every()
+        # the gradient norms kept are those of steps on this spacing (see NORM_GRID): a model whose gradients a
+        # rolling-back driver would read one step in MIN_EVERY keeps that spacing whoever drives it
+        self._grad_grid = 1 if self.monitor.small or scaler is not None else MIN_EVERY
+
+    def conclusive(self, step: int) -> bool:
+        """Whether step `step`'s gradient norm is read whatever the read stride (NORM_GRID): the only norms
+        recorded, so that warnings, causes and remedies conclude the same from every run."""
+        first = self._first_step if self._first_step is not None else step
+        if step - first >= READ_ALL_STEPS and step % NORM_GRID:
+            return False
+        return self._grad_grid == 1 or step < 3 or step % self._grad_grid == 0
 
     def defer_grads(self, every: int) -> None:
         """Read the gradients only every `every`-th step (and on stats, alert and the first steps), for a
@@ -279,8 +307,8 @@ class StepWatcher:
     def _reads(self, step: int, stats: bool) -> bool:
         """Whether step `step` is read on the host (always, unless defer_reads). On multiples of read_every: no
         more than read_every steps go unread in a row, whenever read_every changes."""
-        return (self._ring is None or stats or self.schedule.alert
-                or step - self._first_step < READ_ALL_STEPS or step % self.read_every == 0)
+        return (self._ring is None or stats or self.schedule.alert or step - self._first_step < READ_ALL_STEPS
+                or step % self.read_every == 0 or step % NORM_GRID == 0)
 
     # ---- the stages of a step ----------------------------------------------------------------------
     def begin_step(self, step: int, fields: dict[str, Any], *, batch_index: int | None = None,
@@ -420,10 +448,12 @@ class StepWatcher:
         else the update's or the step's own (`_nonfinite_fault`)."""
         lr = current_lr(self.optimizer)
         at = {"batch_index": self._batch_index, "epoch": self._epoch}
-        record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, st.loss_scale, lr=lr, **at)
+        record = StepRecord(step, st.loss, self._kept_norm(st, step), st.grad_sq, st.act_max, st.loss_scale, lr=lr,
+                            **at)
         skipped = self.scaler is not None and math.isfinite(st.loss) and not st.grads_finite
         if not skipped and math.isfinite(st.loss) and not st.grads_finite and self.monitor.recheck_grads(st):
-            record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, lr=lr, **at)  # a norm overflow
+            record = StepRecord(step, st.loss, self._kept_norm(st, step), st.grad_sq, st.act_max, lr=lr,
+                                **at)  # a norm overflow
         if not math.isfinite(st.loss) or not st.grads_finite:
             fault = self.data_fault()  # a NaN in the batch did it (also what AMP would take for an overflow)
             if fault is not None:
@@ -435,6 +465,11 @@ class StepWatcher:
         self.schedule.alert = self._keep(record)
         self._last_norm = st.grad_norm
         return None
+
+    def _kept_norm(self, st: StepStats, step: int) -> float | None:
+        """The step's gradient norm as recorded: on the conclusive steps, and a non-finite one (a fault) always."""
+        norm = st.grad_norm
+        return norm if norm is None or self.conclusive(step) or not math.isfinite(norm) else None
 
     def _nonfinite_fault(self, st: StepStats, step: int, record: StepRecord) -> Fault:
         """A non-finite step that is neither the batch's doing nor an AMP overflow: the last update's, when it
@@ -495,11 +530,14 @@ class StepWatcher:
         step_s = min(plain)
         cost = statistics.median(self._read_seconds)
         k = max(1, min(math.ceil(cost / max(_READ_SHARE * step_s, 1e-9)), MAX_UNREAD))
+        if self._forced is not None:
+            k = self._forced
         ring = self._ring
         if k > ring.every:  # snapshots further apart (fewer of them, and longer replays on a fault), up to
             ring.widen(k)   # the ring's own limit: a read every ring interval cost ~2% of a 0.3 ms step
             k = min(k, ring.every)
-        if self.defer_every > 1 and k > 1:  # the gradients' own spacing: reads on the steps they are read
+        # the gradients' own spacing: reads on the steps they are read (unless a test forced the stride)
+        if self.defer_every > 1 and k > 1 and self._forced is None:
             k = self.defer_every
         self.read_every = k
 
@@ -619,7 +657,8 @@ class StepWatcher:
         # the step before is over: its batch is not held through the window (issue 22; `quiet_steps` sets the
         # newest quiet step's)
         self._fields = None
-        return min(-(-(step + 1) // every) * every, schedule.next_stats(step), self._ring.next_due())
+        return min(-(-(step + 1) // every) * every, -(-step // NORM_GRID) * NORM_GRID, schedule.next_stats(step),
+                   self._ring.next_due())
 
     def quiet_steps(self, steps: list[list[Any]], fields: list[Any]) -> None:
         """The bookkeeping of steps a driver ran quietly (before `quiet_until`), in one go, as begin_step,
