@@ -65,13 +65,16 @@ class WarningTracker:
         """Take one step's numbers; True while something looks like trouble (stats on every step)."""
         alert = False
         self.lrs[record.step] = record.lr  # the watcher records the scheduler's value
-        if record.grad_norm is not None and math.isfinite(record.grad_norm):
-            self.norms.append((record.step, record.grad_norm))
+        # only norms every read stride reads (StepRecord.conclusive): an alert or an explosion found on a step
+        # read because the machine was fast would make the report follow the machine's load
+        norm = record.grad_norm if getattr(record, "conclusive", True) else None
+        if norm is not None and math.isfinite(norm):
+            self.norms.append((record.step, norm))
         self._trim()
-        if record.grad_norm is not None and math.isfinite(record.grad_norm):
+        if norm is not None and math.isfinite(norm):
             early = self.early_level()
             if early is not None and early > 0:
-                ratio = record.grad_norm / early
+                ratio = norm / early
                 alert = ratio >= _ALERT_RATIO
                 if ratio >= _EXPLODE_RATIO and self.explosion is None:
                     self.explosion = self._explosion(record.step, early)
@@ -272,7 +275,9 @@ def _series_to_fault(records: list[Any], fault_step: int) -> tuple[list[tuple[in
     finite (an update fault: its gradient was finite), and the records before it come first."""
     before = [r for r in records if r.step < fault_step]
     at_fault = [r for r in records if r.step == fault_step]
-    norms = [(r.step, float(r.grad_norm)) for r in before + at_fault if r.grad_norm is not None]
+    # the norms every read stride reads (StepRecord.conclusive), and the faulting step's own
+    norms = [(r.step, float(r.grad_norm)) for r in before + at_fault
+             if r.grad_norm is not None and (getattr(r, "conclusive", True) or r.step == fault_step)]
     if norms and not math.isfinite(norms[-1][1]):
         norms = norms[:-1]
     losses = [(r.step, float(r.loss)) for r in before + at_fault if r.loss is not None]

@@ -61,7 +61,7 @@ DETECT_SPAN = 256  # the steps the reads' mean cost is taken over (StatsSchedule
 # concluded from gradient norms may only read steps that every stride reads: the first READ_ALL_STEPS steps and
 # every NORM_GRID-th step after them (read whatever the stride: ~0.4% of a 0.3 ms step), and of those, on a
 # model whose gradients are read one step in MIN_EVERY (defer_grads), the multiples of MIN_EVERY. Other steps'
-# norms only decide how closely to watch (they are not recorded).
+# norms are shown in the timeline, and nothing is concluded from them (StepRecord.conclusive).
 NORM_GRID = 64
 # Tests only: the read stride forced (an integer), so a test can run one probe at two strides
 READ_EVERY_ENV = "NANDOCTOR_READ_EVERY"
@@ -117,6 +117,9 @@ class StepRecord:
     lr: float | None = None
     batch_index: int | None = None  # the loader's position of the step's batch: what a loss spike names
     epoch: int | None = None
+    # its gradient norm was read whatever the read stride (StepWatcher.conclusive): only such norms are concluded
+    # from (warnings, causes); the others, read because timing allowed it, are shown in the timeline alone
+    conclusive: bool = True
 
 
 class StatsSchedule:
@@ -263,7 +266,7 @@ class StepWatcher:
 
     def conclusive(self, step: int) -> bool:
         """Whether step `step`'s gradient norm is read whatever the read stride (NORM_GRID): the only norms
-        recorded, so that warnings, causes and remedies conclude the same from every run."""
+        warnings and causes read, so that every run concludes the same."""
         first = self._first_step if self._first_step is not None else step
         if step - first >= READ_ALL_STEPS and step % NORM_GRID:
             return False
@@ -447,13 +450,11 @@ class StepWatcher:
         the batch's fault when a NaN in it did it, an AMP overflow the scaler skips (recorded, no fault), or
         else the update's or the step's own (`_nonfinite_fault`)."""
         lr = current_lr(self.optimizer)
-        at = {"batch_index": self._batch_index, "epoch": self._epoch}
-        record = StepRecord(step, st.loss, self._kept_norm(st, step), st.grad_sq, st.act_max, st.loss_scale, lr=lr,
-                            **at)
+        at = {"batch_index": self._batch_index, "epoch": self._epoch, "conclusive": self.conclusive(step)}
+        record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, st.loss_scale, lr=lr, **at)
         skipped = self.scaler is not None and math.isfinite(st.loss) and not st.grads_finite
         if not skipped and math.isfinite(st.loss) and not st.grads_finite and self.monitor.recheck_grads(st):
-            record = StepRecord(step, st.loss, self._kept_norm(st, step), st.grad_sq, st.act_max, lr=lr,
-                                **at)  # a norm overflow
+            record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, lr=lr, **at)  # a norm overflow
         if not math.isfinite(st.loss) or not st.grads_finite:
             fault = self.data_fault()  # a NaN in the batch did it (also what AMP would take for an overflow)
             if fault is not None:
@@ -465,11 +466,6 @@ class StepWatcher:
         self.schedule.alert = self._keep(record)
         self._last_norm = st.grad_norm
         return None
-
-    def _kept_norm(self, st: StepStats, step: int) -> float | None:
-        """The step's gradient norm as recorded: on the conclusive steps, and a non-finite one (a fault) always."""
-        norm = st.grad_norm
-        return norm if norm is None or self.conclusive(step) or not math.isfinite(norm) else None
 
     def _nonfinite_fault(self, st: StepStats, step: int, record: StepRecord) -> Fault:
         """A non-finite step that is neither the batch's doing nor an AMP overflow: the last update's, when it
@@ -763,7 +759,7 @@ def _drop_some_arrays(kept: list[StepRecord], near: set[int]) -> None:
         for i in with_arrays[1::2]:
             r = kept[i]
             kept[i] = StepRecord(r.step, r.loss, r.grad_norm, None, None, r.loss_scale, r.skipped, r.lr, r.batch_index,
-                                 r.epoch)
+                                 r.epoch, r.conclusive)
 
 
 def current_lr(optimizer: Any) -> float | None:
