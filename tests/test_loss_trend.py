@@ -22,17 +22,22 @@ DIVERGING, TWIN = 1.0, 0.1  # the peak learning rates: a too-high one, and 10x l
 SPIKE_LR, SPIKE_AT, SPIKE_STEPS = 0.01, 60, 100
 
 
-def plain_losses(peak: float, *, warmup: int = WARMUP, n: int = STEPS, spike_at: int = -1) -> np.ndarray:
-    """Every step's loss of a plain Paddle loop (Adam, MSE, the probe's seeding and order of calls), float64."""
+def plain_losses(peak: float, *, warmup: int = WARMUP, n: int = STEPS, spike_at: int = -1, optimizer: str = "Adam",
+                 start_lr: float = START_LR) -> np.ndarray:
+    """Every step's loss of a plain Paddle loop (MSE, the probe's seeding and order of calls), float64, up to and
+    including the first non-finite one."""
     paddle.seed(0)
     np.random.seed(0)
     random.seed(0)
     model = tm.mlp()
-    sched = paddle.optimizer.lr.LinearWarmup(peak, warmup, START_LR, peak) if warmup else peak
-    opt = paddle.optimizer.Adam(learning_rate=sched, parameters=model.parameters())
+    sched = paddle.optimizer.lr.LinearWarmup(peak, warmup, start_lr, peak) if warmup else peak
+    opt = getattr(paddle.optimizer, optimizer)(learning_rate=sched, parameters=model.parameters())
     out = []
     for x, y in tm.batches(n, spike_at=spike_at):
         loss = paddle.nn.functional.mse_loss(model(paddle.to_tensor(x)), paddle.to_tensor(y))
+        if not np.isfinite(float(loss)):
+            out.append(float(loss))
+            break
         loss.backward()
         opt.step()
         opt.clear_grad()
@@ -172,3 +177,27 @@ def test_watch_reports_the_same_divergence(runs: dict[str, Any]) -> None:
         assert found["evidence"][key] == probed["evidence"][key]
     assert found["evidence"]["min_loss"] == pytest.approx(probed["evidence"]["min_loss"], rel=1e-5)
     assert "optimizer.args" not in " ".join(found["advice"])  # Python for a script, not the spec's YAML
+
+
+FAULTY = {"warmup": 200, "n": 170, "optimizer": "SGD", "start_lr": 0.01}  # overflows at step ~169 (SGD, peak 1.0)
+
+
+def test_a_fault_after_a_divergence_says_so(tmp_path: Path) -> None:
+    """The plain loop's loss diverges, then goes non-finite: the fault's finding names the divergence before it
+    (its start and lead time), rather than the last batch alone."""
+    truth = plain_losses(1.0, **FAULTY)
+    fault_step = len(truth) - 1
+    assert not np.isfinite(truth[-1]) and fault_step > 64
+    report = probe(tmp_path, 1.0, **FAULTY)
+    assert report["first_fault"]["step"] == fault_step
+    [found] = of_code(report, "loss.divergence")
+    ev = found["evidence"]
+    start = ev["start_step"]
+    assert ev["fault_step"] == fault_step and ev["lead_steps"] == fault_step - start > 0
+    assert ev["min_step"] == int(np.argmin(truth[:start + 1]))
+    assert ev["min_loss"] == pytest.approx(truth[:start + 1].min(), rel=1e-5)
+    [fault] = [f for f in report["findings"] if f["severity"] == "error"]
+    assert fault["location"]["step"] == fault_step
+    assert fault["evidence"]["precursor"] == {"code": "loss.divergence", "start_step": start,
+                                              "lead_steps": fault_step - start}
+    assert f"after the loss began to diverge (step {start}" in fault["message"]

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_loss_trend import FAULTY as FAULTY_RUN
 from test_loss_trend import probe
 
 from nandoctor.engine.watcher import READ_EVERY_ENV
 
-FAULTY = {"peak": 1.0, "warmup": 200, "n": 170, "optimizer": "SGD", "start_lr": 0.01}
+FAULTY = {"peak": 1.0, **FAULTY_RUN}
 DIVERGING = {"peak": 1.0, "n": 200}
 
 
