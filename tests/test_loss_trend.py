@@ -23,9 +23,9 @@ SPIKE_LR, SPIKE_AT, SPIKE_STEPS = 0.01, 60, 100
 
 
 def plain_losses(peak: float, *, warmup: int = WARMUP, n: int = STEPS, spike_at: int = -1, optimizer: str = "Adam",
-                 start_lr: float = START_LR) -> np.ndarray:
+                 start_lr: float = START_LR, lr_x: tuple[int, float] | None = None, epochs: int = 1) -> np.ndarray:
     """Every step's loss of a plain Paddle loop (MSE, the probe's seeding and order of calls), float64, up to and
-    including the first non-finite one."""
+    including the first non-finite one. `lr_x` (step, factor): the scheduler's rate times factor from that step."""
     paddle.seed(0)
     np.random.seed(0)
     random.seed(0)
@@ -33,7 +33,9 @@ def plain_losses(peak: float, *, warmup: int = WARMUP, n: int = STEPS, spike_at:
     sched = paddle.optimizer.lr.LinearWarmup(peak, warmup, start_lr, peak) if warmup else peak
     opt = getattr(paddle.optimizer, optimizer)(learning_rate=sched, parameters=model.parameters())
     out = []
-    for x, y in tm.batches(n, spike_at=spike_at):
+    for step, (x, y) in enumerate(tm.batches(n, spike_at=spike_at) * epochs):
+        if lr_x is not None and step >= lr_x[0]:
+            sched.last_lr = float(sched.get_lr()) * lr_x[1]
         loss = paddle.nn.functional.mse_loss(model(paddle.to_tensor(x)), paddle.to_tensor(y))
         if not np.isfinite(float(loss)):
             out.append(float(loss))
@@ -74,7 +76,8 @@ def probe(tmp_path: Path, peak: float, *, try_fixes: bool = False, **kw: Any) ->
 
 
 def watched(peak: float, *, warmup: int = WARMUP, n: int = STEPS, spike_at: int = -1) -> dict[str, Any]:
-    """The same training in the user's own loop under `nandoctor.watch`."""
+    """The same training in the user's own loop under `nandoctor.watch`: the report its `close()` made (a run
+    with warnings gets one, as a faulty one does), else the summary of a healthy one."""
     import nandoctor
 
     paddle.seed(0)
@@ -92,7 +95,7 @@ def watched(peak: float, *, warmup: int = WARMUP, n: int = STEPS, spike_at: int 
             opt.clear_grad()
             if warmup:
                 sched.step()
-        return doctor.summary().to_dict()
+    return doctor.report.to_dict() if doctor.report is not None else doctor.summary().to_dict()
 
 
 def of_code(report: dict[str, Any], code: str) -> list[dict[str, Any]]:
@@ -171,6 +174,7 @@ def test_spike_that_recovers_names_its_steps_and_batch(runs: dict[str, Any]) -> 
 def test_watch_reports_the_same_divergence(runs: dict[str, Any]) -> None:
     """One engine, one answer: the user's own loop under nandoctor.watch gets the probe's finding."""
     report = watched(DIVERGING)
+    assert report["verdict"] == "at_risk" and report["run"]["mode"] == "watch"
     [found] = of_code(report, "loss.divergence")
     [probed] = of_code(runs["diverging"], "loss.divergence")
     for key in ("start_step", "min_step", "level_step", "stretch"):
@@ -201,3 +205,17 @@ def test_a_fault_after_a_divergence_says_so(tmp_path: Path) -> None:
     assert fault["evidence"]["precursor"] == {"code": "loss.divergence", "start_step": start,
                                               "lead_steps": fault_step - start}
     assert f"after the loss began to diverge (step {start}" in fault["message"]
+
+
+def test_lower_rate_remedy_starts_exactly_where_the_growth_began(tmp_path: Path) -> None:
+    """lr_x0.1 replays from the growth's step, whichever snapshot the ring held before it: its losses are the
+    plain loop's with the rate x0.1 from that step on (the steps before it replayed as they were)."""
+    report = probe(tmp_path, 1.0, try_fixes=True, **FAULTY)
+    [growth] = of_code(report, "grad.explosion")
+    [row] = [r for r in report["remedies"] if r["remedy"] == "lr_x0.1"]
+    start = growth["location"]["step"]
+    assert row["start_step"] == start > 0 and row["outcome"] == "fixed"
+    truth = plain_losses(1.0, **FAULTY, lr_x=(start, 0.1), epochs=2)  # the replay reads on into a second epoch
+    replayed = truth[start:start + row["steps_run"]]
+    assert len(replayed) == row["steps_run"] and np.isfinite(replayed).all()
+    assert row["loss_after"] == pytest.approx(float(np.mean(replayed[-3:])), rel=1e-4)

@@ -252,6 +252,14 @@ def loss_findings(report: Report, records: list[Any], fault_step: int | None) ->
     return out
 
 
+def loss_warned(records: list[Any]) -> bool:
+    """Whether a run without a fault gets a loss warning (an in-loop run then writes its report, as for the
+    watcher's own warnings)."""
+    series = loss_series(records, None)
+    return (find_divergence([r.step for r in series], [r.loss for r in series]) is not None
+            or bool(find_spikes(series)))
+
+
 def note_precursor(report: Report, divergence: Finding | None, fault_step: int | None) -> None:
     """The fault's own finding says that the loss had been diverging: it was not only the last batch's doing."""
     if divergence is None or fault_step is None:
