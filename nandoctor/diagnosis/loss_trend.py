@@ -113,24 +113,31 @@ def find_divergence(steps: list[int], losses: list[float]) -> Divergence | None:
     head = running_median(x, stretch | 1)[:n - stretch]
     i_min = int(np.argmin(head))
     m = float(head[i_min])
-    if m <= 0:
+    if m <= 0 or not _stayed_up(x, smooth, m, i_min, stretch):
         return None
     level = float(np.median(x[n - stretch:]))
-    early = float(np.median(x[:EARLY_STEPS]))
-    if level < DIVERGE_RATIO * m or float(smooth[n - stretch:].min()) < STAY_RATIO * m:
-        return None
-    # apart from the noise: the last stretch's lower quartile above the upper quartile of the stretch at the minimum
-    around = x[max(0, i_min - stretch):i_min + stretch + 1]
-    if np.percentile(x[n - stretch:], 25) < STAY_RATIO * np.percentile(around, 75):
-        return None
-    if early > m and level - m < RISE_SHARE * (early - m) and level < early:
-        return None
     cross = i_min + int(np.argmax(smooth[i_min:] >= DIVERGE_RATIO * m))
     low = m + 0.1 * (level - m)
     start = max((i for i in range(i_min, cross) if smooth[i] <= low), default=i_min)
-    raw_min = i_min if cross <= i_min else int(np.argmin(x[:cross]))
-    return Divergence(steps[raw_min], float(x[raw_min]), steps[start], steps[-1], level, float(x[-1]), stretch,
-                      early)
+    lowest = int(np.argmin(x[:start + 1]))  # the lowest loss before the rise began
+    return Divergence(steps[lowest], float(x[lowest]), steps[start], steps[-1], level, float(x[-1]), stretch,
+                      float(np.median(x[:EARLY_STEPS])))
+
+
+def _stayed_up(x: np.ndarray, smooth: np.ndarray, m: float, i_min: int, stretch: int) -> bool:
+    """The last stretch is several-fold above the minimum `m` (at `i_min`), apart from the noise, and the rise is
+    a real share of the way back to the early loss."""
+    n = len(x)
+    last = x[n - stretch:]
+    level = float(np.median(last))
+    if level < DIVERGE_RATIO * m or float(smooth[n - stretch:].min()) < STAY_RATIO * m:
+        return False
+    # apart from the noise: the last stretch's lower quartile above the upper quartile of the stretch at the minimum
+    around = x[max(0, i_min - stretch):i_min + stretch + 1]
+    if np.percentile(last, 25) < STAY_RATIO * np.percentile(around, 75):
+        return False
+    early = float(np.median(x[:EARLY_STEPS]))
+    return not (early > m and level - m < RISE_SHARE * (early - m) and level < early)
 
 
 def find_spikes(records: list[Any]) -> list[Spike]:
