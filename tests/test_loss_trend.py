@@ -5,7 +5,11 @@ losses in float64, not from nandoctor's; the lower-rate and spike-free twins mus
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +62,7 @@ def trend_spec(tmp_path: Path, peak: float, *, warmup: int = WARMUP, n: int = ST
                  "label": "y"},
         "loss": {"entry": f"{MODELS}:{loss}"} if loss else {"builtin": "mse"},
         "optimizer": {"name": optimizer, "args": {"learning_rate": peak}},
+        "probe": {"steps": n},  # (a plain script of the spec, under `nandoctor run`, trains as many)
     }
     if warmup:
         raw["optimizer"]["lr_scheduler"] = {"warmup": {"steps": warmup, "start_lr": start_lr}}
@@ -169,6 +174,24 @@ def test_spike_that_recovers_names_its_steps_and_batch(runs: dict[str, Any]) -> 
     assert ev["early_level"] == pytest.approx(float(np.median(before)), rel=1e-5)
     assert truth[ev["recovered_step"]] < 3 * np.median(before)
     assert not of_code(report, "loss.divergence")
+
+
+def test_run_reports_the_same_divergence(runs: dict[str, Any], tmp_path: Path) -> None:
+    """`nandoctor run` on a plain script training the same spec (tests/parity/plain_train.py): the child process
+    is what this door is, so it runs as one."""
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "run.json"
+    proc = subprocess.run([sys.executable, "-m", "nandoctor", "run", "--json", str(out), "--", sys.executable,
+                           str(root / "tests" / "parity" / "plain_train.py"), str(trend_spec(tmp_path, DIVERGING))],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.is_file(), proc.stderr[-3000:]
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert report["verdict"] == "at_risk" and proc.returncode == 0
+    [found] = of_code(report, "loss.divergence")
+    [probed] = of_code(runs["diverging"], "loss.divergence")
+    for key in ("start_step", "min_step", "level_step", "stretch"):
+        assert found["evidence"][key] == probed["evidence"][key]
 
 
 def test_watch_reports_the_same_divergence(runs: dict[str, Any]) -> None:
