@@ -278,6 +278,7 @@ def note_precursor(report: Report, divergence: Finding | None, fault_step: int |
         return
     fault.message += (f" It came {ev['lead_steps']} step(s) after the loss began to diverge (step "
                       f"{ev['start_step']}: from its minimum {ev['min_loss']:.3g} at step {ev['min_step']} to "
-                      f"{ev['level']:.3g}; see loss.divergence): the divergence led here, not the last batch alone.")
+                      f"{ev['level']:.3g}; see loss.divergence): the run was diverging before this batch, so look "
+                      "at the step size as well as at the batch.")
     fault.evidence["precursor"] = {"code": Code.LOSS_DIVERGENCE.value, "start_step": ev["start_step"],
                                    "lead_steps": ev["lead_steps"]}
