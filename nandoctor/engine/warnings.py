@@ -44,6 +44,9 @@ class WarningTracker:
         self.fp16_hits: dict[int, tuple[int, float]] = {}  # layer index -> (first step, max value)
         self.vanishing: dict[int, tuple[int, float]] = {}  # param index -> (first step, norm)
         self.lrs: dict[int, float | None] = {}
+        # the gradient norm's alert as the last conclusive norm left it: a step without one (unread gradients, or
+        # read only because timing allowed it) keeps it, so the alert follows the conclusive norms alone
+        self._norm_alert = False
 
     def early_level(self) -> float | None:
         """The median norm of the first steps; fixed once those steps are in, so computed once then."""
@@ -63,7 +66,6 @@ class WarningTracker:
 
     def update(self, record: Any) -> bool:
         """Take one step's numbers; True while something looks like trouble (stats on every step)."""
-        alert = False
         self.lrs[record.step] = record.lr  # the watcher records the scheduler's value
         # only norms every read stride reads (StepRecord.conclusive): an alert or an explosion found on a step
         # read because the machine was fast would make the report follow the machine's load
@@ -75,9 +77,10 @@ class WarningTracker:
             early = self.early_level()
             if early is not None and early > 0:
                 ratio = norm / early
-                alert = ratio >= _ALERT_RATIO
+                self._norm_alert = ratio >= _ALERT_RATIO
                 if ratio >= _EXPLODE_RATIO and self.explosion is None:
                     self.explosion = self._explosion(record.step, early)
+        alert = self._norm_alert
         if record.act_max is not None:  # the float16 what-if: a warning with float16 AMP, else info
             over = np.where(np.isfinite(record.act_max) & (record.act_max > FP16_MAX))[0]
             for i in over.tolist():
