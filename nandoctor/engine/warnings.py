@@ -81,14 +81,16 @@ class WarningTracker:
                 if ratio >= _EXPLODE_RATIO and self.explosion is None:
                     self.explosion = self._explosion(record.step, early)
         alert = self._norm_alert
-        if record.act_max is not None:  # the float16 what-if: a warning with float16 AMP, else info
+        # per-layer values only from the stats steps every run takes (StepRecord.stats_fixed), as for the norms
+        fixed = getattr(record, "stats_fixed", True)
+        if record.act_max is not None and fixed:  # the float16 what-if: a warning with float16 AMP, else info
             over = np.where(np.isfinite(record.act_max) & (record.act_max > FP16_MAX))[0]
             for i in over.tolist():
                 first, top = self.fp16_hits.get(i, (record.step, 0.0))
                 self.fp16_hits[i] = (first, max(top, float(record.act_max[i])))
             if self.fp16:
                 alert = alert or bool(np.any(np.isfinite(record.act_max) & (record.act_max > FP16_MAX / 4)))
-        if self.amp and record.grad_sq is not None and record.step > 0:
+        if self.amp and record.grad_sq is not None and record.step > 0 and fixed:
             norms = np.sqrt(record.grad_sq)
             tiny = np.where(np.isfinite(norms) & (norms > 0) & (norms < FP16_TINY))[0]
             for i in tiny.tolist():

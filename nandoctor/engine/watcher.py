@@ -120,6 +120,9 @@ class StepRecord:
     # its gradient norm was read whatever the read stride (StepWatcher.conclusive): only such norms are concluded
     # from (warnings, causes); the others, read because timing allowed it, are shown in the timeline alone
     conclusive: bool = True
+    # its per-layer maxima and per-parameter norms come from a stats step every run takes (step 0 or 2, an alert,
+    # the grid's): only those are concluded from (float16 headroom, vanishing gradients)
+    stats_fixed: bool = True
 
 
 class StatsSchedule:
@@ -143,8 +146,8 @@ class StatsSchedule:
             return True
         if step == 1:  # one plain step to measure against
             return False
-        if step == 2:  # and one stats step that is not the first (warm-up) step
-            return True
+        if step == 2 or step % NORM_GRID == 0:  # and one stats step that is not the first (warm-up) step; and the
+            return True  # grid's, taken whatever the measured cost (StepWatcher.stats_fixed: the same report)
         # k == 1 (stats every step) would leave no plain step to measure against, so a plain step
         # measured slow once (a first-call cost, a load spike) would keep it at 1: measure one in 16.
         return step - self.last >= self.k and not (self.k == 1 and step % 16 == 0)
@@ -242,6 +245,7 @@ class StepWatcher:
         self._fields: dict[str, Any] | None = None
         self._rng: Any = None
         self._stats_step = False
+        self._stats_fixed = False
         self._t0 = 0.0
         self._t_read = 0.0
         self._seen_backward = False
@@ -330,6 +334,8 @@ class StepWatcher:
         else:  # both were decided when the previous step ended
             read = self._next_read
         self._stats_step, self._read, self._next_stats = stats, read, None
+        # a stats step every run takes, whatever the measured cost: its per-layer values may be concluded from
+        self._stats_fixed = stats and (step in (0, 2) or self.schedule.alert or step % NORM_GRID == 0)
         # `rng`: the state from before a forward that already ran (`nandoctor run` attaches after step 0's).
         # An unread step needs none: a fault found later is replayed from the ring with its own RNG state.
         if read:
@@ -450,7 +456,8 @@ class StepWatcher:
         the batch's fault when a NaN in it did it, an AMP overflow the scaler skips (recorded, no fault), or
         else the update's or the step's own (`_nonfinite_fault`)."""
         lr = current_lr(self.optimizer)
-        at = {"batch_index": self._batch_index, "epoch": self._epoch, "conclusive": self.conclusive(step)}
+        at = {"batch_index": self._batch_index, "epoch": self._epoch, "conclusive": self.conclusive(step),
+              "stats_fixed": self._stats_fixed}
         record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, st.loss_scale, lr=lr, **at)
         skipped = self.scaler is not None and math.isfinite(st.loss) and not st.grads_finite
         if not skipped and math.isfinite(st.loss) and not st.grads_finite and self.monitor.recheck_grads(st):
