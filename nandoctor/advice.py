@@ -407,6 +407,8 @@ def fit_mode(report: Report, optimizer: Any = None) -> None:
     if spec_mode(mode) and (optimizer is None or set(lr_edit(optimizer, 0.5, 1.0)[0] or {}) == {LR_KEY}):
         return  # the YAML written already names optimizer.args.learning_rate, the key this spec takes
     for f in report.findings:
+        if f.code in (Code.LOSS_DIVERGENCE, Code.LOSS_SPIKE):
+            _refit_lr_advice(f, mode, optimizer)
         if f.code != Code.GRAD_EXPLOSION:
             continue
         ev = f.evidence
@@ -415,3 +417,14 @@ def fit_mode(report: Report, optimizer: Any = None) -> None:
                               learning_rate=ev.get("learning_rate"), lr_step=f.location.step,
                               typical_norm=ev.get("typical_grad_norm", ev.get("typical_norm")), mode=mode,
                               optimizer=optimizer) + kept
+
+
+def _refit_lr_advice(finding: Any, mode: Mode | str | None, optimizer: Any) -> None:
+    """A loss warning's learning-rate line re-written with the keys this spec's `optimizer` block takes."""
+    lr, at = finding.evidence.get("learning_rate"), f"at step {finding.location.step}"
+    line = lower_lr_advice(lr, at, mode, optimizer)
+    for i, text in enumerate(finding.advice):
+        for head in ("If they are sound: ", ""):
+            if text.startswith(head + "Lower the learning rate") or text.startswith(head + "The learning rate"):
+                finding.advice[i] = head + line
+                break

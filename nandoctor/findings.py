@@ -78,6 +78,8 @@ class Code(str, Enum):
     RANK_HUNG = "rank.hung"  # a rank of a multi-process run stopped moving; the others waited for it
     RANK_KILLED = "rank.killed"  # a rank of a multi-process run died of a signal (the OOM killer's SIGKILL)
     RUN_RESUMED = "run.resumed"  # info: the probe started from the user's checkpoint (resume / --resume)
+    LOSS_DIVERGENCE = "loss.divergence"  # the loss rose several-fold above its minimum and stayed there
+    LOSS_SPIKE = "loss.spike"  # the loss rose several-fold over the steps before it, then recovered
 
 
 # Codes that mean "a non-finite value was found": they make the verdict `nan_found`.

@@ -3,9 +3,9 @@
 Every way in (the probe, `--nproc`'s ranks, `nandoctor.watch`, `nandoctor run`, the hapi and Trainer
 callbacks) calls `assemble` once its run stopped, with the same `RunFacts`, so each gets every check in the
 same order: the timeline, the starting parameters' causes (initial scale, NaN/Inf), the fault's own
-findings (diagnose.py: the replay, the sample bisection, the wording), the warnings that came before it,
-the causes read back (causes.py), and AMP's loss-scale collapse. A fault caught in a user's loop therefore
-reads exactly as `nandoctor probe` would put it.
+findings (diagnose.py: the replay, the sample bisection, the wording), the warnings that came before it
+(the watcher's, then the loss's own course: loss_trend.py), the causes read back (causes.py), and AMP's
+loss-scale collapse. A fault caught in a user's loop therefore reads exactly as `nandoctor probe` would put it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from nandoctor.advice import advice_for
 from nandoctor.diagnosis import nan_params
 from nandoctor.diagnosis.causes import Causes, explain
 from nandoctor.diagnosis.diagnose import StepTarget, diagnose, record_run
-from nandoctor.engine.watcher import Fault
+from nandoctor.diagnosis.loss_trend import loss_findings, note_precursor
+from nandoctor.engine.watcher import Fault, FaultKind
 from nandoctor.findings import Code, Finding, Location, Mode, Phase, Report, Severity
 
 
@@ -67,11 +68,23 @@ def assemble(report: Report, facts: RunFacts) -> None:
             nan_params.before_training(report, causes.bad, can_stop=False)
     diagnose(report, fault, facts.target, facts.optimizer)
     report.findings += watcher.warnings(fault)
+    loss_warnings(report, records, fault)
     if causes.bad:
         nan_params.after_run(report, causes.bad, fault, facts.target, facts.steps_run, records)
     explain(report, fault, records, facts.lr, label=facts.label, optimizer=facts.optimizer_spec)
     if facts.init_loss_scale is not None:
         scale_collapse(report, records, facts.init_loss_scale)
+
+
+def loss_warnings(report: Report, records: list[Any], fault: Fault | None) -> None:
+    """The loss's divergence and spikes (up to the fault), and the fault's finding told of a divergence before
+    it. Not after a crash: the user's code stopped the run, and its loss says nothing of that."""
+    if fault is not None and fault.kind == FaultKind.CRASH:
+        return
+    fault_step = fault.step if fault is not None else None
+    found = loss_findings(report, records, fault_step)
+    report.findings += found
+    note_precursor(report, next((f for f in found if f.code == Code.LOSS_DIVERGENCE), None), fault_step)
 
 
 def scale_collapse(report: Report, records: list[Any], init_scale: float) -> None:

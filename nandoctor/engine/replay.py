@@ -45,6 +45,10 @@ class Change:
     reinit_rows: dict[str, list[int]] = field(default_factory=dict)  # parameter -> rows drawn afresh (NaN rows)
     reinit: dict[str, float] = field(default_factory=dict)  # parameter name -> std to draw it from
     clamp_output: tuple[str, float] | None = None  # (layer, bound): its output clipped where it is made
+    # The learning-rate and clip changes apply from this step on; the steps before it replay the run as it was.
+    # A remedy meant to start where the growth began starts exactly there, from whichever snapshot the ring
+    # happened to hold before it (their spacing follows measured timings: the same report on every run)
+    from_step: int | None = None
 
 
 @dataclass
@@ -108,12 +112,13 @@ def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, en
     t0 = time.perf_counter()
     out = Replay(snap.step, expect=expect)
     now = [snap.step]  # the step running, for what `watch` records
+    start = change.from_step if change.from_step is not None and change.from_step > snap.step else None
     restore(snap, workload.model, optimizer)
     _reinit(workload.model, change.reinit)
     _reinit_rows(workload.model, change.reinit_rows)
     seen, clamped = OpWatch(), [0]
     try:
-        with _optimizer_changed(optimizer, change) as set_factor, _guard(change) as hits, \
+        with _optimizer_changed(optimizer, change, start) as set_factor, _guard(change) as hits, \
                 _watched(workload.model, watch, now, seen), \
                 clamped_output(workload.model, change.clamp_output, clamped):
             _run(workload, optimizer, ring, snap, end_step, change, deadline, set_factor, out, record, now)
@@ -135,7 +140,20 @@ def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, en
     out.observed, out.overflows, out.source_layer = seen.observed, seen.others, seen.layer
     out.clamp_hits = clamped[0]
     out.seconds = time.perf_counter() - t0
+    if start is not None:
+        _from_change(out, start)
     return out
+
+
+def _from_change(out: Replay, start: int) -> None:
+    """The replay as if it had begun at `start` (Change.from_step): the unchanged steps before it (the run's
+    own, replayed to get there) are not the remedy's, so its losses, steps and start are counted from there."""
+    before = min(start - out.start_step, out.steps_run)
+    if out.failed_at is not None and out.failed_at < start:
+        return  # the run as it was failed before the change began: reported as it happened
+    out.losses = out.losses[before:]
+    out.steps_run -= before
+    out.start_step = start
 
 
 def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change, deadline: float,
@@ -304,9 +322,10 @@ def _loader_at(w: Any, ring: SnapshotRing, snap: Snapshot) -> tuple[int, int, It
 
 
 @contextlib.contextmanager
-def _optimizer_changed(opt: Any, change: Change) -> Iterator[Any]:
+def _optimizer_changed(opt: Any, change: Change, start: int | None = None) -> Iterator[Any]:
     """The clip threshold and a learning-rate factor for the replay; both put back on exit. Yields
-    `set_factor(step)`, to call before each step (warmup ramps with the step)."""
+    `set_factor(step)`, to call before each step (warmup ramps with the step). `start`: neither applies
+    before this step."""
     import paddle
 
     from nandoctor.workload.schedulers import lr_scheduler
@@ -324,16 +343,20 @@ def _optimizer_changed(opt: Any, change: Change) -> Iterator[Any]:
         raise NotApplicable(f"the optimizer ({name}) has no gradient clip to set (not a paddle.optimizer.Optimizer): "
                             "clip in your own step, e.g. paddle.nn.ClipGradByGlobalNorm on the (param, grad) pairs")
     base = float(opt.get_lr()) if changes_lr and sched is None else None
-    if change.clip_norm is not None:
+    if change.clip_norm is not None and start is None:
         opt._grad_clip = paddle.nn.ClipGradByGlobalNorm(float(change.clip_norm))
 
     def factor(step: int) -> float:
+        if start is not None and step < start:
+            return 1.0
         f = change.lr_scale
         if change.warmup_steps and step < change.warmup_steps:  # as paddle.optimizer.lr.LinearWarmup from 0
             f *= step / change.warmup_steps
         return f
 
     def set_factor(step: int) -> None:
+        if start is not None and step >= start and change.clip_norm is not None and opt._grad_clip is clip:
+            opt._grad_clip = paddle.nn.ClipGradByGlobalNorm(float(change.clip_norm))
         f = factor(step)
         if sched is None:
             if base is not None:

@@ -44,6 +44,9 @@ class WarningTracker:
         self.fp16_hits: dict[int, tuple[int, float]] = {}  # layer index -> (first step, max value)
         self.vanishing: dict[int, tuple[int, float]] = {}  # param index -> (first step, norm)
         self.lrs: dict[int, float | None] = {}
+        # the gradient norm's alert as the last conclusive norm left it: a step without one (unread gradients, or
+        # read only because timing allowed it) keeps it, so the alert follows the conclusive norms alone
+        self._norm_alert = False
 
     def early_level(self) -> float | None:
         """The median norm of the first steps; fixed once those steps are in, so computed once then."""
@@ -63,26 +66,31 @@ class WarningTracker:
 
     def update(self, record: Any) -> bool:
         """Take one step's numbers; True while something looks like trouble (stats on every step)."""
-        alert = False
         self.lrs[record.step] = record.lr  # the watcher records the scheduler's value
-        if record.grad_norm is not None and math.isfinite(record.grad_norm):
-            self.norms.append((record.step, record.grad_norm))
+        # only norms every read stride reads (StepRecord.conclusive): an alert or an explosion found on a step
+        # read because the machine was fast would make the report follow the machine's load
+        norm = record.grad_norm if getattr(record, "conclusive", True) else None
+        if norm is not None and math.isfinite(norm):
+            self.norms.append((record.step, norm))
         self._trim()
-        if record.grad_norm is not None and math.isfinite(record.grad_norm):
+        if norm is not None and math.isfinite(norm):
             early = self.early_level()
             if early is not None and early > 0:
-                ratio = record.grad_norm / early
-                alert = ratio >= _ALERT_RATIO
+                ratio = norm / early
+                self._norm_alert = ratio >= _ALERT_RATIO
                 if ratio >= _EXPLODE_RATIO and self.explosion is None:
                     self.explosion = self._explosion(record.step, early)
-        if record.act_max is not None:  # the float16 what-if: a warning with float16 AMP, else info
+        alert = self._norm_alert
+        # per-layer values only from the stats steps every run takes (StepRecord.stats_fixed), as for the norms
+        fixed = getattr(record, "stats_fixed", True)
+        if record.act_max is not None and fixed:  # the float16 what-if: a warning with float16 AMP, else info
             over = np.where(np.isfinite(record.act_max) & (record.act_max > FP16_MAX))[0]
             for i in over.tolist():
                 first, top = self.fp16_hits.get(i, (record.step, 0.0))
                 self.fp16_hits[i] = (first, max(top, float(record.act_max[i])))
             if self.fp16:
                 alert = alert or bool(np.any(np.isfinite(record.act_max) & (record.act_max > FP16_MAX / 4)))
-        if self.amp and record.grad_sq is not None and record.step > 0:
+        if self.amp and record.grad_sq is not None and record.step > 0 and fixed:
             norms = np.sqrt(record.grad_sq)
             tiny = np.where(np.isfinite(norms) & (norms > 0) & (norms < FP16_TINY))[0]
             for i in tiny.tolist():
@@ -272,7 +280,9 @@ def _series_to_fault(records: list[Any], fault_step: int) -> tuple[list[tuple[in
     finite (an update fault: its gradient was finite), and the records before it come first."""
     before = [r for r in records if r.step < fault_step]
     at_fault = [r for r in records if r.step == fault_step]
-    norms = [(r.step, float(r.grad_norm)) for r in before + at_fault if r.grad_norm is not None]
+    # the norms every read stride reads (StepRecord.conclusive), and the faulting step's own
+    norms = [(r.step, float(r.grad_norm)) for r in before + at_fault
+             if r.grad_norm is not None and (getattr(r, "conclusive", True) or r.step == fault_step)]
     if norms and not math.isfinite(norms[-1][1]):
         norms = norms[:-1]
     losses = [(r.step, float(r.loss)) for r in before + at_fault if r.loss is not None]

@@ -16,6 +16,7 @@ non-finite is a fault whose step the rollback finds by replay (engine/rollback.p
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections import deque
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from nandoctor.engine.monitors import StepMonitor, StepStats
+from nandoctor.engine.snapshots import MIN_EVERY
 from nandoctor.findings import Code, Phase
 from nandoctor.tensors.finite import harmful_fields
 
@@ -55,6 +57,20 @@ MAX_UNREAD = 256
 # probe (the samples run 10-60 steps), keep every step's norm, so a growth is placed at its exact step there
 READ_ALL_STEPS = 64
 DETECT_SPAN = 256  # the steps the reads' mean cost is taken over (StatsSchedule.detect): MAX_UNREAD
+# The same report on every run (issue 35): how often a step is read follows measured timings, so what is
+# concluded from gradient norms may only read steps that every stride reads: the first READ_ALL_STEPS steps and
+# every NORM_GRID-th step after them (read whatever the stride: ~0.4% of a 0.3 ms step), and of those, on a
+# model whose gradients are read one step in MIN_EVERY (defer_grads), the multiples of MIN_EVERY. Other steps'
+# norms are shown in the timeline, and nothing is concluded from them (StepRecord.conclusive).
+NORM_GRID = 64
+# Tests only: the read stride forced (an integer), so a test can run one probe at two strides
+READ_EVERY_ENV = "NANDOCTOR_READ_EVERY"
+
+
+def forced_read_every() -> int | None:
+    """The read stride a test forces through READ_EVERY_ENV, else None (the measured one)."""
+    raw = os.environ.get(READ_EVERY_ENV, "").strip()
+    return max(1, min(int(raw), MAX_UNREAD)) if raw.isdigit() else None
 
 
 class FaultKind(str, Enum):
@@ -99,6 +115,14 @@ class StepRecord:
     loss_scale: float | None = None
     skipped: bool | None = None
     lr: float | None = None
+    batch_index: int | None = None  # the loader's position of the step's batch: what a loss spike names
+    epoch: int | None = None
+    # its gradient norm was read whatever the read stride (StepWatcher.conclusive): only such norms are concluded
+    # from (warnings, causes); the others, read because timing allowed it, are shown in the timeline alone
+    conclusive: bool = True
+    # its per-layer maxima and per-parameter norms come from a stats step every run takes (step 0 or 2, an alert,
+    # the grid's): only those are concluded from (float16 headroom, vanishing gradients)
+    stats_fixed: bool = True
 
 
 class StatsSchedule:
@@ -122,8 +146,8 @@ class StatsSchedule:
             return True
         if step == 1:  # one plain step to measure against
             return False
-        if step == 2:  # and one stats step that is not the first (warm-up) step
-            return True
+        if step == 2 or step % NORM_GRID == 0:  # and one stats step that is not the first (warm-up) step; and the
+            return True  # grid's, taken whatever the measured cost (StepWatcher.stats_fixed: the same report)
         # k == 1 (stats every step) would leave no plain step to measure against, so a plain step
         # measured slow once (a first-call cost, a load spike) would keep it at 1: measure one in 16.
         return step - self.last >= self.k and not (self.k == 1 and step % 16 == 0)
@@ -221,6 +245,7 @@ class StepWatcher:
         self._fields: dict[str, Any] | None = None
         self._rng: Any = None
         self._stats_step = False
+        self._stats_fixed = False
         self._t0 = 0.0
         self._t_read = 0.0
         self._seen_backward = False
@@ -238,6 +263,18 @@ class StepWatcher:
         # the unread steps since the last read: (step, batch_index, epoch, loss tensor, learning rate)
         # (a driver's quiet steps are taken as they are: lists beginning with these five, `quiet_steps`)
         self._pending: list[Any] = []
+        self._forced = forced_read_every()
+        # the gradient norms kept are those of steps on this spacing (see NORM_GRID): a model whose gradients a
+        # rolling-back driver would read one step in MIN_EVERY keeps that spacing whoever drives it
+        self._grad_grid = 1 if self.monitor.small or scaler is not None else MIN_EVERY
+
+    def conclusive(self, step: int) -> bool:
+        """Whether step `step`'s gradient norm is read whatever the read stride (NORM_GRID): the only norms
+        warnings and causes read, so that every run concludes the same."""
+        first = self._first_step if self._first_step is not None else step
+        if step - first >= READ_ALL_STEPS and step % NORM_GRID:
+            return False
+        return self._grad_grid == 1 or step < 3 or step % self._grad_grid == 0
 
     def defer_grads(self, every: int) -> None:
         """Read the gradients only every `every`-th step (and on stats, alert and the first steps), for a
@@ -277,8 +314,8 @@ class StepWatcher:
     def _reads(self, step: int, stats: bool) -> bool:
         """Whether step `step` is read on the host (always, unless defer_reads). On multiples of read_every: no
         more than read_every steps go unread in a row, whenever read_every changes."""
-        return (self._ring is None or stats or self.schedule.alert
-                or step - self._first_step < READ_ALL_STEPS or step % self.read_every == 0)
+        return (self._ring is None or stats or self.schedule.alert or step - self._first_step < READ_ALL_STEPS
+                or step % self.read_every == 0 or step % NORM_GRID == 0)
 
     # ---- the stages of a step ----------------------------------------------------------------------
     def begin_step(self, step: int, fields: dict[str, Any], *, batch_index: int | None = None,
@@ -297,6 +334,8 @@ class StepWatcher:
         else:  # both were decided when the previous step ended
             read = self._next_read
         self._stats_step, self._read, self._next_stats = stats, read, None
+        # a stats step every run takes, whatever the measured cost: its per-layer values may be concluded from
+        self._stats_fixed = stats and (step in (0, 2) or self.schedule.alert or step % NORM_GRID == 0)
         # `rng`: the state from before a forward that already ran (`nandoctor run` attaches after step 0's).
         # An unread step needs none: a fault found later is replayed from the ring with its own RNG state.
         if read:
@@ -435,10 +474,12 @@ class StepWatcher:
         the batch's fault when a NaN in it did it, an AMP overflow the scaler skips (recorded, no fault), or
         else the update's or the step's own (`_nonfinite_fault`)."""
         lr = current_lr(self.optimizer)
-        record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, st.loss_scale, lr=lr)
+        at = {"batch_index": self._batch_index, "epoch": self._epoch, "conclusive": self.conclusive(step),
+              "stats_fixed": self._stats_fixed}
+        record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, st.loss_scale, lr=lr, **at)
         skipped = self.scaler is not None and math.isfinite(st.loss) and not st.grads_finite
         if not skipped and math.isfinite(st.loss) and not st.grads_finite and self.monitor.recheck_grads(st):
-            record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, lr=lr)  # a norm overflow
+            record = StepRecord(step, st.loss, st.grad_norm, st.grad_sq, st.act_max, lr=lr, **at)  # a norm overflow
         if not math.isfinite(st.loss) or not st.grads_finite:
             fault = self.data_fault()  # a NaN in the batch did it (also what AMP would take for an overflow)
             if fault is not None:
@@ -479,7 +520,7 @@ class StepWatcher:
         # A record with a loss alone gives the warnings nothing but its learning rate (WarningTracker.update
         # would raise no alert for it): taken together, ~1 us a step less than one `_keep` each, on a read
         # of up to 256 of them
-        records = [StepRecord(p[0], value, None, None, None, None, None, p[4])
+        records = [StepRecord(p[0], value, None, None, None, None, None, p[4], p[1], p[2])
                    for p, value in zip(pending, values[:end].tolist())]
         self.tracker.note_lrs(records)
         self._record(*records)
@@ -510,11 +551,14 @@ class StepWatcher:
         step_s = min(plain)
         cost = statistics.median(self._read_seconds)
         k = max(1, min(math.ceil(cost / max(_READ_SHARE * step_s, 1e-9)), MAX_UNREAD))
+        if self._forced is not None:
+            k = self._forced
         ring = self._ring
         if k > ring.every:  # snapshots further apart (fewer of them, and longer replays on a fault), up to
             ring.widen(k)   # the ring's own limit: a read every ring interval cost ~2% of a 0.3 ms step
             k = min(k, ring.every)
-        if self.defer_every > 1 and k > 1:  # the gradients' own spacing: reads on the steps they are read
+        # the gradients' own spacing: reads on the steps they are read (unless a test forced the stride)
+        if self.defer_every > 1 and k > 1 and self._forced is None:
             k = self.defer_every
         self.read_every = k
 
@@ -634,7 +678,8 @@ class StepWatcher:
         # the step before is over: its batch is not held through the window (issue 22; `quiet_steps` sets the
         # newest quiet step's)
         self._fields = None
-        return min(-(-(step + 1) // every) * every, schedule.next_stats(step), self._ring.next_due())
+        return min(-(-(step + 1) // every) * every, -(-step // NORM_GRID) * NORM_GRID, schedule.next_stats(step),
+                   self._ring.next_due())
 
     def quiet_steps(self, steps: list[list[Any]], fields: list[Any]) -> None:
         """The bookkeeping of steps a driver ran quietly (before `quiet_until`), in one go, as begin_step,
@@ -738,7 +783,8 @@ def _drop_some_arrays(kept: list[StepRecord], near: set[int]) -> None:
     if len(with_arrays) > MAX_ARRAYS:  # every other one's arrays go (the oldest stretch thins most)
         for i in with_arrays[1::2]:
             r = kept[i]
-            kept[i] = StepRecord(r.step, r.loss, r.grad_norm, None, None, r.loss_scale, r.skipped, r.lr)
+            kept[i] = StepRecord(r.step, r.loss, r.grad_norm, None, None, r.loss_scale, r.skipped, r.lr, r.batch_index,
+                                 r.epoch, r.conclusive)
 
 
 def current_lr(optimizer: Any) -> float | None:

@@ -28,6 +28,7 @@ from time import perf_counter
 from typing import Any, Callable
 
 from nandoctor.diagnosis.diagnose import StepTarget, note_replay_writes
+from nandoctor.diagnosis.loss_trend import loss_warned
 from nandoctor.engine.checker import disable_checker
 from nandoctor.engine.sandbox import redirected
 from nandoctor.engine.watcher import Fault, FaultKind, StepWatcher, current_lr
@@ -400,7 +401,7 @@ class Doctor:
             if self.optimizer is not None and vars(self.optimizer).get("step") == self._wrapped_step:
                 del self.optimizer.step  # only our own wrapper: the class's step shows through again
             self.watcher.close()
-        if self.report is None and self.watcher.warnings(None):
+        if self.report is None and (self.watcher.warnings(None) or loss_warned(self.watcher.records)):
             self._report(None, lambda f: None)
         if self.report is None:
             log.info("nandoctor: no non-finite value in %d step(s)", self.step)

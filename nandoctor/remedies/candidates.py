@@ -178,15 +178,16 @@ def _grad_clip(found: _Found) -> Candidate:
     # the change texts and their spec_change mappings: report/remedies_text.py
     edit = rt.clip_change(clip)
     clip = edit[rt.CLIP_KEY]["global_norm"]  # the replay verifies the very threshold the text states
-    return Candidate("grad_clip", rt.change_text(edit), Change(clip_norm=clip), found.diverge_start,
-                     extra={"threshold": clip, "spec_change": edit})
+    return Candidate("grad_clip", rt.change_text(edit), Change(clip_norm=clip, from_step=found.growth_step),
+                     found.diverge_start, extra={"threshold": clip, "spec_change": edit})
 
 
 def _lower_lr(found: _Found) -> Candidate:
     """The learning rate x0.1, from before the growth began."""
     lr_edit, lr_note = rt.lr_change(found.workload.spec.optimizer, _lr(found.report, found.fault.step), 0.1)
-    return Candidate("lr_x0.1", rt.change_text(lr_edit, lr_note) if lr_edit else lr_note, Change(lr_scale=0.1),
-                     found.diverge_start, extra={"spec_change": lr_edit} if lr_edit else {})
+    return Candidate("lr_x0.1", rt.change_text(lr_edit, lr_note) if lr_edit else lr_note,
+                     Change(lr_scale=0.1, from_step=found.growth_step), found.diverge_start,
+                     extra={"spec_change": lr_edit} if lr_edit else {})
 
 
 def _warmup(found: _Found) -> Candidate:
