@@ -77,6 +77,11 @@ class Code(str, Enum):
     RANK_HUNG = "rank.hung"  # a rank of a multi-process run stopped moving; the others waited for it
     RANK_KILLED = "rank.killed"  # a rank of a multi-process run died of a signal (the OOM killer's SIGKILL)
     RUN_RESUMED = "run.resumed"  # info: the probe started from the user's checkpoint (resume / --resume)
+    # transformer instability precursors (issue 35; engine/precursors.py): warnings before a fault
+    ATTENTION_LOGIT_GROWTH = "attention.logit_growth"
+    OUTPUT_LOGIT_DIVERGENCE = "output.logit_divergence"
+    ACTIVATION_NORM_GROWTH = "activation.norm_growth"
+    ATTENTION_UNSEEN = "attention.unseen"  # info: layers that look like attention, whose softmax was not seen
 
 
 # Codes that mean "a non-finite value was found": they make the verdict `nan_found`.

@@ -1,0 +1,489 @@
+"""Transformer instability precursors (issue 35), sampled at fixed steps on the device, judged after the run.
+
+Three quantities, measured in the forward of every `every`-th step (a constant: 4 for a model whose
+attention is seen, 64 for one without, where only the output head is watched), so a report never depends
+on how fast the machine ran:
+
+- per attention layer, the largest attention logit (the softmax's input) and the attention entropy
+  (Dehghani et al. 2023; Zhai et al. 2023): `F.softmax` over a [batch, heads, q, k] score tensor,
+  `paddle.nn.MultiHeadAttention` (which calls it) and `F.scaled_dot_product_attention` are intercepted for
+  the sampled step's forward only, and the layer is the `Layer` whose code made the call;
+- per output head, the largest |log Z| = |logsumexp(logits)| of the model's output (Wortsman et al. 2023;
+  PaLM's z-loss);
+- the output RMS of each linear layer of the blocks that hold an attention layer (QKV, out-projection,
+  FC1/FC2; Rybakov et al. 2024).
+
+The values stay on the device as one small vector per sampled step and are read on the host every
+READ_EVERY sampled steps (fixed step numbers) and at the end. `findings()` turns the series into warnings
+with thresholds that separate the healthy runs measured for issue 35 from the ones that blew up
+(docs/how-it-works.md, "Precursors").
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from nandoctor.advice import precursor_advice
+from nandoctor.findings import Code, Finding, Location, Phase, Severity
+
+EVERY_ATTENTION = 4  # sampled steps of a model whose attention is seen
+EVERY_PLAIN = 64  # ... of one without (the output head's log Z only)
+READ_EVERY = 64  # sampled steps between host reads of the kept values
+EARLY_STEPS = 16  # the early level: the median of the samples in the first steps
+START_BAND = 2.0  # a growth begins after the last sample within this factor of the early level
+MAX_SAMPLES = 4096  # per quantity: beyond it the middle of the series is thinned (the early ones stay)
+# Thresholds (issue 35's measurements: healthy twins at a 10x lower LR reach 6.5x their early attention
+# logits, 3.2x an output RMS, 3x |log Z|; the runs that blew up ~640x, ~40x and log Z from ~8 to 40-75)
+ATTENTION_RATIO = 50.0
+RMS_RATIO = 20.0
+LOGZ_RATIO = 5.0  # |log Z| this many times its early level,
+LOGZ_FLOOR = 20.0  # and at least this (e^20: a confident classifier seldom needs more),
+LOGZ_DOUBLING_STEPS = 16  # and doubled within this many steps (a healthy head drifts slowly, then settles)
+
+_ATTN_MAX, _ATTN_ENT, _LOG_Z, _RMS = "attention_logit_max", "attention_entropy", "log_z", "output_rms"
+_ATTENTION_NAMES = ("attention", "attn")
+
+
+@dataclass
+class Growth:
+    """One quantity's growth in one layer, as the samples show it."""
+
+    layer: str
+    quantity: str
+    early: float
+    start_step: int  # the last sampled step still within START_BAND of the early level
+    alarm_step: int  # the first sampled step past the threshold
+    level: float  # at the last sample (the report's time)
+    level_step: int
+    peak: float
+    peak_step: int
+    history: list[tuple[int, float]]
+
+    @property
+    def ratio(self) -> float:
+        return self.peak / self.early if self.early > 0 else math.inf
+
+
+class PrecursorMonitor:
+    """Hooks and interceptions on sampled steps only: `begin(step)` before the forward, `end()` after it
+    (idempotent; `close()` at the end, always). Never raises into the user's forward: a quantity that
+    cannot be measured is left out."""
+
+    def __init__(self, model: Any) -> None:
+        import paddle
+
+        self.model = model
+        self._names = {id(layer): name for name, layer in model.named_sublayers()}
+        self._names[id(model)] = type(model).__name__
+        self._linears = [(name, layer) for name, layer in model.named_sublayers()
+                         if isinstance(layer, paddle.nn.Linear)]
+        self._looks_attention = [name for name, layer in model.named_sublayers()
+                                 if isinstance(layer, paddle.nn.MultiHeadAttention)
+                                 or any(w in type(layer).__name__.lower() for w in _ATTENTION_NAMES)]
+        self.every = EVERY_ATTENTION  # until the first sample says whether attention is seen
+        self.attention: list[str] = []  # layers seen computing attention, in order of first sight
+        self._discovered = False
+        self._tracked: list[tuple[str, Any]] = self._linears  # the first sample looks at every linear layer
+        self._keys: dict[tuple[str, str], int] = {}
+        self._key_list: list[tuple[str, str]] = []
+        self._open = False
+        self._step = 0
+        self._idx: list[int] = []
+        self._vals: list[Any] = []
+        self._samples: list[tuple[int, list[int], Any]] = []
+        self._handles: list[Any] = []
+        self._patched: list[tuple[Any, str, Any]] = []
+        self.series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+
+    # ---- the schedule ----------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or not self._discovered
+
+    def next_due(self, step: int) -> int:
+        """The first step from `step` on that is sampled (a driver's quiet window ends before it)."""
+        if not self._discovered:
+            return step
+        return -(-step // self.every) * self.every
+
+    # ---- a sampled step -------------------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        if self._open or not self.due(step):
+            return
+        self._open, self._step = True, step
+        self._idx, self._vals = [], []
+        try:
+            self._handles = [self.model.register_forward_post_hook(self._output_hook)]
+            self._handles += [layer.register_forward_post_hook(self._rms_hook(name)) for name, layer in self._tracked]
+            self._patch()
+        except Exception:  # noqa: BLE001 - a model that takes no hooks: nothing is measured this step
+            self._detach()
+
+    def end(self) -> None:
+        """The sampled step's forward is over: hooks off, its values kept (on the device) as one vector."""
+        if not self._open:
+            return
+        self._open = False
+        self._detach()
+        if self._vals:
+            import paddle
+
+            with paddle.no_grad():
+                vec = paddle.stack(self._vals).astype("float32")
+            self._samples.append((self._step, list(self._idx), vec))
+        self._idx, self._vals = [], []
+        if not self._discovered:
+            self._discover()
+        if len(self._samples) >= READ_EVERY:
+            self.read()
+
+    def close(self) -> None:
+        self.end()
+
+    def _detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for owner, attr, orig in self._patched:
+            setattr(owner, attr, orig)
+        self._patched = []
+
+    def _discover(self) -> None:
+        """After the first sample: the stride, and the linear layers worth tracking (those of the blocks that
+        hold an attention layer; none when no attention is seen)."""
+        self._discovered = True
+        self.every = EVERY_ATTENTION if self.attention else EVERY_PLAIN
+        parents = {name.rsplit(".", 1)[0] + "." if "." in name else "" for name in self.attention}
+        self._tracked = [(n, layer) for n, layer in self._linears
+                         if any(p and n.startswith(p) for p in parents)]
+
+    def _put(self, quantity: str, layer: str, value: Any) -> None:
+        key = (quantity, layer)
+        i = self._keys.get(key)
+        if i is None:
+            i = self._keys[key] = len(self._key_list)
+            self._key_list.append(key)
+        self._idx.append(i)
+        self._vals.append(value.reshape([]))
+
+    # ---- what is measured ---------------------------------------------------------------------
+    def _output_hook(self, layer: Any, inputs: Any, outputs: Any) -> None:
+        if not self._open:
+            return None
+        t = _logits_of(outputs)
+        if t is not None:
+            import paddle
+
+            with paddle.no_grad():
+                x = t.detach().astype("float32")
+                self._put(_LOG_Z, self._head_name(t), paddle.logsumexp(x, axis=-1).abs().max())
+        return None
+
+    def _head_name(self, t: Any) -> str:
+        """The output head: the last linear layer whose output width is the logits' (else the model)."""
+        width = t.shape[-1]
+        for name, layer in reversed(self._linears):
+            if layer.weight.shape[-1] == width:
+                return name
+        return self._names[id(self.model)]
+
+    def _rms_hook(self, name: str) -> Any:
+        def hook(layer: Any, inputs: Any, outputs: Any) -> None:
+            if self._open and _is_float(outputs) and 0 not in outputs.shape:
+                import paddle
+
+                with paddle.no_grad():
+                    x = outputs.detach().astype("float32")
+                    self._put(_RMS, name, (x * x).mean().sqrt())
+            return None
+
+        return hook
+
+    def _patch(self) -> None:
+        import paddle.nn.functional as F
+
+        for attr, make in (("softmax", self._softmax), ("scaled_dot_product_attention", self._sdpa)):
+            orig = getattr(F, attr, None)
+            if orig is not None:
+                self._patched.append((F, attr, orig))
+                setattr(F, attr, make(orig))
+
+    def _softmax(self, orig: Any) -> Any:
+        def softmax(x: Any, axis: int = -1, dtype: Any = None, name: str | None = None, **kw: Any) -> Any:
+            out = orig(x, axis, dtype, name, **kw)
+            if self._open and _is_float(x) and axis in (-1, len(x.shape) - 1):
+                layer = _calling_layer(self._names)
+                if layer is not None and _is_attention(x, layer):
+                    self._attention(layer, x, out)
+            return out
+
+        return softmax
+
+    def _sdpa(self, orig: Any) -> Any:
+        def sdpa(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+                 is_causal: bool = False, *args: Any, **kwargs: Any) -> Any:
+            out = orig(query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
+            if self._open:
+                layer = _calling_layer(self._names)
+                if layer is not None:
+                    try:
+                        scores = _sdpa_scores(query, key, attn_mask, is_causal, kwargs.get("scale"))
+                    except Exception:  # noqa: BLE001 - a layout this cannot read: left unmeasured
+                        scores = None
+                    if scores is not None:
+                        import paddle.nn.functional as F
+
+                        self._attention(layer, scores, F.softmax(scores, axis=-1))
+            return out
+
+        return sdpa
+
+    def _attention(self, layer: str, scores: Any, probs: Any) -> None:
+        import paddle
+
+        if layer not in self.attention:
+            self.attention.append(layer)
+        with paddle.no_grad():
+            s = scores.detach().astype("float32")
+            p = probs.detach().astype("float32")
+            self._put(_ATTN_MAX, layer, s.max())
+            self._put(_ATTN_ENT, layer, -(p * paddle.log(p.clip(min=1e-30))).sum(axis=-1).mean())
+
+    # ---- the host side -------------------------------------------------------------------------
+    def read(self) -> None:
+        """The kept samples' values, in one host sync, appended to the series."""
+        samples, self._samples = self._samples, []
+        if not samples:
+            return
+        import paddle
+
+        with paddle.no_grad():
+            flat = paddle.concat([v.reshape([-1]) for _, _, v in samples]).numpy().astype("float64")
+        pos = 0
+        for step, idx, _ in samples:
+            values: dict[int, float] = {}
+            for i, v in zip(idx, flat[pos:pos + len(idx)]):
+                # a layer called twice in a step keeps its largest value (its smallest entropy)
+                old = values.get(i)
+                low = self._key_list[i][0] == _ATTN_ENT
+                values[i] = v if old is None else (min(old, v) if low else max(old, v))
+            pos += len(idx)
+            for i, v in values.items():
+                series = self.series.setdefault(self._key_list[i], [])
+                series.append((step, float(v)))
+                if len(series) > MAX_SAMPLES:
+                    _thin(series)
+
+    def findings(self, fault_step: int | None, lrs: dict[int, float | None] | None = None) -> list[Finding]:
+        """The warnings of the run up to the fault (the samples after it, which a driver that reads late may
+        have taken, are left out); `lrs`: the learning rate by step, for the advice's numbers."""
+        self.end()
+        self.read()
+        out: list[Finding] = []
+        for quantity, code, judge in ((_ATTN_MAX, Code.ATTENTION_LOGIT_GROWTH, _attention_alarm),
+                                      (_LOG_Z, Code.OUTPUT_LOGIT_DIVERGENCE, _logz_alarm),
+                                      (_RMS, Code.ACTIVATION_NORM_GROWTH, _rms_alarm)):
+            growths = [g for (q, layer), series in self.series.items() if q == quantity
+                       for g in [_growth(layer, quantity, _upto(series, fault_step), judge)] if g is not None]
+            if growths:
+                out.append(self._finding(code, growths, fault_step, lrs or {}))
+        unseen = self.unseen()
+        if unseen is not None:
+            out.append(unseen)
+        return out
+
+    def unseen(self) -> Finding | None:
+        """An info when the model has layers that look like attention but no attention was seen computed."""
+        if self.attention or not self._looks_attention or not self._discovered:
+            return None
+        shown = ", ".join(self._looks_attention[:5])
+        return Finding(
+            Code.ATTENTION_UNSEEN, Severity.INFO,
+            f"Layer(s) {shown} look like attention, but no softmax over attention scores (F.softmax over a "
+            "[batch, heads, q, k] tensor, nn.MultiHeadAttention, F.scaled_dot_product_attention) was seen in "
+            "their forward: their attention logits and entropy were not watched (a fused kernel, or a softmax "
+            "imported under another name). The output head's log Z was still watched.",
+            Location(phase=Phase.FORWARD, layer=self._looks_attention[0]),
+            {"layers": self._looks_attention[:20]},
+            ["To have them watched, compute the attention weights with `paddle.nn.functional.softmax` "
+             "(`import paddle.nn.functional as F; F.softmax(scores, axis=-1)`) in the attention layer's forward."])
+
+    def _finding(self, code: Code, growths: list[Growth], fault_step: int | None,
+                 lrs: dict[int, float | None]) -> Finding:
+        """One finding a code, at the layer whose growth passed its threshold first (the largest on a tie);
+        the other layers listed in its evidence."""
+        growths.sort(key=lambda g: (g.alarm_step, -g.ratio, g.layer))
+        g = growths[0]
+        lead = fault_step - g.alarm_step if fault_step is not None else None
+        # the highest rate up to the alarm: the peak of a warmup, where the growth was driven
+        rates = [r for s, r in lrs.items() if r is not None and s <= g.alarm_step]
+        lr = max(rates) if rates else None
+        entropy = self._entropy(g) if code == Code.ATTENTION_LOGIT_GROWTH else None
+        message = _message(code, g, entropy, lead, fault_step, len(growths) - 1)
+        evidence: dict[str, Any] = {
+            "quantity": g.quantity, "layer": g.layer, "start_step": g.start_step, "early_level": g.early,
+            "level": g.level, "level_step": g.level_step, "alarm_step": g.alarm_step, "peak": g.peak,
+            "peak_step": g.peak_step, "growth": g.ratio, "lead_steps": lead, "fault_step": fault_step,
+            "sample_every": self.every, "threshold": _THRESHOLD[code], "learning_rate": lr,
+            "history": [[s, v] for s, v in g.history[-40:]],
+            "layers": [{"layer": o.layer, "start_step": o.start_step, "alarm_step": o.alarm_step,
+                        "early_level": o.early, "peak": o.peak} for o in growths[:20]],
+        }
+        if entropy is not None:
+            evidence["entropy_early"], evidence["entropy"] = entropy
+        return Finding(code, Severity.WARNING, message, Location(step=g.start_step, phase=Phase.FORWARD, layer=g.layer),
+                       evidence, precursor_advice(code.value, lr))
+
+    def _entropy(self, g: Growth) -> tuple[float, float] | None:
+        series = self.series.get((_ATTN_ENT, g.layer))
+        if not series:
+            return None
+        early = [v for s, v in series if s < series[0][0] + EARLY_STEPS]
+        at = [v for s, v in series if s <= g.level_step]
+        return (statistics.median(early), at[-1]) if early and at else None
+
+
+_THRESHOLD = {Code.ATTENTION_LOGIT_GROWTH: ATTENTION_RATIO, Code.ACTIVATION_NORM_GROWTH: RMS_RATIO,
+              Code.OUTPUT_LOGIT_DIVERGENCE: LOGZ_RATIO}
+_WHAT = {_ATTN_MAX: "largest attention logit", _LOG_Z: "largest |log Z| (logsumexp of the logits)",
+         _RMS: "output RMS"}
+
+
+def _message(code: Code, g: Growth, entropy: tuple[float, float] | None, lead: int | None,
+             fault_step: int | None, others: int) -> str:
+    what = _WHAT[g.quantity]
+    text = (f"The {what} of layer {g.layer} grew {g.ratio:.3g}x: from an early level of {g.early:.3g}, it began "
+            f"to grow after step {g.start_step}, passed {_THRESHOLD[code]:g}x at step {g.alarm_step} and was "
+            f"{g.level:.3g} at step {g.level_step}")
+    if g.peak_step != g.level_step:
+        text += f" (peak {g.peak:.3g} at step {g.peak_step})"
+    text += "."
+    if entropy is not None:
+        text += f" Its attention entropy fell from {entropy[0]:.3g} to {entropy[1]:.3g} nats."
+    if others:
+        text += f" {others} other layer(s) grew past it too (evidence.layers)."
+    if lead is not None:
+        text += (f" This came {lead} step(s) before the fault at step {fault_step}, and the growth "
+                 f"{fault_step - g.start_step} steps before it: the run was heading there.")
+    else:
+        text += " No NaN yet, but runs like this diverge or overflow."
+    return text
+
+
+def _attention_alarm(series: list[tuple[int, float]], early: float) -> int | None:
+    return next((i for i, (_, v) in enumerate(series) if v >= ATTENTION_RATIO * early), None)
+
+
+def _rms_alarm(series: list[tuple[int, float]], early: float) -> int | None:
+    return next((i for i, (_, v) in enumerate(series) if v >= RMS_RATIO * early), None)
+
+
+def _logz_alarm(series: list[tuple[int, float]], early: float) -> int | None:
+    """Past LOGZ_RATIO x early and LOGZ_FLOOR, and doubled within LOGZ_DOUBLING_STEPS: a head that blows
+    up, not one that drifts to a confident level and settles."""
+    for i, (s, v) in enumerate(series):
+        if v < max(LOGZ_RATIO * early, LOGZ_FLOOR):
+            continue
+        before = [u for t, u in series[:i] if t >= s - LOGZ_DOUBLING_STEPS]
+        if before and v >= 2.0 * min(before):
+            return i
+    return None
+
+
+def _growth(layer: str, quantity: str, series: list[tuple[int, float]], judge: Any) -> Growth | None:
+    xs = [(s, v) for s, v in series if math.isfinite(v)]
+    if len(xs) < 3:
+        return None
+    early_vals = [v for s, v in xs if s < xs[0][0] + EARLY_STEPS]
+    early = statistics.median(early_vals)
+    if not early > 0:
+        return None
+    alarm = judge(xs, early)
+    if alarm is None:
+        return None
+    start = alarm
+    while start > 0 and xs[start][1] > START_BAND * early:
+        start -= 1
+    peak = max(range(len(xs)), key=lambda i: xs[i][1])
+    return Growth(layer, quantity, early, xs[start][0], xs[alarm][0], xs[-1][1], xs[-1][0], xs[peak][1],
+                  xs[peak][0], xs)
+
+
+def _upto(series: list[tuple[int, float]], fault_step: int | None) -> list[tuple[int, float]]:
+    """The samples up to the fault's step (its own forward ran before the fault; later ones are not the run's)."""
+    return series if fault_step is None else [(s, v) for s, v in series if s <= fault_step]
+
+
+def _thin(series: list[tuple[int, float]]) -> None:
+    """Every other sample of the older half dropped (the first EARLY_STEPS' samples stay): bounded memory."""
+    first = series[0][0]
+    head = [x for x in series if x[0] < first + EARLY_STEPS]
+    rest = series[len(head):]
+    half = len(rest) // 2
+    series[:] = head + rest[:half][::2] + rest[half:]
+
+
+def _is_float(t: Any) -> bool:
+    import paddle
+
+    return isinstance(t, paddle.Tensor) and t.dtype in (paddle.float32, paddle.float16, paddle.bfloat16,
+                                                        paddle.float64)
+
+
+def _logits_of(outputs: Any) -> Any:
+    """The model's logits: the output tensor, or `logits` of a dict or an output object, or the first float
+    tensor of a tuple; None unless it has a class axis (2+ dims, 2+ classes)."""
+    t = outputs
+    if isinstance(outputs, dict):
+        t = outputs.get("logits")
+    elif not _is_float(outputs) and hasattr(outputs, "logits"):
+        t = outputs.logits
+    elif isinstance(outputs, (tuple, list)):
+        t = next((o for o in outputs if _is_float(o)), None)
+    if not _is_float(t) or len(t.shape) < 2 or t.shape[-1] < 2 or 0 in t.shape:
+        return None
+    return t
+
+
+def _calling_layer(names: dict[int, str]) -> str | None:
+    """The model's layer whose code called the softmax: the nearest frame whose `self` is one of its layers."""
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            return names[id(owner)]
+        frame = frame.f_back
+    return None
+
+
+def _is_attention(x: Any, layer: str) -> bool:
+    """Attention scores: a softmax over a [batch, heads, q, k] tensor, or over a 3-D one inside a layer named
+    like attention (a classifier's or a head's softmax is neither)."""
+    nd = len(x.shape)
+    return nd == 4 or (nd == 3 and any(w in layer.lower() for w in _ATTENTION_NAMES))
+
+
+def _sdpa_scores(query: Any, key: Any, attn_mask: Any, is_causal: bool, scale: float | None) -> Any:
+    """The logits scaled_dot_product_attention computes inside ([batch, seq, heads, dim] inputs), made again
+    on a sampled step."""
+    import paddle
+
+    with paddle.no_grad():
+        q = query.detach().astype("float32").transpose([0, 2, 1, 3])
+        k = key.detach().astype("float32").transpose([0, 2, 1, 3])
+        s = paddle.matmul(q, k, transpose_y=True) * (scale if scale else 1.0 / math.sqrt(q.shape[-1]))
+        if attn_mask is not None:
+            mask = attn_mask.detach()
+            s = paddle.where(mask, s, paddle.full_like(s, -1e30)) if mask.dtype == paddle.bool else s + mask.astype(
+                "float32")
+        if is_causal:
+            t, u = s.shape[-2], s.shape[-1]
+            s = s + paddle.to_tensor(np.triu(np.full((t, u), -1e30, dtype="float32"), 1))
+    return s
