@@ -165,3 +165,77 @@ def test_the_lower_lr_twins_stay_quiet(tmp_path: Path, peak: float, steps: int, 
     # and the record agrees: nothing near a threshold
     assert not first_to_cross(record, ":max", pc.ATTENTION_RATIO / 2)
     assert not first_to_cross(record, ":rms", pc.RMS_RATIO / 2)
+
+
+class _HiddenAttention(paddle.nn.Layer):
+    """Named like attention, but its softmax is one Paddle's functional module does not hand out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = paddle.nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = paddle.split(self.qkv(x), 3, axis=-1)
+        s = paddle.matmul(q, k, transpose_y=True)
+        w = paddle.exp(s - s.max(-1, keepdim=True))
+        return paddle.matmul(w / w.sum(-1, keepdim=True), v)
+
+
+def test_multihead_attention_and_sdpa_are_seen_and_softmax_is_put_back() -> None:
+    """nn.MultiHeadAttention (F.softmax inside) and F.scaled_dot_product_attention are seen at their layers,
+    with the logits a plain computation of q k^T / sqrt(d) gives; F.softmax is Paddle's own again after."""
+    import paddle.nn.functional as F
+
+    original = F.softmax
+    paddle.seed(0)
+    enc = paddle.nn.TransformerEncoder(paddle.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0), 2)
+    x = paddle.randn([3, 5, 16])
+    mon = pc.PrecursorMonitor(enc)
+    mon.begin(0)
+    enc(x)
+    mon.end()
+    mon.read()
+    assert F.softmax is original
+    assert mon.attention == ["layers.0.self_attn", "layers.1.self_attn"]
+    attn = enc.layers[0].self_attn
+    h = enc.layers[0].norm1(x) if enc.layers[0].normalize_before else x
+    q = attn.q_proj(h).reshape([3, 5, 2, 8]).transpose([0, 2, 1, 3]).numpy().astype("float64")
+    k = attn.k_proj(h).reshape([3, 5, 2, 8]).transpose([0, 2, 1, 3]).numpy().astype("float64")
+    expected = (q @ k.transpose(0, 1, 3, 2) / np.sqrt(8)).max()
+    assert mon.series[(pc._ATTN_MAX, "layers.0.self_attn")][0][1] == pytest.approx(expected, rel=1e-4)
+    # the first sample found attention: the linear layers of its blocks are tracked from then on
+    assert {n for n, _ in mon._tracked} >= {"layers.0.linear2", "layers.1.self_attn.q_proj"}
+    assert mon.every == pc.EVERY_ATTENTION and mon.next_due(5) == 8
+
+    class Sdpa(paddle.nn.Layer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = paddle.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = [t.reshape([3, 5, 2, 8]) for t in paddle.split(self.qkv(x), 3, axis=-1)]
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    model = Sdpa()
+    mon = pc.PrecursorMonitor(model)
+    mon.begin(0)
+    try:
+        model(x)
+    except (RuntimeError, ValueError, NotImplementedError):  # a CPU build without the kernel: nothing to see
+        pytest.skip("scaled_dot_product_attention has no CPU kernel here")
+    finally:
+        mon.end()
+    mon.read()
+    assert mon.attention == ["Sdpa"]
+    assert F.softmax is original
+
+
+def test_attention_that_cannot_be_seen_is_said() -> None:
+    model = paddle.nn.Sequential(_HiddenAttention(), paddle.nn.Linear(8, 4))
+    mon = pc.PrecursorMonitor(model)
+    mon.begin(0)
+    model(paddle.randn([2, 3, 8]))
+    mon.end()
+    found = [f for f in mon.findings(None) if f.code.value == "attention.unseen"]
+    assert len(found) == 1 and found[0].severity == Severity.INFO and found[0].location.layer == "0"
+    assert mon.every == pc.EVERY_PLAIN

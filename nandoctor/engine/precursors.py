@@ -98,7 +98,7 @@ class PrecursorMonitor:
         self._vals: list[Any] = []
         self._samples: list[tuple[int, list[int], Any]] = []
         self._handles: list[Any] = []
-        self._patched: list[tuple[Any, str, Any]] = []
+        self._intercepting = False
         self.series: dict[tuple[str, str], list[tuple[int, float]]] = {}
 
     # ---- the schedule ----------------------------------------------------------------------------
@@ -149,9 +149,9 @@ class PrecursorMonitor:
         for h in self._handles:
             h.remove()
         self._handles = []
-        for owner, attr, orig in self._patched:
-            setattr(owner, attr, orig)
-        self._patched = []
+        if self._intercepting:
+            _release(self)
+        self._intercepting = False
 
     def _discover(self) -> None:
         """After the first sample: the stride, and the linear layers worth tracking (those of the blocks that
@@ -205,43 +205,27 @@ class PrecursorMonitor:
         return hook
 
     def _patch(self) -> None:
-        import paddle.nn.functional as F
+        _intercept(self)
+        self._intercepting = True
 
-        for attr, make in (("softmax", self._softmax), ("scaled_dot_product_attention", self._sdpa)):
-            orig = getattr(F, attr, None)
-            if orig is not None:
-                self._patched.append((F, attr, orig))
-                setattr(F, attr, make(orig))
+    def on_softmax(self, frame: Any, x: Any, axis: int, out: Any) -> None:
+        """A softmax ran during this monitor's sampled step: attention scores when a layer of the model made
+        the call over a [batch, heads, q, k] tensor (or a 3-D one in a layer named like attention)."""
+        if self._open and _is_float(x) and axis in (-1, len(x.shape) - 1):
+            layer = _calling_layer(frame, self._names)
+            if layer is not None and _is_attention(x, layer):
+                self._attention(layer, x, out)
 
-    def _softmax(self, orig: Any) -> Any:
-        def softmax(x: Any, axis: int = -1, dtype: Any = None, name: str | None = None, **kw: Any) -> Any:
-            out = orig(x, axis, dtype, name, **kw)
-            if self._open and _is_float(x) and axis in (-1, len(x.shape) - 1):
-                layer = _calling_layer(self._names)
-                if layer is not None and _is_attention(x, layer):
-                    self._attention(layer, x, out)
-            return out
-
-        return softmax
-
-    def _sdpa(self, orig: Any) -> Any:
-        def sdpa(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-                 is_causal: bool = False, *args: Any, **kwargs: Any) -> Any:
-            out = orig(query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
-            if self._open:
-                layer = _calling_layer(self._names)
-                if layer is not None:
-                    try:
-                        scores = _sdpa_scores(query, key, attn_mask, is_causal, kwargs.get("scale"))
-                    except Exception:  # noqa: BLE001 - a layout this cannot read: left unmeasured
-                        scores = None
-                    if scores is not None:
-                        import paddle.nn.functional as F
-
-                        self._attention(layer, scores, F.softmax(scores, axis=-1))
-            return out
-
-        return sdpa
+    def on_sdpa(self, frame: Any, query: Any, key: Any, attn_mask: Any, is_causal: bool, scale: Any) -> None:
+        """scaled_dot_product_attention ran: its logits made again from q and k (the kernel keeps them)."""
+        layer = _calling_layer(frame, self._names) if self._open else None
+        if layer is None:
+            return
+        try:
+            scores = _sdpa_scores(query, key, attn_mask, is_causal, scale)
+        except Exception:  # noqa: BLE001 - a layout this cannot read: left unmeasured
+            return
+        self._attention(layer, scores, _ORIGINALS["softmax"](scores, -1))
 
     def _attention(self, layer: str, scores: Any, probs: Any) -> None:
         import paddle
@@ -450,9 +434,57 @@ def _logits_of(outputs: Any) -> Any:
     return t
 
 
-def _calling_layer(names: dict[int, str]) -> str | None:
+# The interception of F.softmax / F.scaled_dot_product_attention: installed while any monitor has a sampled
+# step open (two watched models, a GAN's, may overlap), the originals put back when the last one closes.
+_OPEN: list[PrecursorMonitor] = []
+_ORIGINALS: dict[str, Any] = {}
+
+
+def _intercept(monitor: PrecursorMonitor) -> None:
+    import paddle.nn.functional as F
+
+    if not _OPEN:
+        _ORIGINALS.clear()
+        orig_softmax = F.softmax
+        _ORIGINALS["softmax"] = orig_softmax
+
+        def softmax(x: Any, axis: int = -1, dtype: Any = None, name: str | None = None, **kw: Any) -> Any:
+            out = orig_softmax(x, axis, dtype, name, **kw)
+            frame = sys._getframe(1)
+            for mon in list(_OPEN):
+                mon.on_softmax(frame, x, axis, out)
+            return out
+
+        F.softmax = softmax
+        orig_sdpa = getattr(F, "scaled_dot_product_attention", None)
+        if orig_sdpa is not None:
+            _ORIGINALS["scaled_dot_product_attention"] = orig_sdpa
+
+            def sdpa(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+                     is_causal: bool = False, *args: Any, **kwargs: Any) -> Any:
+                out = orig_sdpa(query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
+                frame = sys._getframe(1)
+                for mon in list(_OPEN):
+                    mon.on_sdpa(frame, query, key, attn_mask, is_causal, kwargs.get("scale"))
+                return out
+
+            F.scaled_dot_product_attention = sdpa
+    _OPEN.append(monitor)
+
+
+def _release(monitor: PrecursorMonitor) -> None:
+    import paddle.nn.functional as F
+
+    if monitor in _OPEN:
+        _OPEN.remove(monitor)
+    if not _OPEN:
+        for attr, orig in _ORIGINALS.items():
+            setattr(F, attr, orig)
+        _ORIGINALS.clear()
+
+
+def _calling_layer(frame: Any, names: dict[int, str]) -> str | None:
     """The model's layer whose code called the softmax: the nearest frame whose `self` is one of its layers."""
-    frame = sys._getframe(2)
     for _ in range(6):
         if frame is None:
             return None
