@@ -239,3 +239,33 @@ def test_attention_that_cannot_be_seen_is_said() -> None:
     found = [f for f in mon.findings(None) if f.code.value == "attention.unseen"]
     assert len(found) == 1 and found[0].severity == Severity.INFO and found[0].location.layer == "0"
     assert mon.every == pc.EVERY_PLAIN
+
+
+def test_watch_in_the_users_loop_gives_the_probes_warning(attention_run: tuple, tmp_path: Path) -> None:
+    """The same run in the user's own loop under `nandoctor.watch` (step_fn and the batch given, so most steps
+    are quiet and unread): the samples are taken at the same fixed steps, so the warning is the probe's."""
+    import nandoctor
+
+    probe_report, _, _ = attention_run
+    paddle.seed(0)
+    np.random.seed(0)
+    model = pm.gpt()
+    sched = paddle.optimizer.lr.LinearWarmup(0.1, WARMUP, 0.0, 0.1)
+    opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters())
+
+    def step_fn(m: Any, batch: Any) -> Any:
+        return pm.cross_entropy(m(paddle.to_tensor(batch[0])), paddle.to_tensor(batch[1]))
+
+    with nandoctor.watch(model, opt, step_fn=step_fn, report_dir=tmp_path / "r", fields=["ids", "label"]) as doctor:
+        for batch in pm.tokens(120):
+            loss = step_fn(model, batch)
+            loss.backward()
+            doctor.check(loss, batch)
+            opt.step()
+            opt.clear_grad()
+            sched.step()
+    assert doctor.watcher.unread  # the quiet, unread steps this is about
+    mine, theirs = warning(doctor.report, "attention.logit_growth"), warning(probe_report, "attention.logit_growth")
+    for key in ("layer", "start_step", "alarm_step", "level_step", "peak_step"):
+        assert mine.evidence[key] == theirs.evidence[key], key
+    assert mine.evidence["level"] == pytest.approx(theirs.evidence["level"], rel=1e-3)
