@@ -107,11 +107,13 @@ def first_backward_fault(phases: Iterable[Phase], script: Path, capfd: pytest.Ca
 
 
 def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callable[[Any, Any], Any], *,
-                     peak_lr: float, warmup: int) -> tuple[dict[str, list[float]], list[float], int | None]:
+                     peak_lr: float, warmup: int, entropy_rows: int = 4) -> tuple[dict[str, list[float]], list[float],
+                                                                                 int | None]:
     """Issue 35's ground truth: a plain AdamW loop with a linear warmup to `peak_lr` that records, every step
     and on the host in float64, through forward hooks of its own: per attention-score layer (a sublayer named
     `...scores` whose output is q k^T / sqrt(d), before the causal mask) the largest logit (`<layer>:max`,
-    the mask's -1e9 added as the model adds it) and the attention entropy in nats (`<layer>:entropy`); the
+    the mask's -1e9 added as the model adds it) and the attention entropy in nats, the mean over the rows of the
+    batch's first `entropy_rows` sequences (`<layer>:entropy`); the
     head's largest |logsumexp(logits)| (`head:log_z`); each Linear's output RMS (`<layer>:rms`). Returns the
     records, the losses, and the first step whose loss was non-finite (None: none)."""
     import math
@@ -129,6 +131,7 @@ def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callab
             put(f"{name}:max", float(a.max()))
             p = np.exp(a - a.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
+            p = p[:entropy_rows]
             put(f"{name}:entropy", float(-(p * np.log(np.maximum(p, 1e-300))).sum(-1).mean()))
         return hook
 
