@@ -197,7 +197,6 @@ class PrecursorMonitor:
         def hook(layer: Any, inputs: Any, outputs: Any) -> None:
             if self._open and _is_float(outputs) and 0 not in outputs.shape:
                 import paddle
-
                 from paddle import _C_ops
 
                 with paddle.no_grad():  # one fused reduction (a square and a mean cost twice as much)
