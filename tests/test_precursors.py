@@ -269,3 +269,27 @@ def test_watch_in_the_users_loop_gives_the_probes_warning(attention_run: tuple, 
     for key in ("layer", "start_step", "alarm_step", "level_step", "peak_step"):
         assert mine.evidence[key] == theirs.evidence[key], key
     assert mine.evidence["level"] == pytest.approx(theirs.evidence["level"], rel=1e-3)
+
+
+def test_a_failing_measurement_is_never_the_users_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A measurement of ours that raises inside the user's forward is swallowed: the forward returns what it
+    would have, F.softmax is Paddle's again, and no later step is sampled."""
+    import paddle.nn.functional as F
+
+    original = F.softmax
+    paddle.seed(0)
+    model = pm.gpt()
+    ids = paddle.to_tensor(pm.tokens(1)[0][0])
+    expected = model(ids).numpy()
+    mon = pc.PrecursorMonitor(model)
+
+    def boom(*args: Any) -> None:
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(mon, "_put", boom)
+    mon.begin(0)
+    out = model(ids)
+    mon.end()
+    assert np.array_equal(out.numpy(), expected)
+    assert F.softmax is original and mon.broken == "RuntimeError: a bug of ours"
+    assert not mon.due(4) and mon.next_due(4) > 10**9

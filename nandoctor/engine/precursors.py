@@ -100,14 +100,17 @@ class PrecursorMonitor:
         self._samples: list[tuple[int, list[int], Any]] = []
         self._handles: list[Any] = []
         self._intercepting = False
+        self.broken: str | None = None  # nandoctor's own measurement failed: no more samples (never the user's)
         self.series: dict[tuple[str, str], list[tuple[int, float]]] = {}
 
     # ---- the schedule ----------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        return step % self.every == 0 or not self._discovered
+        return self.broken is None and (step % self.every == 0 or not self._discovered)
 
     def next_due(self, step: int) -> int:
         """The first step from `step` on that is sampled (a driver's quiet window ends before it)."""
+        if self.broken is not None:
+            return 2**62
         if not self._discovered:
             return step
         return -(-step // self.every) * self.every
@@ -131,12 +134,15 @@ class PrecursorMonitor:
             return
         self._open = False
         self._detach()
-        if self._vals:
+        if self._vals and self.broken is None:
             import paddle
 
-            with paddle.no_grad():
-                vec = paddle.stack(self._vals).astype("float32")
-            self._samples.append((self._step, list(self._idx), vec))
+            try:
+                with paddle.no_grad():
+                    vec = paddle.stack(self._vals).astype("float32")
+                self._samples.append((self._step, list(self._idx), vec))
+            except Exception as exc:  # noqa: BLE001 - ours: see fail()
+                self.fail(exc)
         self._idx, self._vals = [], []
         if not self._discovered:
             self._discover()
@@ -163,6 +169,12 @@ class PrecursorMonitor:
         self._tracked = [(n, layer) for n, layer in self._linears
                          if any(p and n.startswith(p) for p in parents)]
 
+    def fail(self, exc: BaseException) -> None:
+        """A measurement of ours raised inside the user's forward: swallowed there (it is not the user's error),
+        and no step is sampled again."""
+        if self.broken is None:
+            self.broken = f"{type(exc).__name__}: {exc}"
+
     def _put(self, quantity: str, layer: str, value: Any) -> None:
         key = (quantity, layer)
         i = self._keys.get(key)
@@ -174,15 +186,18 @@ class PrecursorMonitor:
 
     # ---- what is measured ---------------------------------------------------------------------
     def _output_hook(self, layer: Any, inputs: Any, outputs: Any) -> None:
-        if not self._open:
+        if not self._open or self.broken is not None:
             return None
-        t = _logits_of(outputs)
-        if t is not None:
-            import paddle
+        try:
+            t = _logits_of(outputs)
+            if t is not None:
+                import paddle
 
-            with paddle.no_grad():
-                x = t.detach().astype("float32")
-                self._put(_LOG_Z, self._head_name(t), paddle.logsumexp(x, axis=-1).abs().max())
+                with paddle.no_grad():
+                    x = t.detach().astype("float32")
+                    self._put(_LOG_Z, self._head_name(t), paddle.logsumexp(x, axis=-1).abs().max())
+        except Exception as exc:  # noqa: BLE001 - ours, not the user's: see fail()
+            self.fail(exc)
         return None
 
     def _head_name(self, t: Any) -> str:
@@ -195,14 +210,17 @@ class PrecursorMonitor:
 
     def _rms_hook(self, name: str) -> Any:
         def hook(layer: Any, inputs: Any, outputs: Any) -> None:
-            if self._open and _is_float(outputs) and 0 not in outputs.shape:
+            if self._open and self.broken is None and _is_float(outputs) and 0 not in outputs.shape:
                 import paddle
                 from paddle import _C_ops
 
-                with paddle.no_grad():  # one fused reduction (a square and a mean cost twice as much)
-                    x = outputs.detach()
-                    sq = _C_ops.squared_l2_norm(x if x.dtype == paddle.float32 else x.astype("float32"))
-                    self._put(_RMS, name, (sq / math.prod(x.shape)).sqrt())
+                try:
+                    with paddle.no_grad():  # one fused reduction (a square and a mean cost twice as much)
+                        x = outputs.detach()
+                        sq = _C_ops.squared_l2_norm(x if x.dtype == paddle.float32 else x.astype("float32"))
+                        self._put(_RMS, name, (sq / math.prod(x.shape)).sqrt())
+                except Exception as exc:  # noqa: BLE001 - ours, not the user's: see fail()
+                    self.fail(exc)
             return None
 
         return hook
@@ -214,14 +232,14 @@ class PrecursorMonitor:
     def on_softmax(self, frame: Any, x: Any, axis: int, out: Any) -> None:
         """A softmax ran during this monitor's sampled step: attention scores when a layer of the model made
         the call over a [batch, heads, q, k] tensor (or a 3-D one in a layer named like attention)."""
-        if self._open and _is_float(x) and axis in (-1, len(x.shape) - 1):
+        if self._open and self.broken is None and _is_float(x) and axis in (-1, len(x.shape) - 1):
             layer = _calling_layer(frame, self._names)
             if layer is not None and _is_attention(x, layer):
                 self._attention(layer, x, out)
 
     def on_sdpa(self, frame: Any, query: Any, key: Any, attn_mask: Any, is_causal: bool, scale: Any) -> None:
         """scaled_dot_product_attention ran: its logits made again from q and k (the kernel keeps them)."""
-        layer = _calling_layer(frame, self._names) if self._open else None
+        layer = _calling_layer(frame, self._names) if self._open and self.broken is None else None
         if layer is None:
             return
         try:
@@ -457,7 +475,10 @@ def _intercept(monitor: PrecursorMonitor) -> None:
             out = orig_softmax(x, axis, dtype, name, **kw)
             frame = sys._getframe(1)
             for mon in list(_OPEN):
-                mon.on_softmax(frame, x, axis, out)
+                try:
+                    mon.on_softmax(frame, x, axis, out)
+                except Exception as exc:  # noqa: BLE001 - ours, not the user's
+                    mon.fail(exc)
             return out
 
         F.softmax = softmax
@@ -470,7 +491,10 @@ def _intercept(monitor: PrecursorMonitor) -> None:
                 out = orig_sdpa(query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
                 frame = sys._getframe(1)
                 for mon in list(_OPEN):
-                    mon.on_sdpa(frame, query, key, attn_mask, is_causal, kwargs.get("scale"))
+                    try:
+                        mon.on_sdpa(frame, query, key, attn_mask, is_causal, kwargs.get("scale"))
+                    except Exception as exc:  # noqa: BLE001 - ours, not the user's
+                        mon.fail(exc)
                 return out
 
             F.scaled_dot_product_attention = sdpa
