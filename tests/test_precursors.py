@@ -242,8 +242,9 @@ def test_attention_that_cannot_be_seen_is_said() -> None:
 
 
 def test_watch_in_the_users_loop_gives_the_probes_warning(attention_run: tuple, tmp_path: Path) -> None:
-    """The same run in the user's own loop under `nandoctor.watch` (step_fn and the batch given, so most steps
-    are quiet and unread): the samples are taken at the same fixed steps, so the warning is the probe's."""
+    """The same run in the user's own loop under `nandoctor.watch` (step_fn and the batch given, so steps may be
+    left quiet and unread as the measured cost decides): the samples are taken at the same fixed steps
+    whatever is read when, so the warning is the probe's."""
     import nandoctor
 
     probe_report, _, _ = attention_run
@@ -264,7 +265,6 @@ def test_watch_in_the_users_loop_gives_the_probes_warning(attention_run: tuple, 
             opt.step()
             opt.clear_grad()
             sched.step()
-    assert doctor.watcher.unread  # the quiet, unread steps this is about
     mine, theirs = warning(doctor.report, "attention.logit_growth"), warning(probe_report, "attention.logit_growth")
     for key in ("layer", "start_step", "alarm_step", "level_step", "peak_step"):
         assert mine.evidence[key] == theirs.evidence[key], key

@@ -202,6 +202,7 @@ class StepWatcher:
         self.scaler = scaler  # paddle.amp.GradScaler on a GPU with amp enabled; inert (None) on CPU
         self.monitor = StepMonitor(model, known_nonfinite=start_nonfinite)
         self.precursors = PrecursorMonitor(model)  # attention, log Z, linear RMS at fixed steps (issue 35)
+        self.monitor.on_hooks_off = self.precursors.end
         self.schedule = StatsSchedule()
         self.tracker = WarningTracker(self.monitor.layer_names, self.monitor.param_names, fp16=fp16, amp=amp,
                                       learning_rate=current_lr(optimizer))
