@@ -344,11 +344,11 @@ def _cause_first(cause: str, op: str | None, facts: dict[str, Any]) -> list[str]
 
 
 def precursor_advice(code: str, learning_rate: float | None = None, mode: Mode | str | None = None,
-                     optimizer: Any = None) -> list[str]:
+                     optimizer: Any = None, at: str = "") -> list[str]:
     """What to change for a precursor's growth (issue 35; docs/how-it-works.md, "Precursors"), written for
     the way the user ran: the step size first (it drives all three), then the change to the model that keeps
     the quantity bounded."""
-    lower = lower_lr_advice(learning_rate, "at its peak", mode, optimizer)
+    lower = lower_lr_advice(learning_rate, at, mode, optimizer)
     if code == "attention.logit_growth":
         return [lower, "Normalise the queries and keys of each head (qk-layernorm: a `paddle.nn.LayerNorm(head_dim)` "
                 "on q and on k before `q @ k^T`; Dehghani et al. 2023, Wortsman et al. 2023) so the attention logits "
@@ -425,7 +425,8 @@ def fit_mode(report: Report, optimizer: Any = None) -> None:
         return  # the YAML written already names optimizer.args.learning_rate, the key this spec takes
     for f in report.findings:
         if f.code in _PRECURSOR_CODES:
-            f.advice = precursor_advice(f.code.value, f.evidence.get("learning_rate"), mode, optimizer)
+            f.advice = precursor_advice(f.code.value, f.evidence.get("learning_rate"), mode, optimizer,
+                                        at=f"at step {f.evidence.get('alarm_step')}")
         if f.code != Code.GRAD_EXPLOSION:
             continue
         ev = f.evidence

@@ -39,7 +39,7 @@ def link_precursors(report: Report, fault_step: int | None) -> None:
 
 def _summary(f: Finding, fault_step: int) -> str:
     ev: dict[str, Any] = f.evidence
-    what = {Code.ATTENTION_LOGIT_GROWTH: "the attention logits", Code.OUTPUT_LOGIT_DIVERGENCE: "log Z of the output",
+    what = {Code.ATTENTION_LOGIT_GROWTH: "the largest attention logit", Code.OUTPUT_LOGIT_DIVERGENCE: "|log Z|",
             Code.ACTIVATION_NORM_GROWTH: "the output RMS"}[f.code]
     return (f"{what} of {ev.get('layer')} grew from {ev.get('early_level', 0):.3g} to {ev.get('level', 0):.3g} from "
             f"step {f.location.step}, {fault_step - f.location.step} steps before it ({f.code.value})")

@@ -36,7 +36,7 @@ EVERY_ATTENTION = 4  # sampled steps of a model whose attention is seen
 EVERY_PLAIN = 64  # ... of one without (the output head's log Z only)
 READ_EVERY = 64  # sampled steps between host reads of the kept values
 ENTROPY_ROWS = 4  # the attention entropy is the mean over the rows of the batch's first sequences
-EARLY_STEPS = 16  # the early level: the median of the samples in the first steps
+EARLY_STEPS = 8  # the early level: the median of the samples in the first steps (a warmup's growth starts soon)
 START_BAND = 2.0  # a growth begins after the last sample within this factor of the early level
 MAX_SAMPLES = 4096  # per quantity: beyond it the middle of the series is thinned (the early ones stay)
 # Thresholds (issue 35's measurements: healthy twins at a 10x lower LR reach 6.5x their early attention
@@ -344,7 +344,7 @@ class PrecursorMonitor:
         if entropy is not None:
             evidence["entropy_early"], evidence["entropy"] = entropy
         return Finding(code, Severity.WARNING, message, Location(step=g.start_step, phase=Phase.FORWARD, layer=g.layer),
-                       evidence, precursor_advice(code.value, lr))
+                       evidence, precursor_advice(code.value, lr, at=f"at step {g.alarm_step}"))
 
     def _entropy(self, g: Growth) -> tuple[float, float] | None:
         series = self.series.get((_ATTN_ENT, g.layer))
