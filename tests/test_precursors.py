@@ -21,6 +21,7 @@ import paddle
 import pytest
 import yaml
 
+from nandoctor.engine import precursor_rules as rules
 from nandoctor.engine import precursors as pc
 from nandoctor.findings import Report, Severity
 from nandoctor.probe import ProbeOptions, run_probe
@@ -57,11 +58,11 @@ def truth(*, peak: float, steps: int, loss: str = "cross_entropy", **model: Any)
 def crossing(values: list[float], ratio: float, floor: float = 0.0) -> tuple[float, int, int] | None:
     """(early level, first step past max(ratio x early, floor), last step before it within 2x early) of an
     every-step record; None when it never gets there."""
-    early = statistics.median(values[:pc.EARLY_STEPS])
+    early = statistics.median(values[:rules.EARLY_STEPS])
     over = next((i for i, v in enumerate(values) if v >= max(ratio * early, floor)), None)
     if over is None:
         return None
-    start = max((i for i in range(over) if values[i] <= pc.START_BAND * early), default=0)
+    start = max((i for i in range(over) if values[i] <= rules.START_BAND * early), default=0)
     return early, over, start
 
 
@@ -105,7 +106,7 @@ def attention_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Report, dic
 def test_attention_logit_growth_is_named_at_its_layer_and_start(attention_run: tuple) -> None:
     report, record, fault = attention_run
     assert fault is None and report.verdict.value == "at_risk"
-    crossed = first_to_cross(record, ":max", pc.ATTENTION_RATIO)
+    crossed = first_to_cross(record, ":max", rules.ATTENTION_RATIO)
     assert crossed, "the plain loop's attention logits never grew 50x: the model no longer blows up"
     f = warning(report, "attention.logit_growth")
     check_growth(f, record, "max", crossed)
@@ -121,9 +122,9 @@ def test_activation_growth_with_qk_layernorm(tmp_path: Path) -> None:
     """qk-layernorm holds the attention logits down; the first block's FC2 output grows instead."""
     report = probe(tmp_path, peak=0.1, steps=80, qk_norm=True)
     record, _, _ = truth(peak=0.1, steps=80, qk_norm=True)
-    assert not first_to_cross(record, ":max", pc.ATTENTION_RATIO)
+    assert not first_to_cross(record, ":max", rules.ATTENTION_RATIO)
     assert "attention.logit_growth" not in {f.code.value for f in report.findings}
-    crossed = first_to_cross(record, ":rms", pc.RMS_RATIO)
+    crossed = first_to_cross(record, ":rms", rules.RMS_RATIO)
     f = warning(report, "activation.norm_growth")
     check_growth(f, record, "rms", crossed)
     assert f.evidence["layer"] == "blocks.0.fc2"
@@ -139,7 +140,7 @@ def test_log_z_divergence_comes_before_the_overflow_and_the_fault_says_so(tmp_pa
     f = warning(report, "output.logit_divergence")
     ev = f.evidence
     log_z = record["head:log_z"]
-    early, over, start = crossing(log_z[:fault], pc.LOGZ_RATIO, pc.LOGZ_FLOOR)
+    early, over, start = crossing(log_z[:fault], rules.LOGZ_RATIO, rules.LOGZ_FLOOR)
     assert ev["layer"] == "head"
     assert abs(ev["start_step"] - start) <= 2 * pc.EVERY_ATTENTION
     assert ev["start_step"] < ev["alarm_step"] < report.first_fault.step
@@ -163,8 +164,8 @@ def test_the_lower_lr_twins_stay_quiet(tmp_path: Path, peak: float, steps: int, 
     assert report.verdict.value == "healthy", [(f.code.value, f.message) for f in report.findings]
     assert not PRECURSORS & {f.code.value for f in report.findings}
     # and the record agrees: nothing near a threshold
-    assert not first_to_cross(record, ":max", pc.ATTENTION_RATIO / 2)
-    assert not first_to_cross(record, ":rms", pc.RMS_RATIO / 2)
+    assert not first_to_cross(record, ":max", rules.ATTENTION_RATIO / 2)
+    assert not first_to_cross(record, ":rms", rules.RMS_RATIO / 2)
 
 
 class _HiddenAttention(paddle.nn.Layer):
@@ -202,7 +203,7 @@ def test_multihead_attention_and_sdpa_are_seen_and_softmax_is_put_back() -> None
     q = attn.q_proj(h).reshape([3, 5, 2, 8]).transpose([0, 2, 1, 3]).numpy().astype("float64")
     k = attn.k_proj(h).reshape([3, 5, 2, 8]).transpose([0, 2, 1, 3]).numpy().astype("float64")
     expected = (q @ k.transpose(0, 1, 3, 2) / np.sqrt(8)).max()
-    assert mon.series[(pc._ATTN_MAX, "layers.0.self_attn")][0][1] == pytest.approx(expected, rel=1e-4)
+    assert mon.series[(rules.ATTN_MAX, "layers.0.self_attn")][0][1] == pytest.approx(expected, rel=1e-4)
     # the first sample found attention: the linear layers of its blocks are tracked from then on
     assert {n for n, _ in mon._tracked} >= {"layers.0.linear2", "layers.1.self_attn.q_proj"}
     assert mon.every == pc.EVERY_ATTENTION and mon.next_due(5) == 8

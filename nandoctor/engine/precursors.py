@@ -22,53 +22,20 @@ with thresholds that separate the healthy runs measured for issue 35 from the on
 from __future__ import annotations
 
 import math
-import statistics
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from nandoctor.advice import precursor_advice
+from nandoctor.engine.precursor_rules import ATTN_ENT, ATTN_MAX, EARLY_STEPS, LOG_Z, RMS, judge
 from nandoctor.findings import Code, Finding, Location, Phase, Severity
 
 EVERY_ATTENTION = 4  # sampled steps of a model whose attention is seen
 EVERY_PLAIN = 64  # ... of one without (the output head's log Z only)
 READ_EVERY = 64  # sampled steps between host reads of the kept values
 ENTROPY_ROWS = 4  # the attention entropy is the mean over the rows of the batch's first sequences
-EARLY_STEPS = 8  # the early level: the median of the samples in the first steps (a warmup's growth starts soon)
-START_BAND = 2.0  # a growth begins after the last sample within this factor of the early level
 MAX_SAMPLES = 4096  # per quantity: beyond it the middle of the series is thinned (the early ones stay)
-# Thresholds (issue 35's measurements: healthy twins at a 10x lower LR reach 6.5x their early attention
-# logits, 3.2x an output RMS, 3x |log Z|; the runs that blew up ~640x, ~40x and log Z from ~8 to 40-75)
-ATTENTION_RATIO = 50.0
-RMS_RATIO = 20.0
-LOGZ_RATIO = 5.0  # |log Z| this many times its early level,
-LOGZ_FLOOR = 20.0  # and at least this (e^20: a confident classifier seldom needs more),
-LOGZ_DOUBLING_STEPS = 16  # and doubled within this many steps (a healthy head drifts slowly, then settles)
-
-_ATTN_MAX, _ATTN_ENT, _LOG_Z, _RMS = "attention_logit_max", "attention_entropy", "log_z", "output_rms"
 _ATTENTION_NAMES = ("attention", "attn")
-
-
-@dataclass
-class Growth:
-    """One quantity's growth in one layer, as the samples show it."""
-
-    layer: str
-    quantity: str
-    early: float
-    start_step: int  # the last sampled step still within START_BAND of the early level
-    alarm_step: int  # the first sampled step past the threshold
-    level: float  # at the last sample (the report's time)
-    level_step: int
-    peak: float
-    peak_step: int
-    history: list[tuple[int, float]]
-
-    @property
-    def ratio(self) -> float:
-        return self.peak / self.early if self.early > 0 else math.inf
 
 
 class PrecursorMonitor:
@@ -195,7 +162,7 @@ class PrecursorMonitor:
 
                 with paddle.no_grad():
                     x = t.detach().astype("float32")
-                    self._put(_LOG_Z, self._head_name(t), paddle.logsumexp(x, axis=-1).abs().max())
+                    self._put(LOG_Z, self._head_name(t), paddle.logsumexp(x, axis=-1).abs().max())
         except Exception as exc:  # noqa: BLE001 - ours, not the user's: see fail()
             self.fail(exc)
         return None
@@ -218,7 +185,7 @@ class PrecursorMonitor:
                     with paddle.no_grad():  # one fused reduction (a square and a mean cost twice as much)
                         x = outputs.detach()
                         sq = _C_ops.squared_l2_norm(x if x.dtype == paddle.float32 else x.astype("float32"))
-                        self._put(_RMS, name, (sq / math.prod(x.shape)).sqrt())
+                        self._put(RMS, name, (sq / math.prod(x.shape)).sqrt())
                 except Exception as exc:  # noqa: BLE001 - ours, not the user's: see fail()
                     self.fail(exc)
             return None
@@ -258,8 +225,8 @@ class PrecursorMonitor:
             # the entropy of the first ENTROPY_ROWS sequences of the batch: a collapse shows in every one, and the
             # whole batch's cost ~1 ms a layer on a 4-layer d128 encoder (seq 64, batch 16) on a sampled step
             p = probs.detach()[:ENTROPY_ROWS].astype("float32")
-            self._put(_ATTN_MAX, layer, s.max().astype("float32"))
-            self._put(_ATTN_ENT, layer, -(p * paddle.log(p.clip(min=1e-30))).sum(axis=-1).mean())
+            self._put(ATTN_MAX, layer, s.max().astype("float32"))
+            self._put(ATTN_ENT, layer, -(p * paddle.log(p.clip(min=1e-30))).sum(axis=-1).mean())
 
     # ---- the host side -------------------------------------------------------------------------
     def read(self) -> None:
@@ -277,7 +244,7 @@ class PrecursorMonitor:
             for i, v in zip(idx, flat[pos:pos + len(idx)]):
                 # a layer called twice in a step keeps its largest value (its smallest entropy)
                 old = values.get(i)
-                low = self._key_list[i][0] == _ATTN_ENT
+                low = self._key_list[i][0] == ATTN_ENT
                 values[i] = v if old is None else (min(old, v) if low else max(old, v))
             pos += len(idx)
             for i, v in values.items():
@@ -291,14 +258,7 @@ class PrecursorMonitor:
         have taken, are left out); `lrs`: the learning rate by step, for the advice's numbers."""
         self.end()
         self.read()
-        out: list[Finding] = []
-        for quantity, code, judge in ((_ATTN_MAX, Code.ATTENTION_LOGIT_GROWTH, _attention_alarm),
-                                      (_LOG_Z, Code.OUTPUT_LOGIT_DIVERGENCE, _logz_alarm),
-                                      (_RMS, Code.ACTIVATION_NORM_GROWTH, _rms_alarm)):
-            growths = [g for (q, layer), series in self.series.items() if q == quantity
-                       for g in [_growth(layer, quantity, _upto(series, fault_step), judge)] if g is not None]
-            if growths:
-                out.append(self._finding(code, growths, fault_step, lrs or {}))
+        out = judge(self.series, fault_step, lrs or {}, self.every)
         unseen = self.unseen()
         if unseen is not None:
             out.append(unseen)
@@ -319,112 +279,6 @@ class PrecursorMonitor:
             {"layers": self._looks_attention[:20]},
             ["To have them watched, compute the attention weights with `paddle.nn.functional.softmax` "
              "(`import paddle.nn.functional as F; F.softmax(scores, axis=-1)`) in the attention layer's forward."])
-
-    def _finding(self, code: Code, growths: list[Growth], fault_step: int | None,
-                 lrs: dict[int, float | None]) -> Finding:
-        """One finding a code, at the layer whose growth passed its threshold first (the largest on a tie);
-        the other layers listed in its evidence."""
-        growths.sort(key=lambda g: (g.alarm_step, -g.ratio, g.layer))
-        g = growths[0]
-        lead = fault_step - g.alarm_step if fault_step is not None else None
-        # the highest rate up to the alarm: the peak of a warmup, where the growth was driven
-        rates = [r for s, r in lrs.items() if r is not None and s <= g.alarm_step]
-        lr = max(rates) if rates else None
-        entropy = self._entropy(g) if code == Code.ATTENTION_LOGIT_GROWTH else None
-        message = _message(code, g, entropy, lead, fault_step, len(growths) - 1)
-        evidence: dict[str, Any] = {
-            "quantity": g.quantity, "layer": g.layer, "start_step": g.start_step, "early_level": g.early,
-            "level": g.level, "level_step": g.level_step, "alarm_step": g.alarm_step, "peak": g.peak,
-            "peak_step": g.peak_step, "growth": g.ratio, "lead_steps": lead, "fault_step": fault_step,
-            "sample_every": self.every, "threshold": _THRESHOLD[code], "learning_rate": lr,
-            "history": [[s, v] for s, v in g.history[-40:]],
-            "layers": [{"layer": o.layer, "start_step": o.start_step, "alarm_step": o.alarm_step,
-                        "early_level": o.early, "peak": o.peak} for o in growths[:20]],
-        }
-        if entropy is not None:
-            evidence["entropy_early"], evidence["entropy"] = entropy
-        return Finding(code, Severity.WARNING, message, Location(step=g.start_step, phase=Phase.FORWARD, layer=g.layer),
-                       evidence, precursor_advice(code.value, lr, at=f"at step {g.alarm_step}"))
-
-    def _entropy(self, g: Growth) -> tuple[float, float] | None:
-        series = self.series.get((_ATTN_ENT, g.layer))
-        if not series:
-            return None
-        early = [v for s, v in series if s < series[0][0] + EARLY_STEPS]
-        at = [v for s, v in series if s <= g.level_step]
-        return (statistics.median(early), at[-1]) if early and at else None
-
-
-_THRESHOLD = {Code.ATTENTION_LOGIT_GROWTH: ATTENTION_RATIO, Code.ACTIVATION_NORM_GROWTH: RMS_RATIO,
-              Code.OUTPUT_LOGIT_DIVERGENCE: LOGZ_RATIO}
-_WHAT = {_ATTN_MAX: "largest attention logit", _LOG_Z: "largest |log Z| (logsumexp of the logits)",
-         _RMS: "output RMS"}
-
-
-def _message(code: Code, g: Growth, entropy: tuple[float, float] | None, lead: int | None,
-             fault_step: int | None, others: int) -> str:
-    what = _WHAT[g.quantity]
-    text = (f"The {what} of layer {g.layer} grew {g.ratio:.3g}x: from an early level of {g.early:.3g}, it began "
-            f"to grow after step {g.start_step}, passed {_THRESHOLD[code]:g}x at step {g.alarm_step} and was "
-            f"{g.level:.3g} at step {g.level_step}")
-    if g.peak_step != g.level_step:
-        text += f" (peak {g.peak:.3g} at step {g.peak_step})"
-    text += "."
-    if entropy is not None:
-        text += f" Its attention entropy fell from {entropy[0]:.3g} to {entropy[1]:.3g} nats."
-    if others:
-        text += f" {others} other layer(s) grew past it too (evidence.layers)."
-    if lead is not None:
-        text += (f" This came {lead} step(s) before the fault at step {fault_step}, and the growth "
-                 f"{fault_step - g.start_step} steps before it: the run was heading there.")
-    else:
-        text += " No NaN yet, but runs like this diverge or overflow."
-    return text
-
-
-def _attention_alarm(series: list[tuple[int, float]], early: float) -> int | None:
-    return next((i for i, (_, v) in enumerate(series) if v >= ATTENTION_RATIO * early), None)
-
-
-def _rms_alarm(series: list[tuple[int, float]], early: float) -> int | None:
-    return next((i for i, (_, v) in enumerate(series) if v >= RMS_RATIO * early), None)
-
-
-def _logz_alarm(series: list[tuple[int, float]], early: float) -> int | None:
-    """Past LOGZ_RATIO x early and LOGZ_FLOOR, and doubled within LOGZ_DOUBLING_STEPS: a head that blows
-    up, not one that drifts to a confident level and settles."""
-    for i, (s, v) in enumerate(series):
-        if v < max(LOGZ_RATIO * early, LOGZ_FLOOR):
-            continue
-        before = [u for t, u in series[:i] if t >= s - LOGZ_DOUBLING_STEPS]
-        if before and v >= 2.0 * min(before):
-            return i
-    return None
-
-
-def _growth(layer: str, quantity: str, series: list[tuple[int, float]], judge: Any) -> Growth | None:
-    xs = [(s, v) for s, v in series if math.isfinite(v)]
-    if len(xs) < 3:
-        return None
-    early_vals = [v for s, v in xs if s < xs[0][0] + EARLY_STEPS]
-    early = statistics.median(early_vals)
-    if not early > 0:
-        return None
-    alarm = judge(xs, early)
-    if alarm is None:
-        return None
-    start = alarm
-    while start > 0 and xs[start][1] > START_BAND * early:
-        start -= 1
-    peak = max(range(len(xs)), key=lambda i: xs[i][1])
-    return Growth(layer, quantity, early, xs[start][0], xs[alarm][0], xs[-1][1], xs[-1][0], xs[peak][1],
-                  xs[peak][0], xs)
-
-
-def _upto(series: list[tuple[int, float]], fault_step: int | None) -> list[tuple[int, float]]:
-    """The samples up to the fault's step (its own forward ran before the fault; later ones are not the run's)."""
-    return series if fault_step is None else [(s, v) for s, v in series if s <= fault_step]
-
 
 def _thin(series: list[tuple[int, float]]) -> None:
     """Every other sample of the older half dropped (the first EARLY_STEPS' samples stay): bounded memory."""
