@@ -266,6 +266,10 @@ def test_watch_in_the_users_loop_gives_the_probes_warning(attention_run: tuple, 
             opt.step()
             opt.clear_grad()
             sched.step()
+    series = doctor.watcher.precursors.series
+    # the watch opens its step inside the model's forward: the head is still measured, at the same steps
+    assert [s for s, _ in series[(rules.LOG_Z, "head")]] == list(range(0, 120, pc.EVERY_ATTENTION))
+    assert [s for s, _ in series[(rules.ATTN_MAX, "blocks.0.attn")]] == list(range(0, 120, pc.EVERY_ATTENTION))
     mine, theirs = warning(doctor.report, "attention.logit_growth"), warning(probe_report, "attention.logit_growth")
     for key in ("layer", "start_step", "alarm_step", "level_step", "peak_step"):
         assert mine.evidence[key] == theirs.evidence[key], key
@@ -294,3 +298,20 @@ def test_a_failing_measurement_is_never_the_users_error(monkeypatch: pytest.Monk
     assert np.array_equal(out.numpy(), expected)
     assert F.softmax is original and mon.broken == "RuntimeError: a bug of ours"
     assert not mon.due(4) and mon.next_due(4) > 10**9
+
+
+def test_a_step_opened_after_its_forward_does_not_end_the_search_for_attention() -> None:
+    """`nandoctor run` opens its first step after that step's forward: the attention is looked for at the
+    next sampled forward, not given up for the run."""
+    paddle.seed(0)
+    model = pm.gpt()
+    ids = paddle.to_tensor(pm.tokens(1)[0][0])
+    mon = pc.PrecursorMonitor(model)
+    model(ids)
+    mon.begin(0)  # opened after the forward
+    mon.end()
+    assert mon.due(1)
+    mon.begin(1)
+    model(ids)
+    mon.end()
+    assert mon.attention == ["blocks.0.attn", "blocks.1.attn"] and mon.every == pc.EVERY_ATTENTION

@@ -8,7 +8,8 @@ on how fast the machine ran:
   (Dehghani et al. 2023; Zhai et al. 2023): `F.softmax` over a [batch, heads, q, k] score tensor,
   `paddle.nn.MultiHeadAttention` (which calls it) and `F.scaled_dot_product_attention` are intercepted for
   the sampled step's forward only, and the layer is the `Layer` whose code made the call;
-- per output head, the largest |log Z| = |logsumexp(logits)| of the model's output (Wortsman et al. 2023;
+- per output head (the model's last linear layer), the largest |log Z| = |logsumexp(logits)| of its output
+  (Wortsman et al. 2023;
   PaLM's z-loss);
 - the output RMS of each linear layer of the blocks that hold an attention layer (QKV, out-projection,
   FC1/FC2; Rybakov et al. 2024).
@@ -67,6 +68,7 @@ class PrecursorMonitor:
         self._samples: list[tuple[int, list[int], Any]] = []
         self._handles: list[Any] = []
         self._intercepting = False
+        self._forward_seen = False  # the model's forward ran during a sampled step (discovery needs one)
         self.broken: str | None = None  # nandoctor's own measurement failed: no more samples (never the user's)
         self.series: dict[tuple[str, str], list[tuple[int, float]]] = {}
 
@@ -89,7 +91,10 @@ class PrecursorMonitor:
         self._open, self._step = True, step
         self._idx, self._vals = [], []
         try:
-            self._handles = [self.model.register_forward_post_hook(self._output_hook)]
+            # the head's hook, not one on the model: a hook registered during the model's own call (the watch's
+            # seam opens the step inside its forward) would not run for that call, a sublayer's does
+            head = self._linears[-1][1] if self._linears else None
+            self._handles = [head.register_forward_post_hook(self._output_hook)] if head is not None else []
             self._handles += [layer.register_forward_post_hook(self._rms_hook(name)) for name, layer in self._tracked]
             self._patch()
         except Exception:  # noqa: BLE001 - a model that takes no hooks: nothing is measured this step
@@ -111,7 +116,7 @@ class PrecursorMonitor:
             except Exception as exc:  # noqa: BLE001 - ours: see fail()
                 self.fail(exc)
         self._idx, self._vals = [], []
-        if not self._discovered:
+        if not self._discovered and self._forward_seen:  # (`nandoctor run` opens its first step after its forward)
             self._discover()
         if len(self._samples) >= READ_EVERY:
             self.read()
@@ -155,6 +160,7 @@ class PrecursorMonitor:
     def _output_hook(self, layer: Any, inputs: Any, outputs: Any) -> None:
         if not self._open or self.broken is not None:
             return None
+        self._forward_seen = True
         try:
             t = _logits_of(outputs)
             if t is not None:
@@ -162,21 +168,14 @@ class PrecursorMonitor:
 
                 with paddle.no_grad():
                     x = t.detach().astype("float32")
-                    self._put(LOG_Z, self._head_name(t), paddle.logsumexp(x, axis=-1).abs().max())
+                    self._put(LOG_Z, self._linears[-1][0], paddle.logsumexp(x, axis=-1).abs().max())
         except Exception as exc:  # noqa: BLE001 - ours, not the user's: see fail()
             self.fail(exc)
         return None
 
-    def _head_name(self, t: Any) -> str:
-        """The output head: the last linear layer whose output width is the logits' (else the model)."""
-        width = t.shape[-1]
-        for name, layer in reversed(self._linears):
-            if layer.weight.shape[-1] == width:
-                return name
-        return self._names[id(self.model)]
-
     def _rms_hook(self, name: str) -> Any:
         def hook(layer: Any, inputs: Any, outputs: Any) -> None:
+            self._forward_seen = True
             if self._open and self.broken is None and _is_float(outputs) and 0 not in outputs.shape:
                 import paddle
                 from paddle import _C_ops
@@ -199,6 +198,7 @@ class PrecursorMonitor:
     def on_softmax(self, frame: Any, x: Any, axis: int, out: Any) -> None:
         """A softmax ran during this monitor's sampled step: attention scores when a layer of the model made
         the call over a [batch, heads, q, k] tensor (or a 3-D one in a layer named like attention)."""
+        self._forward_seen = True
         if self._open and self.broken is None and _is_float(x) and axis in (-1, len(x.shape) - 1):
             layer = _calling_layer(frame, self._names)
             if layer is not None and _is_attention(x, layer):
