@@ -352,6 +352,29 @@ def _cause_first(cause: str, op: str | None, facts: dict[str, Any]) -> list[str]
     return list(dict.fromkeys(out))
 
 
+def precursor_advice(code: str, learning_rate: float | None = None, mode: Mode | str | None = None,
+                     optimizer: Any = None, at: str = "") -> list[str]:
+    """What to change for a precursor's growth (issue 35; docs/how-it-works.md, "Precursors"), written for
+    the way the user ran: the step size first (it drives all three), then the change to the model that keeps
+    the quantity bounded."""
+    lower = lower_lr_advice(learning_rate, at, mode, optimizer)
+    if code == "attention.logit_growth":
+        return [lower, "Normalise the queries and keys of each head (qk-layernorm: a `paddle.nn.LayerNorm(head_dim)` "
+                "on q and on k before `q @ k^T`; Dehghani et al. 2023, Wortsman et al. 2023) so the attention logits "
+                "cannot grow with the weights, and keep weight decay on the QKV projection."]
+    if code == "output.logit_divergence":
+        z_loss = ("a z-loss on the head: return `ce + 1e-4 * paddle.logsumexp(logits, axis=-1).square().mean()` "
+                  "from a loss entry (`loss: {entry: \"losses.py:with_z_loss\"}` in the spec)" if spec_mode(mode) else
+                  "a z-loss on the head: `loss = loss + 1e-4 * paddle.logsumexp(logits, axis=-1).square().mean()`")
+        return [f"Add {z_loss} (PaLM; Wortsman et al. 2023): it pulls log Z back towards 0.",
+                "Put a final LayerNorm before the output head, and compute log(sum(exp(logits))) with "
+                "`paddle.logsumexp` or `F.cross_entropy` (they subtract the maximum; a hand-written one overflows "
+                "once the logits pass ~88 in float32, ~11 in float16).", lower]
+    return [lower, "Gradient clipping (" + setting_text("clip", 1.0, mode) + ") and qk-layernorm on the QKV "
+            "projections keep these outputs from growing step after step (Rybakov et al. 2024); so does weight "
+            "decay on the linear layers."]
+
+
 def _explosion_advice(facts: dict[str, Any]) -> list[str]:
     """Clip at the threshold the norms before the growth give, and lower the learning rate: the rate first
     when it is beyond any usual value (clipping would only hide it)."""
@@ -399,6 +422,9 @@ def nonfinite_filter_advice(shapes: dict[str, list[int]]) -> str:
             f"where `{masks}` (one boolean per sample), or check each sample in the Dataset's __getitem__.")
 
 
+_PRECURSOR_CODES = (Code.ATTENTION_LOGIT_GROWTH, Code.OUTPUT_LOGIT_DIVERGENCE, Code.ACTIVATION_NORM_GROWTH)
+
+
 def fit_mode(report: Report, optimizer: Any = None) -> None:
     """Settings in the report's advice written for the way the user ran (`Report.mode`): the findings whose
     advice names a setting are re-made from their evidence; for a spec, with the keys its `optimizer` block
@@ -409,6 +435,9 @@ def fit_mode(report: Report, optimizer: Any = None) -> None:
     for f in report.findings:
         if f.code in (Code.LOSS_DIVERGENCE, Code.LOSS_SPIKE):
             _refit_lr_advice(f, mode, optimizer)
+        elif f.code in _PRECURSOR_CODES:
+            f.advice = precursor_advice(f.code.value, f.evidence.get("learning_rate"), mode, optimizer,
+                                        at=f"at step {f.evidence.get('alarm_step')}")
         if f.code != Code.GRAD_EXPLOSION:
             continue
         ev = f.evidence

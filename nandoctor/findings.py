@@ -80,6 +80,11 @@ class Code(str, Enum):
     RUN_RESUMED = "run.resumed"  # info: the probe started from the user's checkpoint (resume / --resume)
     LOSS_DIVERGENCE = "loss.divergence"  # the loss rose several-fold above its minimum and stayed there
     LOSS_SPIKE = "loss.spike"  # the loss rose several-fold over the steps before it, then recovered
+    # transformer instability precursors (issue 35; engine/precursors.py): warnings before a fault
+    ATTENTION_LOGIT_GROWTH = "attention.logit_growth"
+    OUTPUT_LOGIT_DIVERGENCE = "output.logit_divergence"
+    ACTIVATION_NORM_GROWTH = "activation.norm_growth"
+    ATTENTION_UNSEEN = "attention.unseen"  # info: layers that look like attention, whose softmax was not seen
 
 
 # Codes that mean "a non-finite value was found": they make the verdict `nan_found`.

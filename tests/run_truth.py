@@ -140,3 +140,72 @@ def nandoctor_run(script: Path, args: list[str], cwd: Path, columns: int = 120
     data = json.loads((cwd / "r.json").read_text(encoding="utf-8"))
     jsonschema.validate(data, json.loads(schema_path().read_text(encoding="utf-8")))
     return proc, data
+
+
+def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callable[[Any, Any], Any], *,
+                     peak_lr: float, warmup: int, entropy_rows: int = 4) -> tuple[dict[str, list[float]], list[float],
+                                                                                 int | None]:
+    """Issue 35's ground truth: a plain AdamW loop with a linear warmup to `peak_lr` that records, every step
+    and on the host in float64, through forward hooks of its own: per attention-score layer (a sublayer named
+    `...scores` whose output is q k^T / sqrt(d), before the causal mask) the largest logit (`<layer>:max`,
+    the mask's -1e9 added as the model adds it) and the attention entropy in nats, the mean over the rows of the
+    batch's first `entropy_rows` sequences (`<layer>:entropy`); the
+    head's largest |logsumexp(logits)| (`head:log_z`); each Linear's output RMS (`<layer>:rms`). Returns the
+    records, the losses, and the first step whose loss was non-finite (None: none)."""
+    import math
+
+    record: dict[str, list[float]] = {}
+
+    def put(key: str, value: float) -> None:
+        record.setdefault(key, []).append(value)
+
+    def scores_hook(name: str) -> Callable[..., None]:
+        def hook(layer: Any, inputs: Any, out: Any) -> None:
+            a = out.numpy().astype("float64")
+            t = a.shape[-1]
+            a = a + np.triu(np.full((t, t), -1.0e9), 1)
+            put(f"{name}:max", float(a.max()))
+            p = np.exp(a - a.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            p = p[:entropy_rows]
+            put(f"{name}:entropy", float(-(p * np.log(np.maximum(p, 1e-300))).sum(-1).mean()))
+        return hook
+
+    def head_hook(layer: Any, inputs: Any, out: Any) -> None:
+        a = out.numpy().astype("float64")
+        m = a.max(-1, keepdims=True)
+        put("head:log_z", float(np.abs(m[..., 0] + np.log(np.exp(a - m).sum(-1))).max()))
+
+    def rms_hook(name: str) -> Callable[..., None]:
+        def hook(layer: Any, inputs: Any, out: Any) -> None:
+            a = out.numpy().astype("float64")
+            put(f"{name}:rms", math.sqrt(float((a * a).mean())))
+        return hook
+
+    handles = []
+    for name, layer in model.named_sublayers():
+        if name.endswith("scores"):
+            handles.append(layer.register_forward_post_hook(scores_hook(name.rsplit(".", 1)[0])))
+        elif name == "head":
+            handles.append(layer.register_forward_post_hook(head_hook))
+        if isinstance(layer, paddle.nn.Linear) and name != "head":
+            handles.append(layer.register_forward_post_hook(rms_hook(name)))
+    sched = paddle.optimizer.lr.LinearWarmup(peak_lr, warmup, 0.0, peak_lr)
+    opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters())
+    losses: list[float] = []
+    fault = None
+    try:
+        for step, (x, y) in enumerate(batches):
+            loss = loss_fn(model(paddle.to_tensor(x)), paddle.to_tensor(y))
+            losses.append(float(loss))
+            if not math.isfinite(losses[-1]):
+                fault = step
+                break
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            sched.step()
+    finally:
+        for h in handles:
+            h.remove()
+    return record, losses, fault

@@ -19,6 +19,7 @@ from nandoctor.diagnosis import nan_params
 from nandoctor.diagnosis.causes import Causes, explain
 from nandoctor.diagnosis.diagnose import StepTarget, diagnose, record_run
 from nandoctor.diagnosis.loss_trend import loss_findings, note_precursor
+from nandoctor.diagnosis.precursor_link import link_precursors
 from nandoctor.engine.watcher import Fault, FaultKind
 from nandoctor.findings import Code, Finding, Location, Mode, Phase, Report, Severity
 
@@ -69,6 +70,7 @@ def assemble(report: Report, facts: RunFacts) -> None:
     diagnose(report, fault, facts.target, facts.optimizer)
     report.findings += watcher.warnings(fault)
     loss_warnings(report, records, fault)
+    link_precursors(report, fault.step if fault is not None and fault.kind != FaultKind.CRASH else None)
     if causes.bad:
         nan_params.after_run(report, causes.bad, fault, facts.target, facts.steps_run, records)
     explain(report, fault, records, facts.lr, label=facts.label, optimizer=facts.optimizer_spec)

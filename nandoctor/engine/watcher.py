@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from nandoctor.engine.monitors import StepMonitor, StepStats
+from nandoctor.engine.precursors import PrecursorMonitor
 from nandoctor.engine.snapshots import MIN_EVERY
 from nandoctor.findings import Code, Phase
 from nandoctor.tensors.finite import harmful_fields
@@ -224,6 +225,8 @@ class StepWatcher:
         self.optimizer = optimizer
         self.scaler = scaler  # paddle.amp.GradScaler on a GPU with amp enabled; inert (None) on CPU
         self.monitor = StepMonitor(model, known_nonfinite=start_nonfinite)
+        self.precursors = PrecursorMonitor(model)  # attention, log Z, linear RMS at fixed steps (issue 35)
+        self.monitor.on_hooks_off = self.precursors.end
         self.schedule = StatsSchedule()
         self.tracker = WarningTracker(self.monitor.layer_names, self.monitor.param_names, fp16=fp16, amp=amp,
                                       learning_rate=current_lr(optimizer))
@@ -349,6 +352,7 @@ class StepWatcher:
         mon = self.monitor
         if stats or mon.active or mon._hooks:  # (an unread step after a plain one has nothing to change)
             mon.begin_step(stats)
+        self.precursors.begin(step)
         self._t0 = time.perf_counter()
 
     def attach_batch(self, fields: dict[str, Any], *, batch_index: int | None = None, epoch: int = 0) -> None:
@@ -365,6 +369,7 @@ class StepWatcher:
     def observe_loss(self, loss: Any) -> Fault | None:
         """Before backward: a loss that cannot train (metadata only, no device work, no sync); a non-finite
         loss on an earlier, unread step (read now) came first."""
+        self.precursors.end()  # the forward is over: a sampled step's hooks off
         if self.usual_loss(loss):
             return None
         fault = self._loss_fault(loss)
@@ -679,7 +684,7 @@ class StepWatcher:
         # newest quiet step's)
         self._fields = None
         return min(-(-(step + 1) // every) * every, -(-step // NORM_GRID) * NORM_GRID, schedule.next_stats(step),
-                   self._ring.next_due())
+                   self._ring.next_due(), self.precursors.next_due(step))
 
     def quiet_steps(self, steps: list[list[Any]], fields: list[Any]) -> None:
         """The bookkeeping of steps a driver ran quietly (before `quiet_until`), in one go, as begin_step,
@@ -728,6 +733,7 @@ class StepWatcher:
         """Detach every hook (always, in finally, before any replay)."""
         self.monitor.begin_step(False)
         self.monitor.close()
+        self.precursors.close()
 
     def release_batches(self) -> None:
         """Let go of the batches kept for naming a fault (the step's, the updates'): the driver's loop is over
@@ -741,7 +747,7 @@ class StepWatcher:
         out = self.tracker.findings()
         if fault is not None and fault.kind != FaultKind.CRASH:
             out = [f for f in out if f.code != Code.GRAD_EXPLOSION or (f.location.step or 0) < fault.step]
-        return out
+        return out + self.precursors.findings(fault.step if fault is not None else None, self.tracker.lrs)
 
     # ---- helpers --------------------------------------------------------------------------------
     def _fault(self, kind: FaultKind, **kw: Any) -> Fault:

@@ -1,0 +1,53 @@
+"""A fault that a precursor's growth came before (issue 35): the fault's finding says so.
+
+The replay names the op, the layer and the samples of the faulting batch, and the samples are where the
+values overflowed first; but when attention logits, log Z or a layer's output had been growing for tens
+of steps before it, those samples are not the cause alone. The fault's finding (and a note that would blame
+the samples instead of a modest gradient growth) then names the precursor, its start and its lead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nandoctor.findings import Code, Finding, Report, Severity
+
+PRECURSOR_CODES = (Code.ATTENTION_LOGIT_GROWTH, Code.OUTPUT_LOGIT_DIVERGENCE, Code.ACTIVATION_NORM_GROWTH)
+
+
+def link_precursors(report: Report, fault_step: int | None) -> None:
+    """Point the fault's findings at the precursors whose growth began before `fault_step`."""
+    if fault_step is None:
+        return
+    before = [f for f in report.findings if f.code in PRECURSOR_CODES and f.location.step is not None
+              and f.location.step < fault_step]
+    if not before:
+        return
+    before.sort(key=lambda f: f.location.step)
+    text = "; ".join(_summary(f, fault_step) for f in before)
+    refs = [{"code": f.code.value, "layer": f.evidence.get("layer"), "start_step": f.location.step,
+             "lead_steps": f.evidence.get("lead_steps")} for f in before]
+    for f in report.findings:
+        if f.severity == Severity.ERROR and f.location.step == fault_step:
+            f.message += (f" It did not come from nowhere: {text}. The samples named are where that growth "
+                          "overflowed first, not its cause alone: fix the growth (see the warning's advice).")
+            f.evidence["precursors"] = refs
+        elif f.code == Code.GRAD_EXPLOSION and f.severity == Severity.INFO and "not the growth" in f.message:
+            f.message = _unblame(f, text)
+            f.evidence["precursors"] = refs
+
+
+def _summary(f: Finding, fault_step: int) -> str:
+    ev: dict[str, Any] = f.evidence
+    what = {Code.ATTENTION_LOGIT_GROWTH: "the largest attention logit", Code.OUTPUT_LOGIT_DIVERGENCE: "|log Z|",
+            Code.ACTIVATION_NORM_GROWTH: "the output RMS"}[f.code]
+    return (f"{what} of {ev.get('layer')} grew from {ev.get('early_level', 0):.3g} to {ev.get('level', 0):.3g} from "
+            f"step {f.location.step}, {fault_step - f.location.step} steps before it ({f.code.value})")
+
+
+def _unblame(f: Finding, text: str) -> str:
+    """A note that said the batch's samples, not the gradient's modest growth, made the fault: with a precursor
+    before it, both grew out of the same instability."""
+    head = f.message.split("; but the fault reproduces", 1)[0]
+    return (f"{head}. The fault also reproduces with a few samples of its batch alone, but {text}: the samples "
+            "are where the growth overflowed first, not its cause alone.")
