@@ -20,10 +20,12 @@ BLOW_UP = 10.0  # a finite run whose loss ends this many times above where it st
 
 FIXED, NOT_FIXED, NOT_APPLICABLE = "fixed", "not_fixed", "not_applicable"
 
-def judge(r: Replay, fault_step: int, end_step: int, c: Candidate, before: float | None) -> tuple[str, str | None]:
+def judge(r: Replay, fault_step: int, end_step: int, c: Candidate, before: float | None,
+          span: tuple[float, float] | None = None) -> tuple[str, str | None]:
     """One candidate's replay judged: no evidence (not applicable), or the fault still there, the replay short
-    of the fault step, or a loss that did not recover (not fixed), else fixed, with a note on what the
-    replay does not cover. `before`: the probe's loss where the replay started."""
+    of the fault step, or a loss that did not recover or left the healthy steps' range (not fixed), else
+    fixed, with a note on what the replay does not cover. `before`: the probe's loss where the replay
+    started; `span`: the lowest and highest finite loss of the probe's steps before the fault (healthy_span)."""
     unjudged = _no_evidence(r, c)
     if unjudged is not None:
         return unjudged
@@ -34,7 +36,7 @@ def judge(r: Replay, fault_step: int, end_step: int, c: Candidate, before: float
     short = _short_of_fault(r, last, fault_step, kept_only)
     if short is not None:
         return NOT_FIXED, short
-    unrecovered = _loss_not_recovered(r, before)
+    unrecovered = _loss_not_recovered(r, before) or _loss_out_of_range(r, fault_step, span)
     if unrecovered is not None:
         return NOT_FIXED, unrecovered
     dodged = _dodged_nan_weight(r, c)
@@ -94,6 +96,30 @@ def _loss_not_recovered(r: Replay, before: float | None) -> str | None:
     if after is not None and abs(after) > STUCK:
         return f"finite, but the loss stays at {after:.3g}: training does not recover"
     return None
+
+
+def _loss_out_of_range(r: Replay, fault_step: int, span: tuple[float, float] | None) -> str | None:
+    """A finite replay whose loss, after the fault step, left the range the run's healthy steps had by far
+    (BLOW_UP times that range's scale beyond either end) is no fix: a guard that clamps `exp` inside a
+    hand-written log-sum-exp leaves the target's logit unbounded, and the loss reads -3e6, finite and
+    meaningless. The fault step itself may read high: its batch is the one that overflowed, now clamped."""
+    if span is None:
+        return None
+    lo, hi = span
+    reach = BLOW_UP * max(hi - lo, abs(lo), abs(hi), 1e-3)
+    out = [(i, v) for i, v in enumerate(r.losses) if r.start_step + i > fault_step and math.isfinite(v)
+           and not lo - reach <= v <= hi + reach]
+    if not out:
+        return None
+    i, v = max(out, key=lambda iv: abs(iv[1]))
+    return (f"finite, but the loss reached {v:.3g} at step {r.start_step + i}, far outside the {lo:.3g} to "
+            f"{hi:.3g} of the steps before the fault: the change broke the loss rather than fixing the run")
+
+
+def healthy_span(report: Report, fault_step: int) -> tuple[float, float] | None:
+    """The lowest and highest finite loss of the probe's own steps before the fault (None: none recorded)."""
+    vals = [p.loss for p in report.timeline if p.step < fault_step and p.loss is not None and math.isfinite(p.loss)]
+    return (min(vals), max(vals)) if vals else None
 
 
 def _dodged_nan_weight(r: Replay, c: Candidate) -> str | None:

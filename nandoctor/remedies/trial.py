@@ -39,6 +39,7 @@ from nandoctor.remedies.judging import (
     baseline_loss,
     fault_reproduced,
     first_loss,
+    healthy_span,
     loss_after,
     unverified_note,
 )
@@ -66,7 +67,7 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
     entry = ring.take(fault.step, fault.epoch, fault.batch_index or 0)  # to put back afterwards
     here = _fault_snapshot(fault, ring, entry)
     trial = _Trial(report, fault, workload, optimizer, ring, fault.step + max(1, fix_steps), t0, budget,
-                   _fault_batch(fault, workload, ring))
+                   _fault_batch(fault, workload, ring), span=healthy_span(report, fault.step))
     cands = candidates_for(report, fault, workload, ring, here, amp)
     # The fault's batch has served (localisation, findings, the candidates' texts; a bundle took its own
     # copy): the replays read the batch again, so holding this one too keeps a second copy of a batch alive
@@ -102,6 +103,7 @@ class _Trial:
     budget: float
     expect: tuple[int, str] | None = None  # the fault's step and its batch's fingerprint (replay.Replay.expect)
     elsewhere: bool = False  # the control saw the guarded op overflow at another call as well
+    span: tuple[float, float] | None = None  # the loss range of the probe's steps before the fault (healthy_span)
 
     def run_from(self, start: Snapshot, change: Change) -> Replay:
         """A replay with `change` from `start` to `end_step`, cut where the budget ends."""
@@ -164,7 +166,7 @@ def _try_one(trial: _Trial, c: Candidate, healthy: float | None) -> dict[str, An
         return _row(c, NOT_APPLICABLE, None, note=c.why_not or "no state to restart from")
     r, searched = _replay_candidate(trial, c, c.start, healthy)
     before = baseline_loss(trial.report, r.start_step)
-    outcome, note = _judge(r, trial.fault.step, trial.end_step, c, before)
+    outcome, note = _judge(r, trial.fault.step, trial.end_step, c, before, trial.span)
     widened = scope_note(c.change, r)
     # widened scope; then the threshold search; then the verdict's own note
     note = "; ".join(n for n in (widened, searched, note) if n) or None
@@ -209,7 +211,7 @@ def _at_the_source(trial: _Trial, c: Candidate, row: dict[str, Any], control: Re
     for limit in _limits(top, None):
         cand.change = Change(clamp_output=(layer, limit))
         r = trial.run_from(c.start, cand.change)
-        outcome, note = _judge(r, trial.fault.step, trial.end_step, cand, before)
+        outcome, note = _judge(r, trial.fault.step, trial.end_step, cand, before, trial.span)
         cand.extra["threshold"] = limit
         if outcome != NOT_FIXED or r.error is not None or time.perf_counter() - trial.t0 > trial.budget:
             break
@@ -293,7 +295,7 @@ def _search_guard(run: Any, c: Candidate, report: Report, fault_step: int, end_s
     for limit in _limits(top, healthy)[:1 if elsewhere else None]:
         r, change = replay_guard(run, dataclasses.replace(c.change, guard_limit=limit))
         outcome, note = _judge(r, fault_step, end_step, dataclasses.replace(c, change=change),
-                               baseline_loss(report, r.start_step))
+                               baseline_loss(report, r.start_step), healthy_span(report, fault_step))
         c.extra["threshold"] = limit
         tried.append((limit, outcome if outcome == FIXED else (note or outcome)))
         if outcome != NOT_FIXED or not r.guard_calls or r.error is not None:
