@@ -5,7 +5,8 @@ bounded while the target's logit is not, and the loss reads -1e6, finite and mea
 
 Ground truth: plain AdamW loops over the same decoder and data (tests/precursor_models.py), seeded as the
 probe seeds: one as written (its losses before the overflow are the healthy range), one with exp's input
-clamped at the bound the report's op_guard row tried (its loss leaves that range by orders of magnitude).
+clamped at the guard's bound (its loss leaves that range by orders of magnitude), one with the learning rate
+cut 10x from where log Z began to grow (finite, in range: the remedy the report verifies).
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ import paddle
 import precursor_models as pm
 import pytest
 from run_truth import precursor_record
-from test_precursors import probe
+from test_precursors import WARMUP, probe
+
+from nandoctor.engine.op_guards import limit_of
+from nandoctor.engine.replay import Change, Replay
+from nandoctor.remedies.candidates import Candidate
+from nandoctor.remedies.judging import healthy_span, judge
 
 PEAK, STEPS = 0.2, 40
 
@@ -45,15 +51,50 @@ def report(tmp_path_factory: pytest.TempPathFactory):
                  final_ln=False)
 
 
-def test_a_guard_that_breaks_the_loss_is_not_a_fix(report) -> None:
+def _lowered_from(step: int, steps: int) -> list[float]:
+    """The plain loop as written, its learning rate x0.1 from `step` on (the lr_x0.1 remedy): its losses."""
+    paddle.seed(0)
+    np.random.seed(0)
+    model = pm.gpt(final_ln=False)
+    opt = paddle.optimizer.AdamW(learning_rate=0.0, parameters=model.parameters())
+    losses = []
+    for t, (x, y) in enumerate(pm.tokens(steps)):
+        opt.set_lr(PEAK * min(1.0, t / WARMUP) * (0.1 if t >= step else 1.0))
+        loss = pm.naive_cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y))
+        losses.append(float(loss))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+    return losses
+
+
+def test_the_lower_rate_is_replayed_from_where_log_z_began_to_grow(report) -> None:
+    """The precursor's start, not the overflow's step, is where the step-size remedies restart: from there a
+    10x lower rate keeps the run finite and in its healthy range, as the plain loop shows; the exp guard,
+    which only hides the growth, is not offered."""
     losses, fault = _plain(pm.naive_cross_entropy, STEPS)
-    assert fault is not None and report.first_fault.step == fault and report.first_fault.op == "exp"
+    growth = next(f for f in report.findings if f.code.value == "output.logit_divergence")
+    start = growth.location.step
+    assert start < fault
+    row = next(r for r in report.remedies if r["remedy"] == "lr_x0.1")
+    assert row["outcome"] == "fixed" and row["start_step"] == start, row
+    truth = _lowered_from(start, fault + 20)
+    hi = max(losses[:fault])
+    assert all(math.isfinite(v) and v <= hi for v in truth)
+    assert abs(row["loss_after"] - sum(truth[-3:]) / 3) < 0.1 * hi
+    assert "op_guard" not in {r["remedy"] for r in report.remedies}
+
+
+def test_a_guard_that_breaks_the_loss_is_not_a_fix(report) -> None:
+    """The judging rule on the plain loop's own losses: exp clamped at the guard's bound keeps the run finite,
+    and its loss leaves the healthy range by orders of magnitude, which is no fix."""
+    losses, fault = _plain(pm.naive_cross_entropy, STEPS)
     lo, hi = min(losses[:fault]), max(losses[:fault])
-    guard = next(r for r in report.remedies if r["remedy"] == "op_guard")
-    # the truth: with exp clamped at the row's bound the run stays finite, and its loss leaves the range
-    clamped, clamped_fault = _plain(_clamped_cross_entropy(guard["threshold"]), fault + 20)
-    assert clamped_fault is None and all(math.isfinite(v) for v in clamped)
-    assert min(clamped) < lo - 10 * max(hi - lo, abs(lo), abs(hi))
-    assert guard["outcome"] == "not_fixed", guard
-    assert "far outside the" in guard["note"] and f"{lo:.3g} to {hi:.3g}" in guard["note"], guard["note"]
-    assert all(r["outcome"] != "fixed" or lo / 10 <= r["loss_after"] <= 10 * hi for r in report.remedies)
+    bound = limit_of("exp")
+    clamped, clamped_fault = _plain(_clamped_cross_entropy(bound), fault + 20)
+    assert clamped_fault is None and min(clamped) < lo - 10 * max(hi - lo, abs(lo), abs(hi))
+    replay = Replay(start_step=0, steps_run=len(clamped), losses=clamped)
+    cand = Candidate("op_guard", "", Change(), None)
+    outcome, note = judge(replay, fault, fault + 20, cand, losses[0], healthy_span(report, fault))
+    assert outcome == "not_fixed" and "far outside the" in note and f"{lo:.3g} to {hi:.3g}" in note, note
+    assert judge(replay, fault, fault + 20, cand, losses[0], None)[0] == "fixed"  # what it was judged before

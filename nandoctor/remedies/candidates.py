@@ -80,12 +80,27 @@ def _found(report: Report, fault: Any, workload: Any, ring: SnapshotRing, here: 
     """The findings the candidates follow from, and the snapshots to restart from: the first step's, the last
     before the gradient growth began (divergence remedies), the failing step's."""
     first = ring.first
-    growth = next((f for f in report.findings if f.code == Code.GRAD_EXPLOSION
-                   and (f.location.step or 0) <= fault.step), None)
+    growth = _growth_before(report, fault.step)
     growth_step = growth.location.step if growth is not None else None
     before_growth = ring.latest(growth_step) if growth_step is not None else None
     symptom = next((f for f in report.findings if f.location.step == fault.step and f.code in SYMPTOMS), None)
     return _Found(report, fault, workload, ring, symptom, growth, here, first, before_growth or here)
+
+
+# Warnings whose step is where a growth toward the fault began: the gradient norm's first, else the loss's
+# divergence and the transformer precursors' (issue 35), the earliest of them
+_GROWTHS = (Code.LOSS_DIVERGENCE, Code.ATTENTION_LOGIT_GROWTH, Code.OUTPUT_LOGIT_DIVERGENCE,
+            Code.ACTIVATION_NORM_GROWTH)
+
+
+def _growth_before(report: Report, fault_step: int) -> Any:
+    """The warning of the growth that led to the fault, whose step the divergence remedies start from."""
+    before = [f for f in report.findings if (f.location.step or 0) <= fault_step]
+    explosion = next((f for f in before if f.code == Code.GRAD_EXPLOSION), None)
+    if explosion is not None:
+        return explosion
+    growths = [f for f in before if f.code in _GROWTHS and f.location.step is not None]
+    return min(growths, key=lambda f: f.location.step, default=None)
 
 
 def _op_guard(found: _Found) -> Candidate:
