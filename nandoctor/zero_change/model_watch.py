@@ -4,14 +4,34 @@ A script may train several models, each with its own optimizer (a GAN's generato
 every optimizer it steps gets a `ModelWatch` of its own, with its own `Doctor`, found as the first one is
 (runtime.py `Session._attach`). A watch records its model's calls with hooks (inputs, output, the gradient
 that comes back to it) and its loss layer's labels, and replays the step's loss from them.
+
+Most steps are not read on the host (the Doctor's spaced reads, inloop/history.py): a fault found at a
+later read is rolled back to a snapshot and the unread steps are replayed. For that, each step since the
+ring's older snapshot keeps a `_Taped` record: its RNG state before the forward (its dropout masks, as
+the script may draw random numbers between steps), and, for loss code written as functions,
+the model's outputs, the gradient that came back to them and the loss (so the replay reproduces a loss
+or gradient that went non-finite in that code, exactly as the step did).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from nandoctor.tensors.convert import leaves
 from nandoctor.zero_change.capture import ROW, batch_rows, input_names, keep_grads
+
+TAPE_BYTES = 64 * 2**20  # the outputs and gradients kept for replays, all together: above, every step is read
+_PRUNE_EVERY = 32  # steps between drops of the taped steps the ring can no longer replay
+
+
+class _Taped:
+    """What a replay of one unread step needs beyond its batch (see the module's docstring)."""
+
+    __slots__ = ("rng", "output", "grads", "loss", "nbytes")
+
+    def __init__(self, rng: Any, output: Any, grads: dict[int, Any] | None, loss: Any, nbytes: int) -> None:
+        self.rng, self.output, self.grads, self.loss, self.nbytes = rng, output, grads, loss, nbytes
 
 
 class ModelWatch:
@@ -30,6 +50,10 @@ class ModelWatch:
         self.handles: list[Any] = []
         self.index = 0  # its position among the models the process watched
         self._rows: Any = None  # the sample positions of the last batch size seen (never written to)
+        self.rng: Any = None  # the RNG state before the model's latest forward (taped steps only)
+        self.tape: dict[int, _Taped] = {}  # step -> what its replay needs, while the doctor leaves steps unread
+        self.tape_bytes = 0
+        self._loss_code: bool | None = None
 
     def start(self, call: Any, report_dir: str | None, sync: Any, on_fault: str, first_step: int = 0) -> None:
         """The Doctor on the model found, with the step whose forward already ran open from its RNG (step
@@ -39,11 +63,14 @@ class ModelWatch:
 
         self.record(call.args, call.kwargs)
         self.output, self.grads = call.output, call.grads
+        # defer_reads: most steps unread, a fault rolled back and replayed from the tape (the Doctor turns it
+        # off under ranks and for skip_step, --keep-going, where every update must be checked before it lands)
         self.doctor = Doctor(self.model, self.optimizer, step_fn=self.replay, report_dir=report_dir,
-                             on_fault=on_fault, wrap_step=False, sync=sync, mode=Mode.RUN)
+                             on_fault=on_fault, wrap_step=False, sync=sync, mode=Mode.RUN, defer_reads=True)
         self.doctor.loss_code_fault = self.loss_code_fault
         self.doctor.step = first_step
         self.doctor.open_step(call.rng)
+        self.rng = call.rng
 
     def record(self, args: tuple, kwargs: dict) -> None:
         """A model call's inputs: positional ones named after forward's parameters, keyword ones by keyword."""
@@ -60,6 +87,8 @@ class ModelWatch:
             if not session.busy and self.model.training:
                 self.record(args, kwargs)
                 session.current = self
+                if self.doctor is not None and self.doctor.history is not None:
+                    self.rng = sys.modules["paddle"].get_rng_state()  # (~1 us: a replay's dropout masks)
 
         def on_model_out(_layer: Any, _args: Any, out: Any) -> None:
             if session.busy or not self.model.training:
@@ -115,6 +144,49 @@ class ModelWatch:
             fields[ROW] = self._rows
         return fields
 
+    def tape_step(self) -> None:
+        """Before this step's check, which may leave it unread: what a replay of it needs (`_Taped`). Nothing
+        while every step is read (no rollback can come)."""
+        history = self.doctor.history
+        if history is None or history.ring is None:
+            if self.tape:
+                self.tape.clear()
+                self.tape_bytes = 0
+            return
+        step = self.doctor.step
+        grads = self.grads if self._functional() else None
+        if grads:
+            nbytes = 2 * sum(g._holder_size() for g in grads.values())  # (the outputs are as large as theirs)
+            self.tape[step] = _Taped(self.rng, self.output, grads, self.session.last_loss.detach(), nbytes)
+            self.tape_bytes += nbytes
+        else:
+            self.tape[step] = _Taped(self.rng, None, None, None, 0)
+        if self.tape_bytes > TAPE_BYTES:
+            history.off(f"the model's outputs and their gradients kept for a replay passed "
+                        f"{TAPE_BYTES / 2**20:.0f} MB")
+        if step % _PRUNE_EVERY == 0:
+            oldest = min(history.kept, default=step)  # (the ring's older snapshot: no replay starts before it)
+            for s in [s for s in self.tape if s < oldest]:
+                self.tape_bytes -= self.tape.pop(s).nbytes
+
+    def _functional(self) -> bool:
+        """The loss is code written as functions (not a loss layer, not the model's own output): its replay
+        backpropagates the recorded gradients. Decided at the first step taped."""
+        if self._loss_code is None:
+            self._loss_code = self.loss_layer is None and self._own_loss(leaves(self.output)) is None
+        return self._loss_code
+
+    def _taped(self) -> tuple[_Taped | None, bool]:
+        """The taped step a replay runs: the step the rollback replays (and True: its whole batch), else the
+        fault's step (a replay of it, or of a subset of its batch, the sample bisection's) and False."""
+        if not self.tape:
+            return None, False
+        history = self.doctor.history
+        if history is not None and history.replaying is not None:
+            return self.tape.get(history.replaying), True
+        fault = self.doctor.fault
+        return (self.tape.get(fault.step) if fault is not None else None), False
+
     def _own_loss(self, outs: list[Any]) -> int | None:
         """The position of the backpropagated loss among the model's outputs (a model that returns its loss)."""
         loss = self.session.last_loss
@@ -129,6 +201,9 @@ class ModelWatch:
 
         inputs = [fields[n] for n in self.names]
         kwargs = {k: fields.get(k, v) for k, v in self.kwargs.items()}
+        taped, whole = self._taped()
+        if taped is not None and taped.rng is not None:
+            paddle.set_rng_state(taped.rng)  # the step's own dropout masks (the script may draw between steps)
         out = model(*inputs, **kwargs)
         if self.loss_layer is not None:
             labels = [fields[k] for k in fields if k.startswith("label") and k not in kwargs]
@@ -139,7 +214,8 @@ class ModelWatch:
             return outs[own]
         rows = fields.get(ROW)
         total = None
-        for i, grad in self.grads.items():
+        grads = taped.grads if taped is not None and taped.grads is not None else self.grads
+        for i, grad in grads.items():
             if i >= len(outs):
                 continue
             if rows is not None and int(rows.shape[0]) != int(grad.shape[0]):
@@ -152,6 +228,8 @@ class ModelWatch:
         if total is None:
             raise ReplayError("no loss to replay: the loss is not a paddle.nn.Layer and no gradient came back to a "
                               "tensor output of the model")
+        if whole and taped.grads is not None:
+            return _as_taped(total, outs, taped)
         return total
 
     def loss_code_fault(self, fault: Any) -> Any:
@@ -165,8 +243,12 @@ class ModelWatch:
         from nandoctor.findings import Phase
         from nandoctor.tensors.convert import to_numpy
 
-        outs = leaves(self.output)
-        if self.loss_layer is not None or not outs or self._own_loss(outs) is not None:
+        taped = self.tape.get(fault.step)  # (a fault rolled back to an unread step: that step's, else the latest)
+        output, grads = (taped.output, taped.grads) if taped is not None and taped.grads is not None else (
+            self.output, self.grads)
+        outs = leaves(output)
+        if self.loss_layer is not None or not outs or (taped is None or taped.grads is None) and (
+                self._own_loss(outs) is not None):
             return None
         if not all(np.isfinite(to_numpy(t)).all() for t in outs):
             return None  # the model's forward went non-finite: the replay names where
@@ -174,7 +256,7 @@ class ModelWatch:
         n = batch_rows(outs)
         rows: set[int] = set()
         bad_grad = False
-        for grad in self.grads.values():
+        for grad in grads.values():
             arr = to_numpy(grad)
             bad = ~np.isfinite(arr)
             if not bad.any():
@@ -209,3 +291,22 @@ class ModelWatch:
             shown = ", ".join(answer["changed_files"][:10])
             found.notes.append(f"the checked pass changed {len(answer['changed_files'])} file(s) in the working "
                                f"folder by a route nandoctor does not redirect (C code): {shown}")
+
+
+def _as_taped(total: Any, outs: list[Any], taped: _Taped) -> Any:
+    """The replay of a whole taped step whose loss code went non-finite (its recorded loss, or the gradient
+    that came back to the model's outputs): the replay's loss takes the recorded value, and each output gets
+    the recorded gradient, NaN/Inf included, so the replay fails as the step did and the rollback names it.
+    A step whose model outputs are non-finite fails by itself (the model's own fault): `total` as it is."""
+    import numpy as np
+
+    from nandoctor.tensors.convert import to_numpy
+
+    if np.isfinite(to_numpy(taped.loss)).all() and all(np.isfinite(to_numpy(g)).all() for g in taped.grads.values()):
+        return total
+    if not all(np.isfinite(to_numpy(t)).all() for t in outs):
+        return total
+    for i, grad in taped.grads.items():
+        if i < len(outs) and not outs[i].stop_gradient:
+            outs[i].register_hook(lambda _grad, recorded=grad: recorded)
+    return taped.loss + (total - total.detach())

@@ -150,6 +150,7 @@ class Session:
         if recheck is not None and recheck.armed and recheck.is_model(watch.model):
             recheck.not_reproduced(f"the checked pass saw no NaN/Inf op after the model's forward at step "
                                    f"{recheck.step} (the script may not run the same twice)")
+        watch.tape_step()
         ok = watch.doctor.check(self.last_loss, watch.fields())
         if ok:
             return True
@@ -158,6 +159,8 @@ class Session:
         return False
 
     def after_step(self, optimizer: Any) -> None:
+        if self.busy:  # a rollback's replay steps the optimizer: not a step of the script's
+            return
         watch = self._watch_of(optimizer)
         if watch is not None:
             watch.doctor.updated()
