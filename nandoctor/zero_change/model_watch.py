@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from nandoctor.inloop.forward import ForwardSeam
 from nandoctor.tensors.convert import leaves
 from nandoctor.zero_change.capture import ROW, batch_rows, input_names, keep_grads
 
@@ -105,10 +106,10 @@ class ModelWatch:
             if not session.busy:
                 self.labels = tuple(args[1:])
 
-        self.handles.append(self.model.register_forward_pre_hook(on_model, with_kwargs=True))
-        self.handles.append(self.model.register_forward_post_hook(on_model_out))
+        # seams on the instances' forward, not hooks: a hook sends every call down Paddle's slow path (forward.py)
+        self.handles.append(ForwardSeam(self.model, on_model, on_model_out))
         if self.loss_layer is not None:
-            self.handles.append(self.loss_layer.register_forward_pre_hook(on_loss))
+            self.handles.append(ForwardSeam(self.loss_layer, on_loss))
 
     def drop(self) -> None:
         """A fork child: this watch was the parent's; its hooks go, nothing is written or synced."""

@@ -89,7 +89,13 @@ class Session:
 
     @property
     def busy(self) -> bool:
-        return any(w.doctor is not None and w.doctor._busy for w in self.watches)
+        """A doctor is replaying (its model's calls, backward and updates are its own, not the script's).
+        Asked a few times every step: a loop, not any() over a generator."""
+        for watch in self.watches:
+            doctor = watch.doctor
+            if doctor is not None and doctor._busy:
+                return True
+        return False
 
     # ---- seams ----------------------------------------------------------------------------------------
     def layer_call(self, layer: Any, args: tuple, kwargs: dict) -> Any:
