@@ -132,12 +132,17 @@ class ModelWatch:
             pass
 
     def fields(self) -> dict[str, Any]:
-        import paddle
-
+        """The step's batch as named fields (every step: nothing made that the step does not need)."""
+        paddle = sys.modules["paddle"]
         fields = dict(zip(self.names, self.inputs))
-        fields.update({k: v for k, v in self.kwargs.items() if isinstance(v, paddle.Tensor)})
-        for i, label in enumerate(self.labels):
-            fields["label" if len(self.labels) == 1 else f"label{i}"] = label
+        if self.kwargs:
+            fields.update({k: v for k, v in self.kwargs.items() if isinstance(v, paddle.Tensor)})
+        labels = self.labels
+        if len(labels) == 1:
+            fields["label"] = labels[0]
+        else:
+            for i, label in enumerate(labels):
+                fields[f"label{i}"] = label
         n = batch_rows(fields.values())
         if n is not None:
             if self._rows is None or int(self._rows.shape[0]) != n:  # (one arange per batch size: a tenth of
@@ -155,10 +160,12 @@ class ModelWatch:
                 self.tape_bytes = 0
             return
         step = self.doctor.step
-        grads = self.grads if self._functional() else None
+        grads = self.grads if (self._loss_code if self._loss_code is not None else self._functional()) else None
         if grads:
             nbytes = 2 * sum(g._holder_size() for g in grads.values())  # (the outputs are as large as theirs)
-            self.tape[step] = _Taped(self.rng, self.output, grads, self.session.last_loss.detach(), nbytes)
+            # detached: the outputs themselves would keep their step's autograd graph alive until dropped
+            outs = [t.detach() for t in leaves(self.output)]
+            self.tape[step] = _Taped(self.rng, outs, grads, self.session.last_loss.detach(), nbytes)
             self.tape_bytes += nbytes
         else:
             self.tape[step] = _Taped(self.rng, None, None, None, 0)
@@ -213,19 +220,8 @@ class ModelWatch:
         own = self._own_loss(leaves(self.output))
         if own is not None and own < len(outs):
             return outs[own]
-        rows = fields.get(ROW)
-        total = None
         grads = taped.grads if taped is not None and taped.grads is not None else self.grads
-        for i, grad in grads.items():
-            if i >= len(outs):
-                continue
-            if rows is not None and int(rows.shape[0]) != int(grad.shape[0]):
-                grad = paddle.gather(grad, rows)
-            # NaN/Inf rows came from loss code that is not replayed (`loss_code_fault` named them): the
-            # model's own faults show with finite gradients
-            grad = paddle.where(paddle.isfinite(grad), grad, paddle.zeros_like(grad))
-            term = (outs[i] * grad).sum()
-            total = term if total is None else total + term
+        total = _through_grads(outs, grads, fields.get(ROW))
         if total is None:
             raise ReplayError("no loss to replay: the loss is not a paddle.nn.Layer and no gradient came back to a "
                               "tensor output of the model")
@@ -244,27 +240,15 @@ class ModelWatch:
         from nandoctor.findings import Phase
         from nandoctor.tensors.convert import to_numpy
 
-        taped = self.tape.get(fault.step)  # (a fault rolled back to an unread step: that step's, else the latest)
-        output, grads = (taped.output, taped.grads) if taped is not None and taped.grads is not None else (
-            self.output, self.grads)
-        outs = leaves(output)
-        if self.loss_layer is not None or not outs or (taped is None or taped.grads is None) and (
-                self._own_loss(outs) is not None):
+        recorded = self._recorded(fault.step)
+        if recorded is None:
             return None
+        outs, grads = recorded
         if not all(np.isfinite(to_numpy(t)).all() for t in outs):
             return None  # the model's forward went non-finite: the replay names where
         loss_ok = fault.stats is not None and math.isfinite(fault.stats.loss)
         n = batch_rows(outs)
-        rows: set[int] = set()
-        bad_grad = False
-        for grad in grads.values():
-            arr = to_numpy(grad)
-            bad = ~np.isfinite(arr)
-            if not bad.any():
-                continue
-            bad_grad = True
-            if n is not None and arr.ndim > 0 and arr.shape[0] == n:
-                rows.update(np.nonzero(bad.reshape(n, -1).any(axis=1))[0].tolist())
+        bad_grad, rows = _nonfinite_rows(grads, n)
         if loss_ok and not bad_grad:
             return None  # finite loss, finite gradient at the outputs: the fault is in the model's backward
         found = LossCodeFault(phase=Phase.BACKWARD if loss_ok else Phase.LOSS, rows=sorted(rows) or None,
@@ -274,6 +258,19 @@ class ModelWatch:
         if session.recheck is None and self.doctor.sync is None and session.process is None:
             self._checked_pass(found, fault.step)
         return found
+
+    def _recorded(self, step: int) -> tuple[list[Any], dict[int, Any]] | None:
+        """The model's outputs and the gradients that came back to them at `step` (a fault rolled back to an
+        unread step: that step's, from the tape; else the latest), when the loss is code written as functions;
+        None for a loss layer or a model that returns its own loss."""
+        taped = self.tape.get(step)
+        if taped is not None and taped.grads is not None:
+            outs = leaves(taped.output)
+            return (outs, taped.grads) if outs and self.loss_layer is None else None
+        outs = leaves(self.output)
+        if self.loss_layer is not None or not outs or self._own_loss(outs) is not None:
+            return None
+        return outs, self.grads
 
     def _checked_pass(self, found: Any, step: int) -> None:
         from nandoctor.findings import Phase
@@ -292,6 +289,44 @@ class ModelWatch:
             shown = ", ".join(answer["changed_files"][:10])
             found.notes.append(f"the checked pass changed {len(answer['changed_files'])} file(s) in the working "
                                f"folder by a route nandoctor does not redirect (C code): {shown}")
+
+
+def _through_grads(outs: list[Any], grads: dict[int, Any], rows: Any) -> Any:
+    """The recorded output gradients backpropagated through the replayed outputs (their rows, for a subset):
+    sum(output * gradient), None when no gradient came back to an output."""
+    import paddle
+
+    total = None
+    for i, grad in grads.items():
+        if i >= len(outs):
+            continue
+        if rows is not None and int(rows.shape[0]) != int(grad.shape[0]):
+            grad = paddle.gather(grad, rows)
+        # NaN/Inf rows came from loss code that is not replayed (`loss_code_fault` named them): the
+        # model's own faults show with finite gradients
+        grad = paddle.where(paddle.isfinite(grad), grad, paddle.zeros_like(grad))
+        term = (outs[i] * grad).sum()
+        total = term if total is None else total + term
+    return total
+
+
+def _nonfinite_rows(grads: dict[int, Any], n: int | None) -> tuple[bool, set[int]]:
+    """Whether any recorded output gradient is non-finite, and the batch rows where (batch size `n`)."""
+    import numpy as np
+
+    from nandoctor.tensors.convert import to_numpy
+
+    rows: set[int] = set()
+    bad_grad = False
+    for grad in grads.values():
+        arr = to_numpy(grad)
+        bad = ~np.isfinite(arr)
+        if not bad.any():
+            continue
+        bad_grad = True
+        if n is not None and arr.ndim > 0 and arr.shape[0] == n:
+            rows.update(np.nonzero(bad.reshape(n, -1).any(axis=1))[0].tolist())
+    return bad_grad, rows
 
 
 def _as_taped(total: Any, outs: list[Any], taped: _Taped) -> Any:

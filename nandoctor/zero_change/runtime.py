@@ -183,7 +183,10 @@ class Session:
             self._switch_to_hooks()
 
     def _watch_of(self, optimizer: Any) -> ModelWatch | None:
-        return next((w for w in self.watches if w.optimizer is optimizer), None)
+        for watch in self.watches:  # (twice a step: a loop, not next() over a generator)
+            if watch.optimizer is optimizer:
+                return watch
+        return None
 
     # ---- finding the model and the loss ------------------------------------------------------------------
     def _attach(self, optimizer: Any) -> ModelWatch | None:
