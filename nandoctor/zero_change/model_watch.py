@@ -18,7 +18,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from nandoctor.inloop.forward import ForwardSeam
 from nandoctor.tensors.convert import leaves
 from nandoctor.zero_change.capture import ROW, batch_rows, input_names, keep_grads
 
@@ -105,6 +104,8 @@ class ModelWatch:
         def on_loss(_layer: Any, args: Any) -> None:
             if not session.busy:
                 self.labels = tuple(args[1:])
+
+        from nandoctor.inloop.forward import ForwardSeam  # (here: every watched process imports this module)
 
         # seams on the instances' forward, not hooks: a hook sends every call down Paddle's slow path (forward.py)
         self.handles.append(ForwardSeam(self.model, on_model, on_model_out))
