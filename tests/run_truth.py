@@ -209,3 +209,43 @@ def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callab
         for h in handles:
             h.remove()
     return record, losses, fault
+
+
+# (step, the model's forward, the loss code on its output, the loss of one row of the batch, rows)
+LossStep = tuple[int, Callable[[], Any], Callable[[Any], Any], Callable[[int], Any], int]
+
+
+def first_loss_code_fault(steps: Iterable[LossStep], model: Any, opt: Any) -> dict[str, Any]:
+    """For a fault in loss code written as functions: the first step that Paddle's tensor checker (abort mode)
+    stops in, its phase ("loss" when the loss code's forward stops, else "backward") and op, and the samples
+    whose loss or gradients alone are non-finite (each row replayed on the parameters of that step, which the
+    loop never updated). The model's own layers are not where it is: layer None."""
+    from paddle.amp import debugging
+
+    checker = debugging.TensorCheckerConfig(enable=True, debug_mode=debugging.DebugMode.CHECK_NAN_INF_AND_ABORT)
+    found = None
+    for step, forward, loss_of, row_loss, rows in steps:
+        loss = None
+        debugging.enable_tensor_checker(checker)
+        try:
+            loss = loss_of(forward())
+            loss.backward()
+        except RuntimeError as exc:
+            found = (step, "loss" if loss is None else "backward", re.search(r"op=(\w+)", str(exc)).group(1),
+                     row_loss, rows)
+            break
+        finally:
+            debugging.disable_tensor_checker()
+        opt.step()
+        opt.clear_grad()
+    assert found is not None, "the plain loop never went non-finite"
+    step, phase, op, row_loss, rows = found
+    opt.clear_grad()
+    samples = []
+    for row in range(rows):
+        loss = row_loss(row)
+        loss.backward()
+        if not np.isfinite(float(loss)) or bad_params(model):
+            samples.append(row)
+        opt.clear_grad()
+    return {"step": step, "phase": phase, "layer": None, "op": op, "sample_indices": samples}

@@ -222,15 +222,20 @@ class Doctor:
             return None
         out = self._orig_step(*args, **kwargs)
         if self._checked and not self._closed:
-            quiet = self._quiet
-            if quiet and quiet[-1][6] is None:  # a quiet step's end; its bookkeeping waits for the window's end
-                quiet[-1][6] = perf_counter()
-                self._checked = False
-                if self.step >= self._quiet_until:
-                    self._settle()
-            else:
-                self._end_step(stepped=True)
+            self._stepped()
         return out
+
+    def _stepped(self) -> None:
+        """A checked step's update was applied: a quiet step's end is noted (its bookkeeping waits for the
+        window's end), another step is closed (parameter check, timing)."""
+        quiet = self._quiet
+        if quiet and quiet[-1][6] is None:
+            quiet[-1][6] = perf_counter()
+            self._checked = False
+            if self.step >= self._quiet_until:
+                self._settle()
+        else:
+            self._end_step(stepped=True)
 
     # ---- the user's call ----------------------------------------------------------------------------
     def check(self, loss: Any, batch: Any = None) -> bool:
@@ -373,7 +378,11 @@ class Doctor:
 
     def updated(self) -> None:
         """The update of a checked step was applied by a route other than `optimizer.step()` (hapi's
-        `minimize`): close the step as the step wrapper would (parameter check, timing)."""
+        `minimize`, `nandoctor run`'s own wrapper of the optimizer's class): close the step as the step
+        wrapper would (parameter check, timing); a quiet step's bookkeeping waits for its window's end."""
+        if self._checked and not self._closed and self._quiet and self._quiet[-1][6] is None:
+            self._stepped()
+            return
         self._settle()
         if self._checked and not self._closed:
             self._end_step(stepped=True)

@@ -22,12 +22,16 @@ from typing import Any
 
 
 class ForwardSeam:
-    """`before(layer, inputs)` on every call of `layer`'s forward until `remove()` (the hook-handle API)."""
+    """`before(layer, inputs)` on every call of `layer`'s forward until `remove()` (the hook-handle API).
+    With `after`, a pre- and post-hook pair at the cost of one call: `before(layer, inputs, kwargs)` and
+    `after(layer, inputs, output)` (`nandoctor run`'s record of the model's calls)."""
 
-    def __init__(self, layer: Any, before: Callable[[Any, tuple], None]) -> None:
+    def __init__(self, layer: Any, before: Callable[..., None],
+                 after: Callable[[Any, tuple, Any], None] | None = None) -> None:
         self.layer = layer
         self._previous = vars(layer).get("forward")  # an instance forward set before the watch (to_static's)
-        self.forward = _Forward(layer, layer.forward, before, self._previous)
+        self.forward = (_Forward(layer, layer.forward, before, self._previous) if after is None
+                        else _Around(layer, layer.forward, before, self._previous, after))
         layer.forward = self.forward
 
     def remove(self) -> None:
@@ -46,9 +50,11 @@ class _Forward:
     itself, so a deep copy of the model would call the watched model's forward; this one is asked."""
 
     def __init__(self, layer: Any, inner: Any, before: Callable[[Any, tuple], None], previous: Any) -> None:
-        self._layer, self._inner, self._before, self._previous = layer, inner, before, previous
-        # the model's own signature for whoever inspects it (`nandoctor run` names the inputs by it)
+        # the model's own signature for whoever inspects it (`nandoctor run` names the inputs by it); first, as
+        # it copies the attributes of an `inner` that is itself a seam's forward (`nandoctor run` puts its own
+        # over the doctor's), which would otherwise replace these
         functools.update_wrapper(self, inner)
+        self._layer, self._inner, self._before, self._previous = layer, inner, before, previous
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         self._before(self._layer, inputs)
@@ -63,3 +69,18 @@ class _Forward:
         if new is None:  # the forward copied on its own, not as part of its model: the model's, unwatched
             return self._inner
         return types.MethodType(type(new).forward, new)
+
+
+class _Around(_Forward):
+    """`_Forward` with the keyword inputs given to `before` and the output to `after`."""
+
+    def __init__(self, layer: Any, inner: Any, before: Callable[..., None], previous: Any,
+                 after: Callable[[Any, tuple, Any], None]) -> None:
+        super().__init__(layer, inner, before, previous)
+        self._after = after
+
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._before(self._layer, inputs, kwargs)
+        out = self._inner(*inputs, **kwargs)
+        self._after(self._layer, inputs, out)
+        return out

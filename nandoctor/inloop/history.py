@@ -60,6 +60,9 @@ class StepHistory:
         self.closing = False  # off() was called with losses still unread: the ring stays until they are read
         sched = lr_scheduler(optimizer)  # where the loop's scheduler stood at step 0 (see _scheduler_by)
         self._sched_start = int(sched.last_epoch) if sched is not None else None
+        # the step whose kept batch the rollback's replay is running through step_fn, else None: a step_fn
+        # that keeps per-step state of its own (`nandoctor run`'s recorded gradients) takes that step's
+        self.replaying: int | None = None
 
     def off(self, why: str) -> None:
         """Back to reading every step, for good (no unread step can come after this). Losses still waiting
@@ -179,6 +182,7 @@ class StepHistory:
         user's `step_fn` as the loss, and the user's scheduler stepped per step when the loop did so."""
         kept = self.kept
         rebuilds = self.rebuilds()  # (every kept batch named)
+        steps = {id(kept[s][0]): s for s in kept}
 
         def make_loader() -> Iterator[Any]:
             return iter([kept[s][0] if s in kept else None for s in range(max(kept, default=-1) + 1)])
@@ -189,7 +193,11 @@ class StepHistory:
             return batch
 
         def compute_loss(model: Any, f: dict[str, Any]) -> Any:
-            return step_fn(model, rebuilds.get(id(f), default_rebuild)(f))
+            self.replaying = steps.get(id(f))
+            try:
+                return step_fn(model, rebuilds.get(id(f), default_rebuild)(f))
+            finally:
+                self.replaying = None
 
         return KeptBatches(model=self.model, compute_loss=compute_loss, make_loader=make_loader,
                            layout=_KeptLayout(fields), plan=StepPlan(scheduler_by=self._scheduler_by(steps_run)))

@@ -4,6 +4,13 @@ A script may train several models, each with its own optimizer (a GAN's generato
 every optimizer it steps gets a `ModelWatch` of its own, with its own `Doctor`, found as the first one is
 (runtime.py `Session._attach`). A watch records its model's calls with hooks (inputs, output, the gradient
 that comes back to it) and its loss layer's labels, and replays the step's loss from them.
+
+Most steps are not read on the host (the Doctor's spaced reads, inloop/history.py): a fault found at a
+later read is rolled back to a snapshot and the unread steps are replayed. For that, each step since the
+ring's older snapshot keeps a `_Taped` record: its RNG state before the forward (its dropout masks, as
+the script may draw random numbers between steps), and, for loss code written as functions,
+the model's outputs, the gradient that came back to them and the loss (so the replay reproduces a loss
+or gradient that went non-finite in that code, exactly as the step did).
 """
 
 from __future__ import annotations
@@ -14,6 +21,18 @@ from typing import Any
 
 from nandoctor.tensors.convert import leaves
 from nandoctor.zero_change.capture import ROW, batch_rows, input_names, keep_grads
+
+TAPE_BYTES = 64 * 2**20  # the outputs and gradients kept for replays, all together: above, every step is read
+_PRUNE_EVERY = 32  # steps between drops of the taped steps the ring can no longer replay
+
+
+class _Taped:
+    """What a replay of one unread step needs beyond its batch (see the module's docstring)."""
+
+    __slots__ = ("rng", "output", "grads", "loss", "nbytes")
+
+    def __init__(self, rng: Any, output: Any, grads: dict[int, Any] | None, loss: Any, nbytes: int) -> None:
+        self.rng, self.output, self.grads, self.loss, self.nbytes = rng, output, grads, loss, nbytes
 
 
 class ModelWatch:
@@ -34,6 +53,10 @@ class ModelWatch:
         self._rows: Any = None  # the sample positions of the last batch size seen (never written to)
         self._model_raised: tuple = ()  # (type, message) of what the last replay's call of the model raised
         self.call_site: list[tuple[str, int, str]] = []  # the frames that called the model last (call_site())
+        self.rng: Any = None  # the RNG state before the model's latest forward (taped steps only)
+        self.tape: dict[int, _Taped] = {}  # step -> what its replay needs, while the doctor leaves steps unread
+        self.tape_bytes = 0
+        self._loss_code: bool | None = None
 
     def start(self, call: Any, report_dir: str | None, sync: Any, on_fault: str, first_step: int = 0) -> None:
         """The Doctor on the model found, with the step whose forward already ran open from its RNG (step
@@ -44,14 +67,17 @@ class ModelWatch:
         self.record(call.args, call.kwargs)
         self.call_site = getattr(call, "site", None) or []
         self.output, self.grads = call.output, call.grads
+        # defer_reads: most steps unread, a fault rolled back and replayed from the tape (the Doctor turns it
+        # off under ranks and for skip_step, --keep-going, where every update must be checked before it lands)
         self.doctor = Doctor(self.model, self.optimizer, step_fn=self.replay, report_dir=report_dir,
-                             on_fault=on_fault, wrap_step=False, sync=sync, mode=Mode.RUN)
+                             on_fault=on_fault, wrap_step=False, sync=sync, mode=Mode.RUN, defer_reads=True)
         self.doctor.loss_code_fault = self.loss_code_fault
         self.doctor.model_caller = self.model_caller
         self.doctor.replay_failure = self.replay_failed
         self.doctor.replayed_code = "your model and its loss layer" if self.loss_layer is not None else "your model"
         self.doctor.step = first_step
         self.doctor.open_step(call.rng)
+        self.rng = call.rng
 
     def record(self, args: tuple, kwargs: dict) -> None:
         """A model call's inputs: positional ones named after forward's parameters, keyword ones by keyword."""
@@ -69,6 +95,8 @@ class ModelWatch:
                 self.record(args, kwargs)
                 self.call_site = call_site(sys._getframe(1))
                 session.current = self
+                if self.doctor is not None and self.doctor.history is not None:
+                    self.rng = sys.modules["paddle"].get_rng_state()  # (~1 us: a replay's dropout masks)
 
         def on_model_out(_layer: Any, _args: Any, out: Any) -> None:
             if session.busy or not self.model.training:
@@ -86,10 +114,12 @@ class ModelWatch:
             if not session.busy:
                 self.labels = tuple(args[1:])
 
-        self.handles.append(self.model.register_forward_pre_hook(on_model, with_kwargs=True))
-        self.handles.append(self.model.register_forward_post_hook(on_model_out))
+        from nandoctor.inloop.forward import ForwardSeam  # (here: every watched process imports this module)
+
+        # seams on the instances' forward, not hooks: a hook sends every call down Paddle's slow path (forward.py)
+        self.handles.append(ForwardSeam(self.model, on_model, on_model_out))
         if self.loss_layer is not None:
-            self.handles.append(self.loss_layer.register_forward_pre_hook(on_loss))
+            self.handles.append(ForwardSeam(self.loss_layer, on_loss))
 
     def drop(self) -> None:
         """A fork child: this watch was the parent's; its hooks go, nothing is written or synced."""
@@ -117,18 +147,68 @@ class ModelWatch:
         return self.call_site[0] if self.call_site else None
 
     def fields(self) -> dict[str, Any]:
-        import paddle
-
+        """The step's batch as named fields (every step: nothing made that the step does not need)."""
+        paddle = sys.modules["paddle"]
         fields = dict(zip(self.names, self.inputs))
-        fields.update({k: v for k, v in self.kwargs.items() if isinstance(v, paddle.Tensor)})
-        for i, label in enumerate(self.labels):
-            fields["label" if len(self.labels) == 1 else f"label{i}"] = label
+        if self.kwargs:
+            fields.update({k: v for k, v in self.kwargs.items() if isinstance(v, paddle.Tensor)})
+        labels = self.labels
+        if len(labels) == 1:
+            fields["label"] = labels[0]
+        else:
+            for i, label in enumerate(labels):
+                fields[f"label{i}"] = label
         n = batch_rows(fields.values())
         if n is not None:
             if self._rows is None or int(self._rows.shape[0]) != n:  # (one arange per batch size: a tenth of
                 self._rows = paddle.arange(n, dtype="int64")  # a tiny step's time when made every step)
             fields[ROW] = self._rows
         return fields
+
+    def tape_step(self) -> None:
+        """Before this step's check, which may leave it unread: what a replay of it needs (`_Taped`). Nothing
+        while every step is read (no rollback can come)."""
+        history = self.doctor.history
+        if history is None or history.ring is None:
+            if self.tape:
+                self.tape.clear()
+                self.tape_bytes = 0
+            return
+        step = self.doctor.step
+        grads = self.grads if (self._loss_code if self._loss_code is not None else self._functional()) else None
+        if grads:
+            nbytes = 2 * sum(g._holder_size() for g in grads.values())  # (the outputs are as large as theirs)
+            # detached: the outputs themselves would keep their step's autograd graph alive until dropped
+            outs = [t.detach() for t in leaves(self.output)]
+            self.tape[step] = _Taped(self.rng, outs, grads, self.session.last_loss.detach(), nbytes)
+            self.tape_bytes += nbytes
+        else:
+            self.tape[step] = _Taped(self.rng, None, None, None, 0)
+        if self.tape_bytes > TAPE_BYTES:
+            history.off(f"the model's outputs and their gradients kept for a replay passed "
+                        f"{TAPE_BYTES / 2**20:.0f} MB")
+        if step % _PRUNE_EVERY == 0:
+            oldest = min(history.kept, default=step)  # (the ring's older snapshot: no replay starts before it)
+            for s in [s for s in self.tape if s < oldest]:
+                self.tape_bytes -= self.tape.pop(s).nbytes
+
+    def _functional(self) -> bool:
+        """The loss is code written as functions (not a loss layer, not the model's own output): its replay
+        backpropagates the recorded gradients. Decided at the first step taped."""
+        if self._loss_code is None:
+            self._loss_code = self.loss_layer is None and self._own_loss(leaves(self.output)) is None
+        return self._loss_code
+
+    def _taped(self) -> tuple[_Taped | None, bool]:
+        """The taped step a replay runs: the step the rollback replays (and True: its whole batch), else the
+        fault's step (a replay of it, or of a subset of its batch, the sample bisection's) and False."""
+        if not self.tape:
+            return None, False
+        history = self.doctor.history
+        if history is not None and history.replaying is not None:
+            return self.tape.get(history.replaying), True
+        fault = self.doctor.fault
+        return (self.tape.get(fault.step) if fault is not None else None), False
 
     def _own_loss(self, outs: list[Any]) -> int | None:
         """The position of the backpropagated loss among the model's outputs (a model that returns its loss)."""
@@ -144,6 +224,9 @@ class ModelWatch:
 
         inputs = [fields[n] for n in self.names]
         kwargs = {k: fields.get(k, v) for k, v in self.kwargs.items()}
+        taped, whole = self._taped()
+        if taped is not None and taped.rng is not None:
+            paddle.set_rng_state(taped.rng)  # the step's own dropout masks (the script may draw between steps)
         try:
             out = model(*inputs, **kwargs)
         except Exception as exc:  # (what, not the exception: its traceback would hold the replay's tensors)
@@ -156,21 +239,13 @@ class ModelWatch:
         own = self._own_loss(leaves(self.output))
         if own is not None and own < len(outs):
             return outs[own]
-        rows = fields.get(ROW)
-        total = None
-        for i, grad in self.grads.items():
-            if i >= len(outs):
-                continue
-            if rows is not None and int(rows.shape[0]) != int(grad.shape[0]):
-                grad = paddle.gather(grad, rows)
-            # NaN/Inf rows came from loss code that is not replayed (`loss_code_fault` named them): the
-            # model's own faults show with finite gradients
-            grad = paddle.where(paddle.isfinite(grad), grad, paddle.zeros_like(grad))
-            term = (outs[i] * grad).sum()
-            total = term if total is None else total + term
+        grads = taped.grads if taped is not None and taped.grads is not None else self.grads
+        total = _through_grads(outs, grads, fields.get(ROW))
         if total is None:
             raise ReplayError("no loss to replay: the loss is not a paddle.nn.Layer and no gradient came back to a "
                               "tensor output of the model")
+        if whole and taped.grads is not None:
+            return _as_taped(total, outs, taped)
         return total
 
     def replay_failed(self, exc: BaseException) -> str:
@@ -209,23 +284,15 @@ class ModelWatch:
         from nandoctor.findings import Phase
         from nandoctor.tensors.convert import to_numpy
 
-        outs = leaves(self.output)
-        if self.loss_layer is not None or not outs or self._own_loss(outs) is not None:
+        recorded = self._recorded(fault.step)
+        if recorded is None:
             return None
+        outs, grads = recorded
         if not all(np.isfinite(to_numpy(t)).all() for t in outs):
             return None  # the model's forward went non-finite: the replay names where
         loss_ok = fault.stats is not None and math.isfinite(fault.stats.loss)
         n = batch_rows(outs)
-        rows: set[int] = set()
-        bad_grad = False
-        for grad in self.grads.values():
-            arr = to_numpy(grad)
-            bad = ~np.isfinite(arr)
-            if not bad.any():
-                continue
-            bad_grad = True
-            if n is not None and arr.ndim > 0 and arr.shape[0] == n:
-                rows.update(np.nonzero(bad.reshape(n, -1).any(axis=1))[0].tolist())
+        bad_grad, rows = _nonfinite_rows(grads, n)
         if loss_ok and not bad_grad:
             return None  # finite loss, finite gradient at the outputs: the fault is in the model's backward
         found = LossCodeFault(phase=Phase.BACKWARD if loss_ok else Phase.LOSS, rows=sorted(rows) or None,
@@ -238,6 +305,19 @@ class ModelWatch:
             found.no_pass = ("a rank of a distributed run" if self.doctor.sync is not None else
                              "a child process of your script")
         return found
+
+    def _recorded(self, step: int) -> tuple[list[Any], dict[int, Any]] | None:
+        """The model's outputs and the gradients that came back to them at `step` (a fault rolled back to an
+        unread step: that step's, from the tape; else the latest), when the loss is code written as functions;
+        None for a loss layer or a model that returns its own loss."""
+        taped = self.tape.get(step)
+        if taped is not None and taped.grads is not None:
+            outs = leaves(taped.output)
+            return (outs, taped.grads) if outs and self.loss_layer is None else None
+        outs = leaves(self.output)
+        if self.loss_layer is not None or not outs or self._own_loss(outs) is not None:
+            return None
+        return outs, self.grads
 
     def _checked_pass(self, found: Any, step: int) -> None:
         from nandoctor.findings import Phase
@@ -286,3 +366,60 @@ def _is_user(file: str) -> bool:
     from nandoctor.workload.entrypoints import is_user_file
 
     return is_user_file(Path(file), None)
+
+
+def _through_grads(outs: list[Any], grads: dict[int, Any], rows: Any) -> Any:
+    """The recorded output gradients backpropagated through the replayed outputs (their rows, for a subset):
+    sum(output * gradient), None when no gradient came back to an output."""
+    import paddle
+
+    total = None
+    for i, grad in grads.items():
+        if i >= len(outs):
+            continue
+        if rows is not None and int(rows.shape[0]) != int(grad.shape[0]):
+            grad = paddle.gather(grad, rows)
+        # NaN/Inf rows came from loss code that is not replayed (`loss_code_fault` named them): the
+        # model's own faults show with finite gradients
+        grad = paddle.where(paddle.isfinite(grad), grad, paddle.zeros_like(grad))
+        term = (outs[i] * grad).sum()
+        total = term if total is None else total + term
+    return total
+
+
+def _nonfinite_rows(grads: dict[int, Any], n: int | None) -> tuple[bool, set[int]]:
+    """Whether any recorded output gradient is non-finite, and the batch rows where (batch size `n`)."""
+    import numpy as np
+
+    from nandoctor.tensors.convert import to_numpy
+
+    rows: set[int] = set()
+    bad_grad = False
+    for grad in grads.values():
+        arr = to_numpy(grad)
+        bad = ~np.isfinite(arr)
+        if not bad.any():
+            continue
+        bad_grad = True
+        if n is not None and arr.ndim > 0 and arr.shape[0] == n:
+            rows.update(np.nonzero(bad.reshape(n, -1).any(axis=1))[0].tolist())
+    return bad_grad, rows
+
+
+def _as_taped(total: Any, outs: list[Any], taped: _Taped) -> Any:
+    """The replay of a whole taped step whose loss code went non-finite (its recorded loss, or the gradient
+    that came back to the model's outputs): the replay's loss takes the recorded value, and each output gets
+    the recorded gradient, NaN/Inf included, so the replay fails as the step did and the rollback names it.
+    A step whose model outputs are non-finite fails by itself (the model's own fault): `total` as it is."""
+    import numpy as np
+
+    from nandoctor.tensors.convert import to_numpy
+
+    if np.isfinite(to_numpy(taped.loss)).all() and all(np.isfinite(to_numpy(g)).all() for g in taped.grads.values()):
+        return total
+    if not all(np.isfinite(to_numpy(t)).all() for t in outs):
+        return total
+    for i, grad in taped.grads.items():
+        if i < len(outs) and not outs[i].stop_gradient:
+            outs[i].register_hook(lambda _grad, recorded=grad: recorded)
+    return taped.loss + (total - total.detach())

@@ -91,7 +91,13 @@ class Session:
 
     @property
     def busy(self) -> bool:
-        return any(w.doctor is not None and w.doctor._busy for w in self.watches)
+        """A doctor is replaying (its model's calls, backward and updates are its own, not the script's).
+        Asked a few times every step: a loop, not any() over a generator."""
+        for watch in self.watches:
+            doctor = watch.doctor
+            if doctor is not None and doctor._busy:
+                return True
+        return False
 
     # ---- seams ----------------------------------------------------------------------------------------
     def layer_call(self, layer: Any, args: tuple, kwargs: dict) -> Any:
@@ -155,6 +161,7 @@ class Session:
         if recheck is not None and recheck.armed and recheck.is_model(watch.model):
             recheck.not_reproduced(f"the checked pass saw no NaN/Inf op after the model's forward at step "
                                    f"{recheck.step} (the script may not run the same twice)")
+        watch.tape_step()
         ok = watch.doctor.check(self.last_loss, watch.fields())
         if ok:
             return True
@@ -163,6 +170,8 @@ class Session:
         return False
 
     def after_step(self, optimizer: Any) -> None:
+        if self.busy:  # a rollback's replay steps the optimizer: not a step of the script's
+            return
         watch = self._watch_of(optimizer)
         if watch is not None:
             watch.doctor.updated()
@@ -179,7 +188,10 @@ class Session:
             self._switch_to_hooks()
 
     def _watch_of(self, optimizer: Any) -> ModelWatch | None:
-        return next((w for w in self.watches if w.optimizer is optimizer), None)
+        for watch in self.watches:  # (twice a step: a loop, not next() over a generator)
+            if watch.optimizer is optimizer:
+                return watch
+        return None
 
     # ---- finding the model and the loss ------------------------------------------------------------------
     def _attach(self, optimizer: Any) -> ModelWatch | None:
