@@ -242,3 +242,28 @@ def test_lower_rate_remedy_starts_exactly_where_the_growth_began(tmp_path: Path)
     replayed = truth[start:start + row["steps_run"]]
     assert len(replayed) == row["steps_run"] and np.isfinite(replayed).all()
     assert row["loss_after"] == pytest.approx(float(np.mean(replayed[-3:])), rel=1e-4)
+
+
+def test_a_note_that_blames_the_samples_names_the_divergence_before_them() -> None:
+    """A modest gradient growth before a fault that some samples reproduce alone is said as "those samples, not
+    the growth, made it" (engine/warnings.py); after a divergence of the loss that note must not stand alone:
+    it names the divergence, its start and its lead, as the fault's finding does."""
+    from nandoctor.diagnosis.precursor_link import link_precursors
+    from nandoctor.engine.warnings import Rise, _growth_message
+    from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity
+
+    severity, message = _growth_message("global gradient norm", Rise(160, 1.0, 168, 3.0, 1.0), 169, 0.5, [3])
+    assert severity == Severity.INFO and "those samples, not the growth, made it" in message
+    report = Report(command="probe")
+    report.findings = [
+        Finding(Code.LOSS_DIVERGENCE, Severity.WARNING, "the loss diverged", Location(step=116),
+                {"early_level": 0.00722, "level": 3.56e22, "lead_steps": 53}),
+        Finding(Code.GRAD_EXPLOSION, severity, message, Location(step=160, phase=Phase.BACKWARD)),
+    ]
+    link_precursors(report, 169)
+    note = report.findings[1]
+    assert "not the growth, made it" not in note.message
+    assert "the loss grew from 0.00722 to 3.56e+22 from step 116, 53 steps before it (loss.divergence)" in note.message
+    assert note.evidence["precursors"] == [{"code": "loss.divergence", "layer": None, "start_step": 116,
+                                            "lead_steps": 53}]
+    assert report.findings[0].message == "the loss diverged"  # (the fault's own finding names it: loss_trend)

@@ -16,32 +16,42 @@ PRECURSOR_CODES = (Code.ATTENTION_LOGIT_GROWTH, Code.OUTPUT_LOGIT_DIVERGENCE, Co
 
 
 def link_precursors(report: Report, fault_step: int | None) -> None:
-    """Point the fault's findings at the precursors whose growth began before `fault_step`."""
+    """Point the fault's findings at the precursors whose growth began before `fault_step`; a note that
+    blamed the batch's samples instead of the gradient's growth names them, or the loss's divergence, too
+    (the fault's own finding names a divergence already: loss_trend.note_precursor)."""
     if fault_step is None:
         return
-    before = [f for f in report.findings if f.code in PRECURSOR_CODES and f.location.step is not None
-              and f.location.step < fault_step]
-    if not before:
-        return
-    before.sort(key=lambda f: f.location.step)
-    text = "; ".join(_summary(f, fault_step) for f in before)
-    refs = [{"code": f.code.value, "layer": f.evidence.get("layer"), "start_step": f.location.step,
-             "lead_steps": f.evidence.get("lead_steps")} for f in before]
+    growths = sorted((f for f in report.findings if f.code in (*PRECURSOR_CODES, Code.LOSS_DIVERGENCE)
+                      and f.location.step is not None and f.location.step < fault_step),
+                     key=lambda f: f.location.step)
+    before = [f for f in growths if f.code in PRECURSOR_CODES]
     for f in report.findings:
-        if f.severity == Severity.ERROR and f.location.step == fault_step:
-            f.message += (f" It did not come from nowhere: {text}. The samples named are where that growth "
-                          "overflowed first, not its cause alone: fix the growth (see the warning's advice).")
-            f.evidence["precursors"] = refs
-        elif f.code == Code.GRAD_EXPLOSION and f.severity == Severity.INFO and "not the growth" in f.message:
-            f.message = _unblame(f, text)
-            f.evidence["precursors"] = refs
+        if f.severity == Severity.ERROR and f.location.step == fault_step and before:
+            f.message += (f" It did not come from nowhere: {_text(before, fault_step)}. The samples named are "
+                          "where that growth overflowed first, not its cause alone: fix the growth (see the "
+                          "warning's advice).")
+            f.evidence["precursors"] = _refs(before)
+        elif f.code == Code.GRAD_EXPLOSION and f.severity == Severity.INFO and "not the growth" in f.message \
+                and growths:
+            f.message = _unblame(f, _text(growths, fault_step))
+            f.evidence["precursors"] = _refs(growths)
+
+
+def _text(growths: list[Finding], fault_step: int) -> str:
+    return "; ".join(_summary(f, fault_step) for f in growths)
+
+
+def _refs(growths: list[Finding]) -> list[dict[str, Any]]:
+    return [{"code": f.code.value, "layer": f.evidence.get("layer"), "start_step": f.location.step,
+             "lead_steps": f.evidence.get("lead_steps")} for f in growths]
 
 
 def _summary(f: Finding, fault_step: int) -> str:
     ev: dict[str, Any] = f.evidence
     what = {Code.ATTENTION_LOGIT_GROWTH: "the largest attention logit", Code.OUTPUT_LOGIT_DIVERGENCE: "|log Z|",
-            Code.ACTIVATION_NORM_GROWTH: "the output RMS"}[f.code]
-    return (f"{what} of {ev.get('layer')} grew from {ev.get('early_level', 0):.3g} to {ev.get('level', 0):.3g} from "
+            Code.ACTIVATION_NORM_GROWTH: "the output RMS", Code.LOSS_DIVERGENCE: "the loss"}[f.code]
+    of = f" of {ev.get('layer')}" if ev.get("layer") else ""
+    return (f"{what}{of} grew from {ev.get('early_level', 0):.3g} to {ev.get('level', 0):.3g} from "
             f"step {f.location.step}, {fault_step - f.location.step} steps before it ({f.code.value})")
 
 
