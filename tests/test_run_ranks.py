@@ -125,14 +125,13 @@ def test_ranks_resting_together_after_training_are_not_hung(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("when", ["teardown", "atexit"])
 def test_a_rank_that_segfaults_after_its_python_exit_leaves_the_run_healthy(tmp_path: Path, when: str) -> None:
-    """Rank 0 dies of SIGSEGV once its whole Python exit is done (an object freed as the interpreter clears
-    its modules, as Paddle's C++ teardown did in a flaky run of the test above): the training and the report
+    """Rank 0 dies of SIGSEGV once its whole Python exit is done (a C exit handler, run in exit() where
+    Paddle's C++ static destructors run, as in a flaky run of the test above): the training and the report
     are complete, so the run stays healthy and exits 0, and says why the launcher's status (245, -11) is not
     its own. The same crash one step earlier, in an atexit handler of the script's (before the rank's exit
     was done), is still the launch's failure. The launcher's own status, read in the test, is the truth."""
     proc = _launch(tmp_path, when, "0")
     assert "LAUNCH INFO" in proc.stdout + proc.stderr and "Exit code -11" in proc.stdout + proc.stderr
-    assert "SIGSEGV" in (tmp_path / "log" / "workerlog.0").read_text(errors="replace")
     assert _steps_done(tmp_path, 0) == _steps_done(tmp_path, 1) == list(range(8))
     assert not _left_running(tmp_path)
     data = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))

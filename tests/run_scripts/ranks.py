@@ -17,6 +17,7 @@ gradient all-reduce. Each rank prints "rank R pid P" first, and "rank R step S" 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import signal
 import sys
@@ -77,20 +78,16 @@ def main() -> None:
         time.sleep(rest)
         print(f"rank {rank} rested", flush=True)
     if how == "teardown" and rank == bad_rank:  # as Paddle's C++ teardown can: once Python's exit is done
-        global _AT_TEARDOWN
-        _AT_TEARDOWN = _SegfaultWhenFreed()
+        segfault_after_python()
     if how == "atexit" and rank == bad_rank:  # a native crash in an exit handler of the script's own
         atexit.register(os.kill, os.getpid(), signal.SIGSEGV)
 
 
-class _SegfaultWhenFreed:
-    """Freed as the interpreter clears this module, after every atexit handler: dies of SIGSEGV there."""
-
-    def __del__(self) -> None:
-        os.kill(os.getpid(), signal.SIGSEGV)
-
-
-_AT_TEARDOWN = None
+def segfault_after_python() -> None:
+    """A C exit handler that calls address 8: it runs in exit() after the interpreter has finalised, where
+    C++ static destructors (Paddle's teardown) run, and dies of SIGSEGV there."""
+    libc = ctypes.CDLL(None)
+    libc.__cxa_atexit(ctypes.c_void_p(8), None, None)
 
 
 if __name__ == "__main__":
