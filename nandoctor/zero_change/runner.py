@@ -171,10 +171,10 @@ def _exit_status(report: Report, returncode: int, stopped_by: int | None, ending
     signum = teardown_signal(ending, returncode) if ending is not None and not report.exit_code else None
     if signum is not None:
         _stderr().print(f"nandoctor run: a rank of the launch died of {_signal_name(signum)} after its script "
-                        "had ended and its report was written: in Paddle's own teardown at interpreter exit, "
-                        "after every rank had run all its exit handlers. The training and this report are "
-                        f"complete; exit 0, not the launcher's {returncode}. Nothing to rerun; a launch "
-                        "without nandoctor ends so too (docs/paddle-teardown.md).", markup=False)
+                        "had ended and its report was written: in the native teardown at interpreter exit "
+                        "(Paddle's C++ destructors), after every rank had run all its exit handlers. The "
+                        f"training and this report are complete; exit 0, not the launcher's {returncode}. "
+                        "Nothing to rerun (docs/paddle-teardown.md).", markup=False)
         return 0
     if returncode < 0 and not report.exit_code:
         return _killed(-returncode)
