@@ -257,6 +257,16 @@ class Ending:
         """Ranks were watched at all (a launch under `nandoctor run`, not a single process)."""
         return bool(self.positions)
 
+    @property
+    def all_exited(self) -> bool:
+        """Under `nandoctor run`: every rank of the job got through its whole Python exit (its script, its
+        report, then every atexit handler, Paddle's too: `launched_rank`'s mark is registered first, so it
+        runs last), none died mid-loop and none hung. What kills such a rank after that is the interpreter's
+        own finalisation (Paddle's C++ teardown), not the training (docs/paddle-teardown.md)."""
+        world = max(self.world, len(self.positions))
+        return (self.seen and not self.died and not self.hung and len(self.positions) >= world
+                and all(p.phase is None for p in self.positions.values()))
+
 
 class RankWatch:
     """The parent's look at every rank of one launch; `look()` every LOOK_SECONDS while it runs.

@@ -61,7 +61,7 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
     report.run["command_line"] = shlex.join(command)
     _write(report, console, bundle=bundle, ranks_seen=ranks.ending.seen, json_path=json_path,
            markdown_path=markdown_path, quiet=quiet)
-    return _exit_status(report, returncode, stopped_by)
+    return _exit_status(report, returncode, stopped_by, ranks.ending)
 
 
 def _check_before(command: list[str], json_path: Path | None, markdown_path: Path | None, bundle: Path | None,
@@ -163,10 +163,19 @@ def _write(report: Report, console: Console, *, bundle: Path | None, ranks_seen:
         console.print(f"Report folder written to [bold]{bundle}[/].", soft_wrap=True)
 
 
-def _exit_status(report: Report, returncode: int, stopped_by: int | None) -> int:
-    """128 + the signal passed on; 128 + a signal nandoctor did not send; 1 for a fault; else the script's."""
+def _exit_status(report: Report, returncode: int, stopped_by: int | None, ending: Ending | None = None) -> int:
+    """128 + the signal passed on; 128 + a signal nandoctor did not send; 1 for a fault; 0 for a healthy
+    launch whose only failure came after every rank had ended (Paddle's teardown); else the script's."""
     if stopped_by is not None:
         return 128 + stopped_by
+    signum = teardown_signal(ending, returncode) if ending is not None and not report.exit_code else None
+    if signum is not None:
+        _stderr().print(f"nandoctor run: a rank of the launch died of {_signal_name(signum)} after its script "
+                        "had ended and its report was written: in the native teardown at interpreter exit "
+                        "(Paddle's C++ destructors), after every rank had run all its exit handlers. The "
+                        f"training and this report are complete; exit 0, not the launcher's {returncode}. "
+                        "Nothing to rerun (docs/paddle-teardown.md).", markup=False)
+        return 0
     if returncode < 0 and not report.exit_code:
         return _killed(-returncode)
     return 1 if report.exit_code else (returncode or 0)
@@ -205,6 +214,20 @@ def _merge_ranks(result: Path, ending: Ending, *, failed: bool) -> None:
     merged = rank_failure(reports, ending, mode=Mode.RUN, device=str(paddle.device.get_device()))
     if merged is not None:
         result.write_text(json_report.render(merged), encoding="utf-8")
+
+
+def teardown_signal(ending: Ending, returncode: int) -> int | None:
+    """The signal a rank died of after its whole Python exit (`Ending.all_exited`), read from the launch's
+    status (Paddle's launcher exits with its failed rank's own status: -11, SIGSEGV, becomes 245); None when
+    the launch failed otherwise (a status of the script's own, sys.exit(1) after a raise) or some rank did not
+    get that far (a crash in the script or in an exit handler stays the launch's failure)."""
+    if returncode == 0 or not ending.all_exited:
+        return None
+    signum = -returncode if returncode < 0 else 256 - returncode if 128 < returncode < 256 else 0
+    try:
+        return int(signal.Signals(signum))
+    except ValueError:
+        return None
 
 
 def _load_report(path: Path) -> Report | None:

@@ -6,6 +6,8 @@ hangs without a word. For `nandoctor run`'s tests over the user's own launcher (
     python -m paddle.distributed.launch --nproc_per_node 2 ranks.py hang 1 3 forward   # ... in its forward
     python -m paddle.distributed.launch --nproc_per_node 2 ranks.py none       # trains 8 steps, healthy
     python -m paddle.distributed.launch --nproc_per_node 2 ranks.py rest -1 -1 data 15   # then both rest 15 s
+    python -m paddle.distributed.launch --nproc_per_node 2 ranks.py teardown 0   # rank 0 SIGSEGVs at exit
+    python -m paddle.distributed.launch --nproc_per_node 2 ranks.py atexit 0     # ... in an atexit handler
 
 The bad rank misbehaves at the given step in the given phase (`data`: before the model is called, the
 default; `forward`: inside the model's forward), while the other rank waits for it in DataParallel's
@@ -14,7 +16,10 @@ gradient all-reduce. Each rank prints "rank R pid P" first, and "rank R step S" 
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
+import signal
 import sys
 import time
 
@@ -72,6 +77,17 @@ def main() -> None:
     if how == "rest":  # every rank, after training: an evaluation or a checkpoint save of the script's own
         time.sleep(rest)
         print(f"rank {rank} rested", flush=True)
+    if how == "teardown" and rank == bad_rank:  # as Paddle's C++ teardown can: once Python's exit is done
+        segfault_after_python()
+    if how == "atexit" and rank == bad_rank:  # a native crash in an exit handler of the script's own
+        atexit.register(os.kill, os.getpid(), signal.SIGSEGV)
+
+
+def segfault_after_python() -> None:
+    """A C exit handler that calls address 8: it runs in exit() after the interpreter has finalised, where
+    C++ static destructors (Paddle's teardown) run, and dies of SIGSEGV there."""
+    libc = ctypes.CDLL(None)
+    libc.__cxa_atexit(ctypes.c_void_p(8), None, None)
 
 
 if __name__ == "__main__":
