@@ -141,6 +141,15 @@ class ModelWatch:
         except Exception:  # noqa: BLE001 - inside the user's loop nothing of ours may raise
             pass
 
+    def release(self) -> None:
+        """At exit, after the report: the seams off and every reference to the script's objects and tensors
+        dropped (runtime.Session.release)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.doctor = self.model = self.optimizer = self.loss_layer = self.output = self.rng = None
+        self.inputs, self.kwargs, self.labels, self.grads, self.tape = (), {}, (), {}, {}
+
     def model_caller(self) -> tuple[str, int, str] | None:
         """(file, line, function) of the user's line that called the model last: where the step the
         replays re-run called into a library's model (theirs run it from nandoctor's own code)."""

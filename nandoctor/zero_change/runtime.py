@@ -390,6 +390,23 @@ class Session:
             self.write(self._named(failed, failed.doctor.report))
 
 
+    def release(self) -> None:
+        """After the report: let go of what this session kept of the script's (models, optimizers, their
+        doctors with the snapshot ring and the taped steps, the calls' inputs and outputs) while Paddle's
+        runtime is whole. This exit handler runs before Paddle's own, which clear its kernels, devices and
+        process groups; a DataParallel model or a tensor still held here would be freed after them, during
+        the interpreter's finalisation, where freeing it can crash the process (docs/paddle-teardown.md)."""
+        import gc
+
+        try:
+            for watch in self.watches:
+                watch.release()
+            self.watches, self.roots, self.current, self.failed = [], [], None, None
+            gc.collect()
+        except Exception:  # noqa: BLE001 - the script is exiting: nothing of ours may raise into it
+            pass
+
+
 def write_result(config: dict[str, Any], report: Any, process: dict[str, Any] | None = None) -> None:
     """The report as JSON where the parent `nandoctor run` reads it (one file per rank, one per child
     process of the script's: report.pid<N>.json)."""
@@ -522,6 +539,8 @@ def _at_exit() -> None:
                                                                           encoding="utf-8")
         except OSError:
             pass
+    finally:
+        session.release()
 
 
 def _quiet_logger() -> None:
