@@ -249,3 +249,11 @@ def first_loss_code_fault(steps: Iterable[LossStep], model: Any, opt: Any) -> di
             samples.append(row)
         opt.clear_grad()
     return {"step": step, "phase": phase, "layer": None, "op": op, "sample_indices": samples}
+
+
+def step_went_nonfinite(loss: Any, model: Any) -> bool:
+    """After `loss.backward()`: whether the loss or any parameter's gradient holds NaN/Inf, read on the host in
+    float64 (a harness's own `p.grad ** 2` on the device can overflow under the checker and be taken for the
+    run's fault)."""
+    grads = [np.asarray(p.grad.numpy(), "float64") for p in model.parameters() if p.grad is not None]
+    return not np.isfinite(float(loss)) or not all(np.isfinite(g).all() for g in grads)

@@ -17,6 +17,7 @@ import paddle
 import pytest
 import records_data as rd
 import yaml
+from run_truth import step_went_nonfinite
 
 from nandoctor.probe import ProbeOptions, run_probe
 from nandoctor.spec import load_spec
@@ -70,8 +71,7 @@ def _plain_loop(steps: int, skip: int | None) -> int | None:
             idx = [i for i in order[start:start + rd.BATCH] if i != skip]
             loss = loss_mod.bce_loss(net(paddle.to_tensor(x[idx])), paddle.to_tensor(y[idx]))
             loss.backward()
-            grads = [np.asarray(p.grad.numpy(), "float64") for p in net.parameters() if p.grad is not None]
-            if not np.isfinite(float(loss)) or not all(np.isfinite(g).all() for g in grads):
+            if step_went_nonfinite(loss, net):
                 return step
             opt.step()
             opt.clear_grad()

@@ -13,11 +13,11 @@ import runpy
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import paddle
 import pytest
 import two_exp
 import yaml
+from run_truth import step_went_nonfinite
 
 from nandoctor.probe import ProbeOptions, run_probe
 from nandoctor.report.bundle import write_bundle
@@ -50,8 +50,7 @@ def _plain(steps: int, *, at_call: float | None = None, at_source: float | None 
         recon = net.dec(mu + std * paddle.randn(mu.shape, dtype=mu.dtype))
         loss = ((recon - x) ** 2).sum(-1).mean() + 0.5 * (mu ** 2 + paddle.exp(logvar) - logvar - 1).sum(-1).mean()
         loss.backward()
-        grads = [np.asarray(p.grad.numpy(), "float64") for p in net.parameters() if p.grad is not None]
-        if not np.isfinite(np.float64(loss.numpy())) or not all(np.isfinite(g).all() for g in grads):
+        if step_went_nonfinite(loss, net):
             return step
         opt.step()
         opt.clear_grad()

@@ -16,6 +16,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 import probe_models as pm
+from run_truth import step_went_nonfinite
 
 import nandoctor
 from nandoctor.findings import Phase
@@ -280,8 +281,7 @@ def _vae_steps(limit: float, steps: int = 30) -> int | None:
             paddle.exp = real_exp
         loss = ((recon - x) ** 2).sum(-1).mean() + 0.5 * (mu ** 2 + std ** 2 - logvar - 1).sum(-1).mean()
         loss.backward()
-        grads = [np.asarray(p.grad.numpy(), "float64") for p in net.parameters() if p.grad is not None]
-        if not np.isfinite(float(loss)) or not all(np.isfinite(g).all() for g in grads):
+        if step_went_nonfinite(loss, net):
             return step
         opt.step()
         opt.clear_grad()
