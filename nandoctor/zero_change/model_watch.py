@@ -113,13 +113,17 @@ class ModelWatch:
         """Record the model's and the loss layer's calls from now on (the class patch is gone or going)."""
         session = self.session
 
-        def on_model(_layer: Any, args: Any, kwargs: Any) -> None:
+        doctor = self.doctor
+
+        def on_model(layer: Any, args: Any, kwargs: Any) -> None:
             if not session.busy and self.model.training:
                 self.record(args, kwargs)
                 self.call_site = call_site(sys._getframe(1))
                 session.current = self
-                if self.doctor is not None and self.doctor.history is not None:
+                if doctor is not None and doctor.history is not None:
                     self.rng = sys.modules["paddle"].get_rng_state()  # (~1 us: a replay's dropout masks)
+            if doctor is not None:
+                doctor._pre_forward(layer, args)  # the doctor's own seam, after ours as when it was under it
 
         def on_model_out(_layer: Any, _args: Any, out: Any) -> None:
             if session.busy or not self.model.training:
@@ -139,7 +143,11 @@ class ModelWatch:
 
         from nandoctor.inloop.forward import ForwardSeam  # (here: every watched process imports this module)
 
-        # seams on the instances' forward, not hooks: a hook sends every call down Paddle's slow path (forward.py)
+        # seams on the instances' forward, not hooks: a hook sends every call down Paddle's slow path (forward.py).
+        # One seam on the model, not ours over the doctor's: its own is taken off and called from ours (one
+        # wrapper a forward; its close() then finds ours in place and leaves it to us)
+        if doctor is not None:
+            doctor._hook.remove()
         self.handles.append(ForwardSeam(self.model, on_model, on_model_out))
         if self.loss_layer is not None:
             self.handles.append(ForwardSeam(self.loss_layer, on_loss))
