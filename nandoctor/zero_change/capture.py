@@ -13,8 +13,6 @@ from nandoctor.tensors.convert import leaves
 ROW = "nandoctor_row"  # a field of sample positions, so a replay of a subset takes the same rows
 
 
-
-
 def keep_grads(out: Any, into: dict[int, Any]) -> None:
     """Record into `into[i]` the gradient that comes back to each output tensor that takes one."""
     for i, leaf in enumerate(leaves(out)):
@@ -23,6 +21,17 @@ def keep_grads(out: Any, into: dict[int, Any]) -> None:
                 into[_i] = grad.detach()
 
             leaf.register_hook(keep)
+
+
+def retain_grads(out: Any) -> list[tuple[int, Any]]:
+    """Have Paddle keep the gradient that comes back to each output tensor that takes one (`.grad` after the
+    backward); the (index, tensor) pairs to read it from."""
+    kept = []
+    for i, leaf in enumerate(leaves(out)):
+        if not leaf.stop_gradient:
+            leaf.retain_grads()
+            kept.append((i, leaf))
+    return kept
 
 
 def input_names(model: Any, n: int, kwargs: dict[str, Any]) -> list[str]:

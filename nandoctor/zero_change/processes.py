@@ -22,6 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# beside the result: nandoctor's own failure at the script's exit, as text (here, not in runtime.py, so the
+# parent `nandoctor run` reads its name without importing the watcher and, through it, numpy)
+OWN_ERROR = "own_error"
+
 ROOT_PID = "NANDOCTOR_RUN_ROOT_PID"  # the pid of the command's first watched process, for its children
 
 

@@ -27,8 +27,7 @@ from nandoctor.findings import Report, Verdict
 from nandoctor.parallel.rank_progress import ENV as RANK_PROGRESS
 from nandoctor.parallel.rank_progress import Ending, RankWatch
 from nandoctor.parallel.supervisor import Supervisor
-from nandoctor.zero_change.processes import merge_children
-from nandoctor.zero_change.runtime import OWN_ERROR
+from nandoctor.zero_change.processes import OWN_ERROR, merge_children
 
 SITE = Path(__file__).resolve().parent / "site"
 
@@ -67,7 +66,6 @@ def run_script(command: list[str], console: Console, *, json_path: Path | None =
 def _check_before(command: list[str], json_path: Path | None, markdown_path: Path | None, bundle: Path | None,
                   force: bool) -> None:
     """A command to run, and outputs that can be written, before the script starts."""
-    from nandoctor.report.bundle import check_bundle_target
     from nandoctor.report.writer import check_writable_file
 
     if not command:
@@ -76,6 +74,8 @@ def _check_before(command: list[str], json_path: Path | None, markdown_path: Pat
         if path is not None:
             check_writable_file(path)
     if bundle is not None:  # as probe and scan do: never over a folder of the user's, never found out late
+        from nandoctor.report.bundle import check_bundle_target  # (here: it imports the spec and report stack)
+
         check_bundle_target(bundle, force)
 
 

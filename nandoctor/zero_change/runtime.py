@@ -41,7 +41,7 @@ from typing import Any
 
 from nandoctor.zero_change.capture import keep_grads
 from nandoctor.zero_change.model_watch import ModelWatch, call_site
-from nandoctor.zero_change.processes import in_pool_worker
+from nandoctor.zero_change.processes import OWN_ERROR, in_pool_worker
 
 ENV = "NANDOCTOR_RUN"
 _MAX_ROOTS = 16
@@ -419,9 +419,6 @@ def write_result(config: dict[str, Any], report: Any, process: dict[str, Any] | 
         path = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
     if report is not None:
         path.write_text(json_report.render(report), encoding="utf-8")
-
-
-OWN_ERROR = "own_error"  # beside the result: nandoctor's own failure at the script's exit, as text
 
 
 def mark(config: dict[str, Any], what: str) -> None:
