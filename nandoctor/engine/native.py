@@ -2,7 +2,8 @@
 
 During a replay under the tensor checker Paddle prints a `[PRECISION] [ERROR]` line and, for a backward
 op, the Python stack where the forward op was created. The core must not print, and that stack is worth
-keeping: its innermost frame in the user's own code is the source line that created the offending op.
+keeping: its innermost frame in the user's own code is the source line that created the offending op
+(diagnosis/frames.py `creation_lines` reads it).
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ import re
 import sys
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
-
-from nandoctor.workload.entrypoints import is_user_file, short_path
 
 FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')  # a frame of a printed Python stack
 
@@ -54,12 +52,3 @@ def capture_native_output() -> Iterator[NativeOutput]:
                 os.close(copy)
             sink.seek(0)
             out.text = sink.read().decode("utf-8", errors="replace")
-
-
-def user_frame(text: str, base_dir: Path | None) -> str | None:
-    """'model.py:23 in forward': the innermost frame of a printed Python stack that is the user's code."""
-    found = None
-    for file, line, func in FRAME_RE.findall(text):
-        if is_user_file(Path(file), base_dir.resolve() if base_dir else None):
-            found = f"{short_path(Path(file), base_dir)}:{line} in {func}"
-    return found
