@@ -30,6 +30,7 @@ import numpy as np
 
 from nandoctor.engine.precursor_rules import ATTN_ENT, ATTN_MAX, EARLY_STEPS, LOG_Z, RMS, judge
 from nandoctor.findings import Code, Finding, Location, Phase, Severity
+from nandoctor.tensors.convert import float_dtypes
 
 EVERY_ATTENTION = 4  # sampled steps of a model whose attention is seen
 EVERY_PLAIN = 64  # ... of one without (the output head's log Z only)
@@ -292,8 +293,7 @@ def _thin(series: list[tuple[int, float]]) -> None:
 def _is_float(t: Any) -> bool:
     import paddle
 
-    return isinstance(t, paddle.Tensor) and t.dtype in (paddle.float32, paddle.float16, paddle.bfloat16,
-                                                        paddle.float64)
+    return isinstance(t, paddle.Tensor) and t.dtype in float_dtypes()
 
 
 def _logits_of(outputs: Any) -> Any:
