@@ -160,14 +160,20 @@ def _fingerprints(found: _Found, rows: list[int]) -> list[str] | None:
     order of `rows`, without repeats; None when the batch is gone or has no rows to hash."""
     from nandoctor.tensors.fingerprint import row_fingerprints
 
-    fault, tape = found.fault, found.ring.batches
-    pos = (fault.epoch, fault.batch_index or 0)
-    batch = tape.batches.get(pos) if tape is not None else None
-    fields = found.workload.layout.fields(batch, pos[1]) if batch is not None else fault.fields
+    fields = fault_fields(found.fault, found.workload, found.ring)
     prints = row_fingerprints(fields) if fields else None
     if prints is None or any(r >= len(prints) for r in rows):
         return None
     return list(dict.fromkeys(prints[r] for r in rows))
+
+
+def fault_fields(fault: Any, workload: Any, ring: SnapshotRing) -> dict[str, Any] | None:
+    """The named fields of the batch the training read at the fault: the one the probe kept, else the fault's
+    own (None once those were let go)."""
+    tape = ring.batches
+    pos = (fault.epoch, fault.batch_index or 0)
+    batch = tape.batches.get(pos) if tape is not None else None
+    return workload.layout.fields(batch, pos[1]) if batch is not None else fault.fields
 
 
 def _reinit(found: _Found) -> list[Candidate]:

@@ -23,7 +23,7 @@ from nandoctor.engine.snapshots import Snapshot, SnapshotRing, restore
 from nandoctor.engine.watcher import FaultKind
 from nandoctor.findings import Code, Report
 from nandoctor.progress import ProgressFn, no_progress
-from nandoctor.remedies.candidates import SYMPTOMS, Candidate, candidates_for, skip_list_of
+from nandoctor.remedies.candidates import SYMPTOMS, Candidate, candidates_for, fault_fields, skip_list_of
 from nandoctor.remedies.guard import (
     elsewhere_note,
     guard_info,
@@ -130,10 +130,7 @@ def _fault_batch(fault: Any, workload: Any, ring: SnapshotRing) -> tuple[int, st
 
     if fault.batch_index is None:  # (where the batch came in its epoch is unknown: nothing to check against)
         return None
-    pos = (fault.epoch, fault.batch_index)
-    batch = ring.batches.batches.get(pos) if ring.batches is not None else None
-    fields = workload.layout.fields(batch, pos[1]) if batch is not None else fault.fields
-    found = batch_fingerprint(fields)
+    found = batch_fingerprint(fault_fields(fault, workload, ring))
     return None if found is None else (fault.step, found)
 
 
