@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nandoctor.scan.stats import MAX_POSITIONS, PIECE_VALUES
+from nandoctor.tensors.finite import row_chunks
 
 
 def joined(parts: list[np.ndarray]) -> np.ndarray:
@@ -23,10 +24,7 @@ def joined(parts: list[np.ndarray]) -> np.ndarray:
 
 def pieces(rows: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
     """(first row, rows) of a (samples, features) view, about PIECE_VALUES values at a time (views, no copy)."""
-    n = rows.shape[0]
-    step = max(1, PIECE_VALUES // max(1, rows.shape[1]))
-    for a in range(0, n, step):
-        yield a, rows[a:a + step]
+    return row_chunks(rows, PIECE_VALUES)
 
 
 @dataclass

@@ -18,13 +18,14 @@ from nandoctor.tensors.convert import float_dtypes, to_numpy
 CHECK_CHUNK = 1 << 18
 
 
-def row_chunks(value: Any) -> Iterator[tuple[int, np.ndarray]]:
-    """(first row, rows as a 2-D array) of an array or tensor with a first axis, a few MB at a time: a numpy
-    array's rows are views, a tensor's are copied to the host one chunk at a time (never the whole tensor)."""
+def row_chunks(value: Any, values: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, rows as a 2-D array) of an array or tensor with a first axis, about `values` values at a
+    time (CHECK_CHUNK when None): a numpy array's rows are views, a tensor's are copied to the host one chunk
+    at a time (never the whole tensor)."""
     shape = tuple(getattr(value, "shape", ()))
     n = int(shape[0])
     per_row = max(1, int(np.prod(shape[1:], dtype=np.int64)))
-    step = max(1, CHECK_CHUNK // per_row)
+    step = max(1, (values or CHECK_CHUNK) // per_row)
     for start in range(0, n, step):
         part = value[start:start + step]
         if not isinstance(part, np.ndarray):
