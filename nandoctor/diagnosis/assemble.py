@@ -18,7 +18,7 @@ from nandoctor.advice import advice_for
 from nandoctor.diagnosis import nan_params
 from nandoctor.diagnosis.causes import Causes, explain
 from nandoctor.diagnosis.diagnose import StepTarget, diagnose, record_run
-from nandoctor.diagnosis.loss_trend import loss_findings, note_precursor
+from nandoctor.diagnosis.loss_trend import loss_findings
 from nandoctor.diagnosis.precursor_link import link_precursors
 from nandoctor.engine.watcher import Fault, FaultKind
 from nandoctor.findings import Code, Finding, Location, Mode, Phase, Report, Severity
@@ -79,14 +79,11 @@ def assemble(report: Report, facts: RunFacts) -> None:
 
 
 def loss_warnings(report: Report, records: list[Any], fault: Fault | None) -> None:
-    """The loss's divergence and spikes (up to the fault), and the fault's finding told of a divergence before
-    it. Not after a crash: the user's code stopped the run, and its loss says nothing of that."""
+    """The loss's divergence and spikes (up to the fault; the fault's finding is told of a divergence before it
+    by link_precursors). Not after a crash: the user's code stopped the run, and its loss says nothing of that."""
     if fault is not None and fault.kind == FaultKind.CRASH:
         return
-    fault_step = fault.step if fault is not None else None
-    found = loss_findings(report, records, fault_step)
-    report.findings += found
-    note_precursor(report, next((f for f in found if f.code == Code.LOSS_DIVERGENCE), None), fault_step)
+    report.findings += loss_findings(report, records, fault.step if fault is not None else None)
 
 
 def scale_collapse(report: Report, records: list[Any], init_scale: float) -> None:

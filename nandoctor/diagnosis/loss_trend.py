@@ -266,19 +266,3 @@ def loss_warned(records: list[Any]) -> bool:
     return (find_divergence([r.step for r in series], [r.loss for r in series]) is not None
             or bool(find_spikes(series)))
 
-
-def note_precursor(report: Report, divergence: Finding | None, fault_step: int | None) -> None:
-    """The fault's own finding says that the loss had been diverging: it was not only the last batch's doing."""
-    if divergence is None or fault_step is None:
-        return
-    ev = divergence.evidence
-    fault = next((f for f in report.findings if f.severity == Severity.ERROR and f.location.step == fault_step),
-                 None)
-    if fault is None:
-        return
-    fault.message += (f" It came {ev['lead_steps']} step(s) after the loss began to diverge (step "
-                      f"{ev['start_step']}: from its minimum {ev['min_loss']:.3g} at step {ev['min_step']} to "
-                      f"{ev['level']:.3g}; see loss.divergence): the run was diverging before this batch, so look "
-                      "at the step size as well as at the batch.")
-    fault.evidence["precursor"] = {"code": Code.LOSS_DIVERGENCE.value, "start_step": ev["start_step"],
-                                   "lead_steps": ev["lead_steps"]}

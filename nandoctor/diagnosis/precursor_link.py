@@ -1,4 +1,4 @@
-"""A fault that a precursor's growth came before (issue 35): the fault's finding says so.
+"""A fault that a precursor's growth or the loss's divergence came before (issue 35): the fault's finding says so.
 
 The replay names the op, the layer and the samples of the faulting batch, and the samples are where the
 values overflowed first; but when attention logits, log Z or a layer's output had been growing for tens
@@ -18,9 +18,10 @@ PRECURSOR_CODES = (Code.ATTENTION_LOGIT_GROWTH, Code.OUTPUT_LOGIT_DIVERGENCE, Co
 def link_precursors(report: Report, fault_step: int | None) -> None:
     """Point the fault's findings at the precursors whose growth began before `fault_step`; a note that
     blamed the batch's samples instead of the gradient's growth names them, or the loss's divergence, too
-    (the fault's own finding names a divergence already: loss_trend.note_precursor)."""
+    (the fault's own finding names a divergence already: _note_divergence)."""
     if fault_step is None:
         return
+    _note_divergence(report, next((f for f in report.findings if f.code == Code.LOSS_DIVERGENCE), None), fault_step)
     growths = sorted((f for f in report.findings if f.code in (*PRECURSOR_CODES, Code.LOSS_DIVERGENCE)
                       and f.location.step is not None and f.location.step < fault_step),
                      key=lambda f: f.location.step)
@@ -61,3 +62,20 @@ def _unblame(f: Finding, text: str) -> str:
     head = f.message.split("; but the fault reproduces", 1)[0]
     return (f"{head}. The fault also reproduces with a few samples of its batch alone, but {text}: the samples "
             "are where the growth overflowed first, not its cause alone.")
+
+
+def _note_divergence(report: Report, divergence: Finding | None, fault_step: int) -> None:
+    """The fault's own finding says that the loss had been diverging: it was not only the last batch's doing."""
+    if divergence is None:
+        return
+    ev = divergence.evidence
+    fault = next((f for f in report.findings if f.severity == Severity.ERROR and f.location.step == fault_step),
+                 None)
+    if fault is None:
+        return
+    fault.message += (f" It came {ev['lead_steps']} step(s) after the loss began to diverge (step "
+                      f"{ev['start_step']}: from its minimum {ev['min_loss']:.3g} at step {ev['min_step']} to "
+                      f"{ev['level']:.3g}; see loss.divergence): the run was diverging before this batch, so look "
+                      "at the step size as well as at the batch.")
+    fault.evidence["precursor"] = {"code": Code.LOSS_DIVERGENCE.value, "start_step": ev["start_step"],
+                                   "lead_steps": ev["lead_steps"]}
