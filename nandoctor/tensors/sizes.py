@@ -9,13 +9,15 @@ from typing import Any
 import numpy as np
 
 
+def leading_dim(value: Any) -> int | None:
+    """The length of a tensor's or array's first axis; None for a scalar or a value with no shape."""
+    shape = getattr(value, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) > 0 else None
+
+
 def batch_size(fields: Mapping[str, Any]) -> int | None:
     """The leading dimension shared by the array fields, or None when they disagree or have none."""
-    sizes = set()
-    for value in fields.values():
-        shape = getattr(value, "shape", None)
-        if shape is not None and len(shape) > 0:
-            sizes.add(int(shape[0]))
+    sizes = {d for d in map(leading_dim, fields.values()) if d is not None}
     return sizes.pop() if len(sizes) == 1 else None
 
 
@@ -35,6 +37,6 @@ def subset(fields: Mapping[str, Any], indices: list[int]) -> dict[str, Any]:
     n = batch_size(fields)
     out = {}
     for k, v in fields.items():
-        shape = getattr(v, "shape", None)
-        out[k] = take(v, indices) if shape is not None and len(shape) > 0 and int(shape[0]) == n else v
+        d = leading_dim(v)
+        out[k] = take(v, indices) if d is not None and d == n else v
     return out

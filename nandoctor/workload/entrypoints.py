@@ -155,6 +155,13 @@ def is_user_file(file: Path, base: Path | None) -> bool:
 _INSTALLED = frozenset({"site-packages", "dist-packages"})
 
 
+@functools.lru_cache(maxsize=4096)
+def is_user_path(file: str) -> bool:
+    """`is_user_file` of a code object's file name, with no project folder, remembered: asked at every call of
+    a watched model (`nandoctor run`'s call site) and at every call the checked pass's profile sees."""
+    return is_user_file(Path(file), None)
+
+
 def is_own_file(file: str) -> bool:
     """nandoctor's own package: on a stack, the boundary between the user's loop and a replay it runs."""
     return not file.startswith("<") and Path(file).resolve().is_relative_to(_OUR_DIR)

@@ -21,7 +21,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-_ROW = "nandoctor_row"
+from nandoctor.tensors.sizes import leading_dim
+from nandoctor.workload.entrypoints import is_user_path
+from nandoctor.zero_change.capture import ROW
+
 _WHOLE = -1  # the loss function took the model's whole output (else the position of the tensor it took)
 _MAX_CANDIDATES = 8
 
@@ -51,7 +54,6 @@ class LossCall:
         self.rng = paddle.get_rng_state()
         self.candidates: list[Candidate] = []
         self._leaves = [out] + list(_leaves(out))
-        self._user: dict[str, bool] = {}
 
     def start(self) -> None:
         sys.setprofile(self._profile)
@@ -59,16 +61,9 @@ class LossCall:
     def stop(self) -> None:
         sys.setprofile(None)
 
-    def _is_user(self, file: str) -> bool:
-        if file not in self._user:
-            from nandoctor.workload.entrypoints import is_user_file
-
-            self._user[file] = not file.startswith("<") and is_user_file(Path(file), None)
-        return self._user[file]
-
     def _profile(self, frame: Any, event: str, _arg: Any) -> None:
         """A Python call of the user's code that takes the model's output (or one of its tensors)."""
-        if event != "call" or not self._is_user(frame.f_code.co_filename):
+        if event != "call" or not is_user_path(frame.f_code.co_filename):
             return
         code = frame.f_code
         names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
@@ -119,9 +114,9 @@ class _Replay:
         if n is None:
             return None
         every.update({f"arg:{k}": v for k, v in self.fn.arguments.items() if k not in self.fn.outputs})
-        fields = {k: v for k, v in every.items() if _rows(v) == n}
+        fields = {k: v for k, v in every.items() if leading_dim(v) == n}
         self.const = {k: v for k, v in every.items() if k not in fields}
-        fields[_ROW] = paddle.arange(n, dtype="int64")
+        fields[ROW] = paddle.arange(n, dtype="int64")
         return fields
 
     def reset_rng(self) -> None:
@@ -157,11 +152,6 @@ def _leaves(out: Any) -> list[Any]:
     return list(leaves(out))
 
 
-def _rows(value: Any) -> int | None:
-    """The leading dimension of a tensor or array, else None."""
-    shape = getattr(value, "shape", None)
-    return int(shape[0]) if shape is not None and len(shape) > 0 else None
-
 
 def loss_samples(call: LossCall | None) -> dict[str, Any]:
     """{"samples", "scope", "reason", "notes", "function"} from the bisection through the first caught
@@ -179,7 +169,7 @@ def loss_samples(call: LossCall | None) -> dict[str, Any]:
         fields = replay.fields()
         if fields is None:
             continue
-        if not _faults(replay, fields, list(range(int(fields[_ROW].shape[0])))):
+        if not _faults(replay, fields, list(range(int(fields[ROW].shape[0])))):
             why = "not_reproduced"
             continue
         bis = find_samples(replay, fields, "backward")

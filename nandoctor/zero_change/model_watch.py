@@ -53,7 +53,7 @@ class ModelWatch:
         self.index = 0  # its position among the models the process watched
         self._rows: Any = None  # the sample positions of the last batch size seen (never written to)
         self._model_raised: tuple = ()  # (type, message) of what the last replay's call of the model raised
-        self.call_site: list[tuple[str, int, str]] = []  # the frames that called the model last (call_site())
+        self.call_site: tuple[str, int, str] | None = None  # the user's line that called the model last
         self.rng: Any = None  # the RNG state before the model's latest forward (taped steps only)
         self.tape: dict[int, _Taped] = {}  # step -> what its replay needs, while the doctor leaves steps unread
         self.tape_bytes = 0
@@ -66,7 +66,7 @@ class ModelWatch:
         from nandoctor.inloop.doctor import Doctor
 
         self.record(call.args, call.kwargs)
-        self.call_site = getattr(call, "site", None) or []
+        self.call_site = getattr(call, "site", None)
         self.output, self.grads = call.output, call.grads
         # defer_reads: most steps unread, a fault rolled back and replayed from the tape (the Doctor turns it
         # off under ranks and for skip_step, --keep-going, where every update must be checked before it lands)
@@ -184,7 +184,7 @@ class ModelWatch:
     def model_caller(self) -> tuple[str, int, str] | None:
         """(file, line, function) of the user's line that called the model last: where the step the
         replays re-run called into a library's model (theirs run it from nandoctor's own code)."""
-        return self.call_site[0] if self.call_site else None
+        return self.call_site
 
     def fields(self) -> dict[str, Any]:
         """The step's batch as named fields (every step: nothing made that the step does not need)."""
@@ -302,8 +302,10 @@ class ModelWatch:
         if not by_model and origin is None:
             return f"nandoctor's own replay failed ({text}); this is a nandoctor bug, please report it"
         args = ", ".join([*self.names, *(f"{k}={k}" for k in self.kwargs)])
-        site = "".join(f", as called at {short_path(Path(file), Path.cwd())}:{line} in {func}"
-                       for file, line, func in self.call_site[:1])
+        site = ""
+        if self.call_site is not None:
+            file, line, func = self.call_site
+            site = f", as called at {short_path(Path(file), Path.cwd())}:{line} in {func}"
         call = f"{type(self.model).__name__}({args}){site}"
         what = ("calling your model again" if by_model else "calling your loss layer again after your model"
                 if self.loss_layer is not None else "replaying the step of your model")
@@ -383,29 +385,23 @@ _SITE_DEPTH = 24
 _USER: dict[Any, bool] = {}  # code object -> whether it is the user's (is_user_file, asked once per code)
 
 
-def call_site(frame: Any) -> list[tuple[str, int, str]]:
-    """[(file, line, function)] of the innermost frame of the user's code that called a layer (past Paddle's
-    machinery, nandoctor's seams, a library's trainer), or [] when none is within _SITE_DEPTH frames. Runs
+def call_site(frame: Any) -> tuple[str, int, str] | None:
+    """(file, line, function) of the innermost frame of the user's code that called a layer (past Paddle's
+    machinery, nandoctor's seams, a library's trainer), or None when none is within _SITE_DEPTH frames. Runs
     at every training call of the model: one dict lookup a frame once its code was seen."""
     for _ in range(_SITE_DEPTH):
         if frame is None:
-            return []
+            return None
         code = frame.f_code
         user = _USER.get(code)
         if user is None:
-            user = _USER[code] = _is_user(code.co_filename)
+            from nandoctor.workload.entrypoints import is_user_path
+
+            user = _USER[code] = is_user_path(code.co_filename)
         if user:
-            return [(code.co_filename, frame.f_lineno, code.co_name)]
+            return code.co_filename, frame.f_lineno, code.co_name
         frame = frame.f_back
-    return []
-
-
-def _is_user(file: str) -> bool:
-    from pathlib import Path
-
-    from nandoctor.workload.entrypoints import is_user_file
-
-    return is_user_file(Path(file), None)
+    return None
 
 
 def _through_grads(outs: list[Any], grads: dict[int, Any], rows: Any) -> Any:

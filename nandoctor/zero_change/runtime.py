@@ -57,7 +57,7 @@ class _Call:
         self.layer, self.args, self.kwargs, self.rng = layer, args, kwargs, rng
         self.output: Any = None
         self.grads: dict[int, Any] = {}
-        self.site: list[tuple[str, int, str]] = []
+        self.site: tuple[str, int, str] | None = None  # the user's line that made the call (call_site)
 
 
 class Session:
@@ -388,7 +388,6 @@ class Session:
         if failed is not None and failed.doctor.report is not None and failed.doctor.skipped:  # --keep-going
             failed.doctor.report.details["skipped_steps"] = list(failed.doctor.skipped)
             self.write(self._named(failed, failed.doctor.report))
-
 
     def release(self) -> None:
         """After the report: let go of what this session kept of the script's (models, optimizers, their
