@@ -245,3 +245,28 @@ def test_reproduce_says_which_bundle_file_is_not_a_mapping(tmp_path: Path, name:
     assert module.main([]) == 2
     err = capsys.readouterr().err
     assert f"{name} in {out}" in err and "is not the mapping nandoctor wrote" in err and "Traceback" not in err
+
+
+def test_a_model_input_that_is_no_array_is_named_as_left_out_of_batch_npz(tmp_path: Path):
+    """A graph object handed to the model (pgl's Graph under `run`) cannot go into batch.npz: the bundle's
+    README names it, so a reader knows why reproduce.py lacks that input; the array fields are saved."""
+    from nandoctor.engine.artifacts import capture
+    from nandoctor.report.bundle_files import save_artifacts
+
+    class Graph:  # a library's object with a numpy() of its own, which nandoctor must not call
+        def numpy(self) -> None:
+            raise AssertionError("called the object's own numpy()")
+
+    report = Report(command="run")
+    report.first_fault = FirstFault(step=3, phase=Phase.BACKWARD)
+    capture(report, {"graph": Graph(), "x": np.ones((4, 2), np.float32)}, step=3, batch_index=None)
+    (tmp_path / "b").mkdir()
+    notes = save_artifacts(report, tmp_path / "b")
+    assert any("not saved" in note and note.endswith(": graph") for note in notes), notes
+    with np.load(tmp_path / "b" / "batch.npz", allow_pickle=False) as data:
+        assert data.files == ["x"]
+    report.artifacts = {}
+    capture(report, {"graph": Graph()}, step=3, batch_index=None)  # nothing else: still named, no empty npz
+    (tmp_path / "c").mkdir()
+    assert any(note.endswith(": graph") for note in save_artifacts(report, tmp_path / "c"))
+    assert not (tmp_path / "c" / "batch.npz").exists()

@@ -80,6 +80,7 @@ def capture(report: Any, fields: Mapping[str, Any], *, step: int | None, batch_i
     if report.artifacts.get("batch") is not None or report.artifacts.get(WANTED) is False:
         return
     report.artifacts["batch"] = batch_arrays(fields)
+    report.artifacts["batch_left_out"] = [str(name) for name in fields if str(name) not in report.artifacts["batch"]]
     report.artifacts["step"] = step
     report.artifacts["batch_index"] = batch_index
     if model is not None:

@@ -74,15 +74,7 @@ def save_artifacts(report: Report, folder: Path) -> list[str]:
     art = report.artifacts or {}
     if not art and report.first_fault is None:
         return [f"no batch, model state or replay: the run found no fault (verdict {report.verdict.value})"]
-    batch = art.get("batch")
-    if isinstance(batch, dict) and batch:
-        arrays, skipped = _numeric(batch)
-        if arrays:
-            np.savez(folder / "batch.npz", **arrays)  # uncompressed: bit-exact and quick to open
-        if skipped:
-            notes.append(f"batch fields not saved (not numeric arrays): {', '.join(skipped)}")
-    else:
-        notes.append("no offending batch was captured (the run found no fault, or found it outside the data)")
+    notes += _save_batch(folder, art)
     state = art.get("model_state")
     if isinstance(state, dict) and state:
         arrays, skipped = _numeric(state)
@@ -102,6 +94,23 @@ def save_artifacts(report: Report, folder: Path) -> list[str]:
     elif report.command == "probe":
         notes.append("no RNG state was captured; a model with dropout may replay with other masks")
     return notes
+
+
+def _save_batch(folder: Path, art: dict[str, Any]) -> list[str]:
+    """batch.npz, and a note naming the fields it could not hold (a graph object given to the model is not
+    an array): a reader of the bundle should not have to guess why reproduce.py lacks an input."""
+    batch = art.get("batch")
+    left_out = list(art.get("batch_left_out") or [])
+    if not (isinstance(batch, dict) and batch) and not left_out:
+        return ["no offending batch was captured (the run found no fault, or found it outside the data)"]
+    arrays, skipped = _numeric(batch if isinstance(batch, dict) else {})
+    if arrays:
+        np.savez(folder / "batch.npz", **arrays)  # uncompressed: bit-exact and quick to open
+    skipped += [name for name in left_out if name not in skipped]
+    if not skipped:
+        return []
+    return [f"batch fields not saved (not numeric arrays, e.g. a graph or another library's object; "
+            f"reproduce.py cannot feed them back): {', '.join(skipped)}"]
 
 
 def _numeric(values: dict[str, Any]) -> tuple[dict[str, np.ndarray], list[str]]:
