@@ -29,7 +29,8 @@ from nandoctor.spec import load_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import precursor_models as pm  # noqa: E402
-from run_truth import precursor_record  # noqa: E402
+from inloop_helpers import ROOT  # noqa: E402
+from run_truth import nandoctor_run, precursor_record  # noqa: E402
 
 MODELS = Path(pm.__file__).resolve()
 WARMUP = 30
@@ -37,15 +38,21 @@ PRECURSORS = {"attention.logit_growth", "output.logit_divergence", "activation.n
 
 
 def probe(tmp_path: Path, *, peak: float, steps: int, loss: str = "cross_entropy", **model: Any) -> Report:
+    path = write_spec(tmp_path, peak=peak, steps=steps, loss=loss, **model)
+    return run_probe(load_spec(path), ProbeOptions(steps=steps, seed=0, device="cpu"))
+
+
+def write_spec(tmp_path: Path, *, peak: float, steps: int, loss: str = "cross_entropy", **model: Any) -> Path:
     raw = {"version": 1, "model": {"entry": f"{MODELS}:gpt", "args": model},
            "data": {"entry": f"{MODELS}:tokens", "args": {"batches": steps}, "fields": ["ids", "label"],
                     "label": "label"},
            "loss": {"entry": f"{MODELS}:{loss}"},
            "optimizer": {"name": "AdamW", "args": {"learning_rate": peak},
-                         "lr_scheduler": {"warmup": {"steps": WARMUP, "start_lr": 0.0}}}}
+                         "lr_scheduler": {"warmup": {"steps": WARMUP, "start_lr": 0.0}}},
+           "probe": {"steps": steps}}  # (a plain script of the spec, under `nandoctor run`, trains as many)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(raw), encoding="utf-8")
-    return run_probe(load_spec(path), ProbeOptions(steps=steps, seed=0, device="cpu"))
+    return path
 
 
 def truth(*, peak: float, steps: int, loss: str = "cross_entropy", **model: Any) -> tuple[dict, list, int | None]:
@@ -315,3 +322,26 @@ def test_a_step_opened_after_its_forward_does_not_end_the_search_for_attention()
     model(ids)
     mon.end()
     assert mon.attention == ["blocks.0.attn", "blocks.1.attn"] and mon.every == pc.EVERY_ATTENTION
+
+
+def test_run_gives_the_probes_warnings_from_the_same_step(attention_run: tuple, tmp_path: Path) -> None:
+    """`nandoctor run` on a plain script training the probe's spec (tests/parity/plain_train.py; the child process
+    is what this door is): it finds the model only at step 0's update, after that step's forward, and samples
+    step 0 by running that forward again, so its findings are the probe's: codes, layers, start steps, levels."""
+    probe_report, record, _ = attention_run
+    spec = write_spec(tmp_path, peak=0.1, steps=120)
+    _, report = nandoctor_run(ROOT / "tests" / "parity" / "plain_train.py", [str(spec)], tmp_path)
+    assert report["run"]["mode"] == "run" and report["verdict"] == "at_risk"
+    probed = {f.code.value: f for f in probe_report.findings if f.code.value in PRECURSORS}
+    ran = {f["code"]: f for f in report["findings"] if f["code"] in PRECURSORS}
+    assert probed and set(ran) == set(probed)
+    for code, f in probed.items():
+        ev = ran[code]["evidence"]
+        for key in ("layer", "start_step", "alarm_step", "level_step", "peak_step", "sample_every"):
+            assert ev[key] == f.evidence[key], (code, key)
+        assert ev["early_level"] == pytest.approx(f.evidence["early_level"], rel=1e-4)
+        assert ev["level"] == pytest.approx(f.evidence["level"], rel=1e-4)
+    # step 0's sample is the plain loop's step 0 (its dropout masks, weights before the first update)
+    ev = ran["attention.logit_growth"]["evidence"]
+    assert ev["history"][0][0] == 0
+    assert ev["history"][0][1] == pytest.approx(record[f"{ev['layer']}:max"][0], rel=1e-4)
