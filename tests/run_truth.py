@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import math
 import os
 import re
 import subprocess
@@ -161,14 +162,9 @@ def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callab
 
     def scores_hook(name: str) -> Callable[..., None]:
         def hook(layer: Any, inputs: Any, out: Any) -> None:
-            a = out.numpy().astype("float64")
-            t = a.shape[-1]
-            a = a + np.triu(np.full((t, t), -1.0e9), 1)
-            put(f"{name}:max", float(a.max()))
-            p = np.exp(a - a.max(-1, keepdims=True))
-            p /= p.sum(-1, keepdims=True)
-            p = p[:entropy_rows]
-            put(f"{name}:entropy", float(-(p * np.log(np.maximum(p, 1e-300))).sum(-1).mean()))
+            logit_max, entropy = causal_attention_stats(out.numpy().astype("float64"), entropy_rows)
+            put(f"{name}:max", logit_max)
+            put(f"{name}:entropy", entropy)
         return hook
 
     def head_hook(layer: Any, inputs: Any, out: Any) -> None:
@@ -209,6 +205,25 @@ def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callab
         for h in handles:
             h.remove()
     return record, losses, fault
+
+
+def qk_logits(qkv: np.ndarray, heads: int) -> np.ndarray:
+    """q k^T / sqrt(d) in float64 from a fused QKV projection's output [batch, seq, 3 * d] (q, k, v side by
+    side, each [heads, d / heads] as the test decoders split them): [batch, heads, seq, seq]."""
+    b, t, three_d = qkv.shape
+    x = qkv.astype("float64").reshape(b, t, 3, heads, three_d // 3 // heads).transpose(2, 0, 3, 1, 4)
+    return x[0] @ x[1].transpose(0, 1, 3, 2) / math.sqrt(x.shape[-1])
+
+
+def causal_attention_stats(scores: np.ndarray, entropy_rows: int) -> tuple[float, float]:
+    """The largest attention logit (with the causal mask's -1e9 added as the test decoders add it) and the
+    attention entropy in nats, the mean over the query rows of the first `entropy_rows` sequences."""
+    t = scores.shape[-1]
+    a = scores.astype("float64") + np.triu(np.full((t, t), -1.0e9), 1)
+    p = np.exp(a - a.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    p = p[:entropy_rows]
+    return float(a.max()), float(-(p * np.log(np.maximum(p, 1e-300))).sum(-1).mean())
 
 
 # (step, the model's forward, the loss code on its output, the loss of one row of the batch, rows)
