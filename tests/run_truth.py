@@ -147,8 +147,9 @@ def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callab
                      peak_lr: float, warmup: int, entropy_rows: int = 4) -> tuple[dict[str, list[float]], list[float],
                                                                                  int | None]:
     """Issue 35's ground truth: a plain AdamW loop with a linear warmup to `peak_lr` that records, every step
-    and on the host in float64, through forward hooks of its own: per attention-score layer (a sublayer named
-    `...scores` whose output is q k^T / sqrt(d), before the causal mask) the largest logit (`<layer>:max`,
+    and on the host in float64, through forward hooks of its own: per attention layer (q k^T / sqrt(d) from its
+    QKV projection's output, or with qk-layernorm from its `scores` sublayer's, before the causal mask) the
+    largest logit (`<layer>:max`,
     the mask's -1e9 added as the model adds it) and the attention entropy in nats, the mean over the rows of the
     batch's first `entropy_rows` sequences (`<layer>:entropy`); the
     head's largest |logsumexp(logits)| (`head:log_z`); each Linear's output RMS (`<layer>:rms`). Returns the
@@ -160,11 +161,14 @@ def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callab
     def put(key: str, value: float) -> None:
         record.setdefault(key, []).append(value)
 
+    def put_attention(name: str, scores: np.ndarray) -> None:
+        logit_max, entropy = causal_attention_stats(scores, entropy_rows)
+        put(f"{name}:max", logit_max)
+        put(f"{name}:entropy", entropy)
+
     def scores_hook(name: str) -> Callable[..., None]:
         def hook(layer: Any, inputs: Any, out: Any) -> None:
-            logit_max, entropy = causal_attention_stats(out.numpy().astype("float64"), entropy_rows)
-            put(f"{name}:max", logit_max)
-            put(f"{name}:entropy", entropy)
+            put_attention(name, out.numpy().astype("float64"))
         return hook
 
     def head_hook(layer: Any, inputs: Any, out: Any) -> None:
@@ -178,10 +182,20 @@ def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callab
             put(f"{name}:rms", math.sqrt(float((a * a).mean())))
         return hook
 
+    def projection_hook(name: str, heads: int) -> Callable[..., None]:
+        def hook(layer: Any, inputs: Any, out: Any) -> None:
+            put_attention(name, qk_logits(out.numpy(), heads))
+        return hook
+
     handles = []
-    for name, layer in model.named_sublayers():
-        if name.endswith("scores"):
-            handles.append(layer.register_forward_post_hook(scores_hook(name.rsplit(".", 1)[0])))
+    layers = dict(model.named_sublayers())
+    for name, layer in layers.items():
+        parent = name.rsplit(".", 1)[0]
+        attn = layers.get(parent)
+        if name.endswith("qkv") and not getattr(attn, "qk_norm", True):  # q and k straight from the projection
+            handles.append(layer.register_forward_post_hook(projection_hook(parent, attn.heads)))
+        elif name.endswith("scores") and getattr(attn, "qk_norm", False):  # (q and k normed after it)
+            handles.append(layer.register_forward_post_hook(scores_hook(parent)))
         elif name == "head":
             handles.append(layer.register_forward_post_hook(head_hook))
         if isinstance(layer, paddle.nn.Linear) and name != "head":
