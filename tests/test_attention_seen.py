@@ -43,11 +43,12 @@ def ids() -> Any:
 
 
 def measured(model: Any, ids: Any) -> pc.PrecursorMonitor:
-    """One sampled forward under the monitor, read on the host."""
+    """The first step's forward (which finds the layers) and the first sampled step's, read on the host."""
     mon = pc.PrecursorMonitor(model)
-    mon.begin(0)
-    model(ids)
-    mon.end()
+    for step in (0, pc.EVERY_ATTENTION):
+        mon.begin(step)
+        model(ids)
+        mon.end()
     mon.read()
     return mon
 
@@ -187,5 +188,8 @@ def test_a_softmax_outside_a_sampled_step_is_paddles_own(ids: Any) -> None:
     assert originals() == before
     model(ids)
     mon.end()
+    mon.begin(4)
+    model(ids)
+    mon.end()
     mon.read()
-    assert [s for s, _ in mon.series[(rules.ATTN_MAX, "blocks.0.attn")]] == [0]
+    assert [s for s, _ in mon.series[(rules.ATTN_MAX, "blocks.0.attn")]] == [4]

@@ -199,9 +199,10 @@ def test_multihead_attention_and_sdpa_are_seen_and_softmax_is_put_back() -> None
     enc = paddle.nn.TransformerEncoder(paddle.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0), 2)
     x = paddle.randn([3, 5, 16])
     mon = pc.PrecursorMonitor(enc)
-    mon.begin(0)
-    enc(x)
-    mon.end()
+    for step in (0, 4):  # the first step's sample finds the layers; the series starts at step 4
+        mon.begin(step)
+        enc(x)
+        mon.end()
     mon.read()
     assert F.softmax is original
     assert mon.attention == ["layers.0.self_attn", "layers.1.self_attn"]
@@ -233,7 +234,6 @@ def test_multihead_attention_and_sdpa_are_seen_and_softmax_is_put_back() -> None
         pytest.skip("scaled_dot_product_attention has no CPU kernel here")
     finally:
         mon.end()
-    mon.read()
     assert mon.attention == ["Sdpa"]
     assert F.softmax is original
 
@@ -275,8 +275,9 @@ def test_watch_in_the_users_loop_gives_the_probes_warning(attention_run: tuple, 
             sched.step()
     series = doctor.watcher.precursors.series
     # the watch opens its step inside the model's forward: the head is still measured, at the same steps
-    assert [s for s, _ in series[(rules.LOG_Z, "head")]] == list(range(0, 120, pc.EVERY_ATTENTION))
-    assert [s for s, _ in series[(rules.ATTN_MAX, "blocks.0.attn")]] == list(range(0, 120, pc.EVERY_ATTENTION))
+    # (the first step's sample only finds the layers, in every way in: the series start at step 4)
+    assert [s for s, _ in series[(rules.LOG_Z, "head")]] == list(range(4, 120, pc.EVERY_ATTENTION))
+    assert [s for s, _ in series[(rules.ATTN_MAX, "blocks.0.attn")]] == list(range(4, 120, pc.EVERY_ATTENTION))
     mine, theirs = warning(doctor.report, "attention.logit_growth"), warning(probe_report, "attention.logit_growth")
     for key in ("layer", "start_step", "alarm_step", "level_step", "peak_step"):
         assert mine.evidence[key] == theirs.evidence[key], key
@@ -326,8 +327,9 @@ def test_a_step_opened_after_its_forward_does_not_end_the_search_for_attention()
 
 def test_run_gives_the_probes_warnings_from_the_same_step(attention_run: tuple, tmp_path: Path) -> None:
     """`nandoctor run` on a plain script training the probe's spec (tests/parity/plain_train.py; the child process
-    is what this door is): it finds the model only at step 0's update, after that step's forward, and samples
-    step 0 by running that forward again, so its findings are the probe's: codes, layers, start steps, levels."""
+    is what this door is): it finds the model only at step 0's update, after that step's forward, and finds the
+    attention at step 1's; the series start at step 4 in every way in, so its findings are the probe's: codes,
+    layers, start steps, levels (main's run started at step 1 and said start step 12 where the probe said 8)."""
     probe_report, record, _ = attention_run
     spec = write_spec(tmp_path, peak=0.1, steps=120)
     _, report = nandoctor_run(ROOT / "tests" / "parity" / "plain_train.py", [str(spec)], tmp_path)
@@ -341,7 +343,7 @@ def test_run_gives_the_probes_warnings_from_the_same_step(attention_run: tuple, 
             assert ev[key] == f.evidence[key], (code, key)
         assert ev["early_level"] == pytest.approx(f.evidence["early_level"], rel=1e-4)
         assert ev["level"] == pytest.approx(f.evidence["level"], rel=1e-4)
-    # step 0's sample is the plain loop's step 0 (its dropout masks, weights before the first update)
+    # the first sample is the plain loop's step 4
     ev = ran["attention.logit_growth"]["evidence"]
-    assert ev["history"][0][0] == 0
-    assert ev["history"][0][1] == pytest.approx(record[f"{ev['layer']}:max"][0], rel=1e-4)
+    assert ev["history"][0][0] == pc.EVERY_ATTENTION
+    assert ev["history"][0][1] == pytest.approx(record[f"{ev['layer']}:max"][pc.EVERY_ATTENTION], rel=1e-4)

@@ -67,7 +67,9 @@ class PrecursorMonitor:
         self._key_list: list[tuple[str, str]] = []
         self._open = False
         self._step = 0
-        self._begun: int | None = None  # the step last begun
+        # the first step a driver began: its sample finds the attention but stays out of the series, which starts
+        # at the next multiple of EVERY_ATTENTION in every way in (`nandoctor run` begins step 0 after its forward)
+        self._first: int | None = None
         self._idx: list[int] = []
         self._vals: list[Any] = []
         self._samples: list[tuple[int, list[int], Any]] = []
@@ -91,9 +93,11 @@ class PrecursorMonitor:
 
     # ---- a sampled step -------------------------------------------------------------------------
     def begin(self, step: int) -> None:
-        if self._open or not self.due(step) or step == self._begun:
-            return  # (a step sampled already, by `sample_again` or before a replay of it, is not sampled twice)
-        self._open, self._step, self._begun = True, step, step
+        if self._first is None:
+            self._first = step
+        if self._open or not self.due(step):
+            return
+        self._open, self._step = True, step
         self._idx, self._vals = [], []
         try:
             # the head's hook, not one on the model: a hook registered during the model's own call (the watch's
@@ -105,42 +109,13 @@ class PrecursorMonitor:
         except Exception:  # noqa: BLE001 - a model that takes no hooks: nothing is measured this step
             self._detach()
 
-    def sample_again(self, step: int, forward: Any, rng: Any) -> None:
-        """Sample a step whose forward already ran (`nandoctor run` finds the model at its first update, after
-        step 0's forward) by running that forward again: from its RNG state (its dropout masks), without
-        gradients, the model's buffers (BatchNorm's running statistics) and the RNG state put back after, so the
-        user's training goes on as if it had not run. The series then starts at the step every other way in
-        starts it. A forward that cannot run twice is left alone: the sampling starts at the next step."""
-        if self._open or not self.due(step) or self._forward_seen:
-            return
-        import paddle
-
-        # a forward writes only these: the buffers and the parameters not trained (BatchNorm's running statistics)
-        kept = [*self.model.buffers(), *(p for p in self.model.parameters() if p.stop_gradient)]
-        buffers = [(b, b.clone()) for b in kept if isinstance(b, paddle.Tensor)]
-        state = paddle.get_rng_state()
-        self.begin(step)
-        try:
-            if rng is not None:
-                paddle.set_rng_state(rng)
-            with paddle.no_grad():
-                forward()
-        except Exception:  # noqa: BLE001 - not the user's error: this forward is ours
-            self._vals, self._idx, self._forward_seen = [], [], False
-        finally:
-            self.end()
-            paddle.set_rng_state(state)
-            with paddle.no_grad():
-                for buf, saved in buffers:
-                    paddle.assign(saved, output=buf)
-
     def end(self) -> None:
         """The sampled step's forward is over: hooks off, its values kept (on the device) as one vector."""
         if not self._open:
             return
         self._open = False
         self._detach()
-        if self._vals and self.broken is None:
+        if self._vals and self.broken is None and self._in_series(self._step):
             import paddle
 
             try:
@@ -154,6 +129,12 @@ class PrecursorMonitor:
             self._discover()
         if len(self._samples) >= READ_EVERY:
             self.read()
+
+    def _in_series(self, step: int) -> bool:
+        """Whether a sample of `step` is kept: on the stride's grid, after the first step begun. The same steps
+        whichever driver saw which forward first: the discovery sample (the first step's forward for the probe
+        and the watch, step 1's for `nandoctor run`) only finds the layers."""
+        return self._first is not None and step > self._first and step % EVERY_ATTENTION == 0
 
     def close(self) -> None:
         self.end()

@@ -170,21 +170,12 @@ class Doctor:
         self.watcher.begin_step(self.step, {}, batch_index=self.step, rng=rng)
         self._open = True
 
-    def open_step(self, rng: Any, forward: Callable[[], Any] | None = None) -> None:
+    def open_step(self, rng: Any) -> None:
         """Open the current step after its forward already ran, with the RNG state from before that
         forward: `nandoctor run` finds the model only at the first update, after step 0's backward, and a
-        replay of step 0 needs step 0's dropout masks. `forward`, that forward again: the precursors sample
-        the step as every other way in does (engine/precursors.py, `sample_again`); as a replay, none of the
-        seams on the model's calls take it for a step of the script's."""
-        if self._open:
-            return
-        if forward is not None:
-            self._busy = True
-            try:
-                self.watcher.precursors.sample_again(self.step, forward, rng)
-            finally:
-                self._busy = False
-        self._begin(rng)
+        replay of step 0 needs step 0's dropout masks."""
+        if not self._open:
+            self._begin(rng)
 
     def _end_step(self, stepped: bool) -> None:
         self.watcher.after_update(stepped=stepped)

@@ -77,10 +77,7 @@ class ModelWatch:
         self.doctor.replay_failure = self.replay_failed
         self.doctor.replayed_code = "your model and its loss layer" if self.loss_layer is not None else "your model"
         self.doctor.step = first_step
-        # step 0's forward again, for the precursors' first sample (not for a script that died before its first
-        # update, nor in the checked pass, which re-runs the command only to name an op)
-        again = self.optimizer is not None and self.session.recheck is None
-        self.doctor.open_step(call.rng, (lambda: call.layer(*call.args, **call.kwargs)) if again else None)
+        self.doctor.open_step(call.rng)
         self.rng = call.rng
 
     @property
