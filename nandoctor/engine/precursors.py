@@ -5,17 +5,18 @@ attention is seen, 64 for one without, where only the output head is watched), s
 on how fast the machine ran:
 
 - per attention layer, the largest attention logit (the softmax's input) and the attention entropy
-  (Dehghani et al. 2023; Zhai et al. 2023): `F.softmax` over a [batch, heads, q, k] score tensor,
-  `paddle.nn.MultiHeadAttention` (which calls it) and `F.scaled_dot_product_attention` are intercepted for
-  the sampled step's forward only, and the layer is the `Layer` whose code made the call;
+  (Dehghani et al. 2023; Zhai et al. 2023): Paddle's softmax kernel (under whatever name the model calls it)
+  over a [batch, heads, q, k] score tensor, and the fused attention kernels, are intercepted for the sampled
+  step's forward only (`engine/attention_calls.py`), and the layer is the `Layer` whose code made the call;
 - per output head (the model's last linear layer), the largest |log Z| = |logsumexp(logits)| of its output
   (Wortsman et al. 2023;
   PaLM's z-loss);
 - the output RMS of each linear layer of the blocks that hold an attention layer (QKV, out-projection,
   FC1/FC2; Rybakov et al. 2024).
 
-The values stay on the device as one small vector per sampled step and are read on the host every
-READ_EVERY sampled steps (fixed step numbers) and at the end. `findings()` turns the series into warnings
+The first step a driver begins is sampled to find the layers, and the series start at the next multiple of 4,
+whichever forward the driver saw first. The values stay on the device as one small vector per sampled step and
+are read on the host every READ_EVERY sampled steps (fixed step numbers) and at the end. `findings()` turns the series into warnings
 with thresholds that separate the healthy runs measured for issue 35 from the ones that blew up
 (docs/how-it-works.md, "Precursors").
 """
