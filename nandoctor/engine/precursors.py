@@ -16,9 +16,9 @@ on how fast the machine ran:
 
 The first step a driver begins is sampled to find the layers, and the series start at the next multiple of 4,
 whichever forward the driver saw first. The values stay on the device as one small vector per sampled step and
-are read on the host every READ_EVERY sampled steps (fixed step numbers) and at the end. `findings()` turns the series into warnings
-with thresholds that separate the healthy runs measured for issue 35 from the ones that blew up
-(docs/how-it-works.md, "Precursors").
+are read on the host every READ_EVERY sampled steps (fixed step numbers) and at the end. `findings()` turns
+the series into warnings with thresholds that separate the healthy runs measured for issue 35 from the ones
+that blew up (docs/how-it-works.md, "Precursors").
 """
 
 from __future__ import annotations
