@@ -8,6 +8,10 @@ instead), and no final LayerNorm with a hand-written log(sum(exp(logits))) loss 
 overflows). The data are made here: every sequence steps through the vocabulary by a fixed stride from a
 random start, so a healthy run learns it to a low loss.
 
+`gpt(softmax=...)` makes the attention weights each way a model's code may (SOFTMAX_WAYS: Paddle's softmax
+under the names this file imports before any monitor starts; KERNEL_WAYS, GPU_KERNEL_WAYS: fused kernels that
+compute it inside), with the same weights and numbers, for tests/test_attention_seen.py.
+
 Referenced from specs written by tests/test_precursors.py as "<this file>:<callable>".
 """
 
@@ -17,8 +21,20 @@ import math
 
 import numpy as np
 import paddle
+import paddle.incubate.nn.functional as IF
 import paddle.nn.functional as F
+import paddle.nn.functional.flash_attention as FA
 from paddle import nn
+from paddle.nn.functional import scaled_dot_product_attention
+from paddle.nn.functional import softmax as softmax_by_name
+from paddle.nn.functional.flash_attention import flash_attention
+
+SOFTMAX_ALIAS = F.softmax  # bound when the module is imported, before any monitor starts
+# How the attention weights are made (`gpt(softmax=...)`): Paddle's softmax under every name a model's code
+# uses, and the fused kernels, which compute theirs inside from q and k
+SOFTMAX_WAYS = ("F", "by_name", "alias", "paddle", "tensor", "layer")
+KERNEL_WAYS = ("sdpa", "flash")  # run on this CPU (a math path there)
+GPU_KERNEL_WAYS = ("flash_unpadded", "fused_mha")  # no CPU kernel in Paddle 3.3.1
 
 VOCAB = 64
 SEQ = 16
@@ -32,9 +48,11 @@ class Scores(nn.Layer):
 
 
 class CausalSelfAttention(nn.Layer):
-    def __init__(self, d: int, heads: int, qk_norm: bool) -> None:
+    def __init__(self, d: int, heads: int, qk_norm: bool, softmax: str = "F") -> None:
         super().__init__()
         self.heads = heads
+        self.softmax = softmax
+        self.act = nn.Softmax(-1)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
         self.scores = Scores()
@@ -48,20 +66,61 @@ class CausalSelfAttention(nn.Layer):
     def forward(self, x):
         b, t, d = x.shape
         h = self.heads
+        if self.softmax == "fused_mha":
+            return self._fused_mha(x)
         qkv = self.qkv(x).reshape([b, t, 3, h, d // h]).transpose([2, 0, 3, 1, 4])
         q, k, v = qkv[0], qkv[1], qkv[2]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        att = F.softmax(self.scores(q, k) + self.mask[:t, :t], axis=-1)
+        if self.softmax in KERNEL_WAYS or self.softmax == "flash_unpadded":
+            return self.proj(self._kernel(*(z.transpose([0, 2, 1, 3]) for z in (q, k, v))).reshape([b, t, d]))
+        att = self._weights(self.scores(q, k) + self.mask[:t, :t])
         out = paddle.matmul(att, v).transpose([0, 2, 1, 3]).reshape([b, t, d])
         return self.proj(out)
 
+    def _weights(self, s):
+        how = self.softmax
+        if how == "by_name":
+            return softmax_by_name(s, axis=-1)
+        if how == "alias":
+            return SOFTMAX_ALIAS(s, axis=-1)
+        if how == "paddle":
+            return paddle.softmax(s, dim=-1)
+        if how == "tensor":
+            return s.softmax(-1)
+        if how == "layer":
+            return self.act(s)
+        return F.softmax(s, axis=-1)
+
+    def _kernel(self, q, k, v):
+        """[batch, seq, heads, dim] in and out, causal."""
+        if self.softmax == "sdpa":
+            return scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.softmax == "flash":
+            return flash_attention(q, k, v, causal=True)[0]
+        b, t, h, dh = q.shape
+        cu = paddle.arange(0, (b + 1) * t, t, dtype="int32")
+        packed = [z.reshape([b * t, h, dh]) for z in (q, k, v)]
+        out = FA.flash_attn_unpadded(*packed, cu, cu, t, t, 1.0 / math.sqrt(dh), causal=True)[0]
+        return out.reshape([b, t, h, dh])
+
+    def _fused_mha(self, x):
+        """fused_multi_head_attention with this layer's own QKV and output projections (its causal mask as an
+        additive one); the residual is the block's, not the kernel's."""
+        b, t, d = x.shape
+        h = self.heads
+        qkv_w = self.qkv.weight.transpose([1, 0]).reshape([3, h, d // h, d])
+        mask = self.mask[:t, :t].reshape([1, 1, t, t]).expand([b, h, t, t])
+        return IF.fused_multi_head_attention(
+            x, qkv_w, self.proj.weight, qkv_bias=self.qkv.bias.reshape([3, h, d // h]), linear_bias=self.proj.bias,
+            attn_mask=mask, dropout_rate=0.0, attn_dropout_rate=0.0, add_residual=False)
+
 
 class Block(nn.Layer):
-    def __init__(self, d: int, heads: int, qk_norm: bool) -> None:
+    def __init__(self, d: int, heads: int, qk_norm: bool, softmax: str = "F") -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d)
-        self.attn = CausalSelfAttention(d, heads, qk_norm)
+        self.attn = CausalSelfAttention(d, heads, qk_norm, softmax)
         self.ln2 = nn.LayerNorm(d)
         self.fc1 = nn.Linear(d, 4 * d)
         self.fc2 = nn.Linear(4 * d, d)
@@ -73,11 +132,11 @@ class Block(nn.Layer):
 
 class GPT(nn.Layer):
     def __init__(self, d: int = 32, layers: int = 2, heads: int = 4, qk_norm: bool = False,
-                 final_ln: bool = True) -> None:
+                 final_ln: bool = True, softmax: str = "F") -> None:
         super().__init__()
         self.tok = nn.Embedding(VOCAB, d)
         self.pos = nn.Embedding(SEQ, d)
-        self.blocks = nn.LayerList([Block(d, heads, qk_norm) for _ in range(layers)])
+        self.blocks = nn.LayerList([Block(d, heads, qk_norm, softmax) for _ in range(layers)])
         self.ln_f = nn.LayerNorm(d) if final_ln else None
         self.head = nn.Linear(d, VOCAB)
 
@@ -91,8 +150,9 @@ class GPT(nn.Layer):
         return self.head(x)
 
 
-def gpt(d: int = 32, layers: int = 2, heads: int = 4, qk_norm: bool = False, final_ln: bool = True) -> GPT:
-    return GPT(d, layers, heads, qk_norm, final_ln)
+def gpt(d: int = 32, layers: int = 2, heads: int = 4, qk_norm: bool = False, final_ln: bool = True,
+        softmax: str = "F") -> GPT:
+    return GPT(d, layers, heads, qk_norm, final_ln, softmax)
 
 
 def tokens(batches: int = 200, batch_size: int = 16, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:

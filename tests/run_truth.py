@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import math
 import os
 import re
 import subprocess
@@ -146,8 +147,9 @@ def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callab
                      peak_lr: float, warmup: int, entropy_rows: int = 4) -> tuple[dict[str, list[float]], list[float],
                                                                                  int | None]:
     """Issue 35's ground truth: a plain AdamW loop with a linear warmup to `peak_lr` that records, every step
-    and on the host in float64, through forward hooks of its own: per attention-score layer (a sublayer named
-    `...scores` whose output is q k^T / sqrt(d), before the causal mask) the largest logit (`<layer>:max`,
+    and on the host in float64, through forward hooks of its own: per attention layer (q k^T / sqrt(d) from its
+    QKV projection's output, or with qk-layernorm from its `scores` sublayer's, before the causal mask) the
+    largest logit (`<layer>:max`,
     the mask's -1e9 added as the model adds it) and the attention entropy in nats, the mean over the rows of the
     batch's first `entropy_rows` sequences (`<layer>:entropy`); the
     head's largest |logsumexp(logits)| (`head:log_z`); each Linear's output RMS (`<layer>:rms`). Returns the
@@ -159,16 +161,14 @@ def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callab
     def put(key: str, value: float) -> None:
         record.setdefault(key, []).append(value)
 
+    def put_attention(name: str, scores: np.ndarray) -> None:
+        logit_max, entropy = causal_attention_stats(scores, entropy_rows)
+        put(f"{name}:max", logit_max)
+        put(f"{name}:entropy", entropy)
+
     def scores_hook(name: str) -> Callable[..., None]:
         def hook(layer: Any, inputs: Any, out: Any) -> None:
-            a = out.numpy().astype("float64")
-            t = a.shape[-1]
-            a = a + np.triu(np.full((t, t), -1.0e9), 1)
-            put(f"{name}:max", float(a.max()))
-            p = np.exp(a - a.max(-1, keepdims=True))
-            p /= p.sum(-1, keepdims=True)
-            p = p[:entropy_rows]
-            put(f"{name}:entropy", float(-(p * np.log(np.maximum(p, 1e-300))).sum(-1).mean()))
+            put_attention(name, out.numpy().astype("float64"))
         return hook
 
     def head_hook(layer: Any, inputs: Any, out: Any) -> None:
@@ -182,10 +182,20 @@ def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callab
             put(f"{name}:rms", math.sqrt(float((a * a).mean())))
         return hook
 
+    def projection_hook(name: str, heads: int) -> Callable[..., None]:
+        def hook(layer: Any, inputs: Any, out: Any) -> None:
+            put_attention(name, qk_logits(out.numpy(), heads))
+        return hook
+
     handles = []
-    for name, layer in model.named_sublayers():
-        if name.endswith("scores"):
-            handles.append(layer.register_forward_post_hook(scores_hook(name.rsplit(".", 1)[0])))
+    layers = dict(model.named_sublayers())
+    for name, layer in layers.items():
+        parent = name.rsplit(".", 1)[0]
+        attn = layers.get(parent)
+        if name.endswith("qkv") and not getattr(attn, "qk_norm", True):  # q and k straight from the projection
+            handles.append(layer.register_forward_post_hook(projection_hook(parent, attn.heads)))
+        elif name.endswith("scores") and getattr(attn, "qk_norm", False):  # (q and k normed after it)
+            handles.append(layer.register_forward_post_hook(scores_hook(parent)))
         elif name == "head":
             handles.append(layer.register_forward_post_hook(head_hook))
         if isinstance(layer, paddle.nn.Linear) and name != "head":
@@ -209,6 +219,25 @@ def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callab
         for h in handles:
             h.remove()
     return record, losses, fault
+
+
+def qk_logits(qkv: np.ndarray, heads: int) -> np.ndarray:
+    """q k^T / sqrt(d) in float64 from a fused QKV projection's output [batch, seq, 3 * d] (q, k, v side by
+    side, each [heads, d / heads] as the test decoders split them): [batch, heads, seq, seq]."""
+    b, t, three_d = qkv.shape
+    x = qkv.astype("float64").reshape(b, t, 3, heads, three_d // 3 // heads).transpose(2, 0, 3, 1, 4)
+    return x[0] @ x[1].transpose(0, 1, 3, 2) / math.sqrt(x.shape[-1])
+
+
+def causal_attention_stats(scores: np.ndarray, entropy_rows: int) -> tuple[float, float]:
+    """The largest attention logit (with the causal mask's -1e9 added as the test decoders add it) and the
+    attention entropy in nats, the mean over the query rows of the first `entropy_rows` sequences."""
+    t = scores.shape[-1]
+    a = scores.astype("float64") + np.triu(np.full((t, t), -1.0e9), 1)
+    p = np.exp(a - a.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    p = p[:entropy_rows]
+    return float(a.max()), float(-(p * np.log(np.maximum(p, 1e-300))).sum(-1).mean())
 
 
 # (step, the model's forward, the loss code on its output, the loss of one row of the batch, rows)

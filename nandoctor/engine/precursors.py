@@ -5,29 +5,28 @@ attention is seen, 64 for one without, where only the output head is watched), s
 on how fast the machine ran:
 
 - per attention layer, the largest attention logit (the softmax's input) and the attention entropy
-  (Dehghani et al. 2023; Zhai et al. 2023): `F.softmax` over a [batch, heads, q, k] score tensor,
-  `paddle.nn.MultiHeadAttention` (which calls it) and `F.scaled_dot_product_attention` are intercepted for
-  the sampled step's forward only, and the layer is the `Layer` whose code made the call;
+  (Dehghani et al. 2023; Zhai et al. 2023): Paddle's softmax kernel (under whatever name the model calls it)
+  over a [batch, heads, q, k] score tensor, and the fused attention kernels, are intercepted for the sampled
+  step's forward only (`engine/attention_calls.py`), and the layer is the `Layer` whose code made the call;
 - per output head (the model's last linear layer), the largest |log Z| = |logsumexp(logits)| of its output
   (Wortsman et al. 2023;
   PaLM's z-loss);
 - the output RMS of each linear layer of the blocks that hold an attention layer (QKV, out-projection,
   FC1/FC2; Rybakov et al. 2024).
 
-The values stay on the device as one small vector per sampled step and are read on the host every
-READ_EVERY sampled steps (fixed step numbers) and at the end. `findings()` turns the series into warnings
-with thresholds that separate the healthy runs measured for issue 35 from the ones that blew up
-(docs/how-it-works.md, "Precursors").
+The first step a driver begins is sampled to find the layers, and the series start at the next multiple of 4,
+whichever forward the driver saw first. The values stay on the device as one small vector per sampled step and
+are read on the host every READ_EVERY sampled steps (fixed step numbers) and at the end. `findings()` turns
+the series into warnings with thresholds that separate the healthy runs measured for issue 35 from the ones
+that blew up (docs/how-it-works.md, "Precursors").
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any
 
-import numpy as np
-
+from nandoctor.engine import attention_calls
 from nandoctor.engine.precursor_rules import ATTN_ENT, ATTN_MAX, EARLY_STEPS, LOG_Z, RMS, judge
 from nandoctor.findings import Code, Finding, Location, Phase, Severity
 from nandoctor.tensors.convert import float_dtypes
@@ -51,6 +50,11 @@ class PrecursorMonitor:
         self.model = model
         self._names = {id(layer): name for name, layer in model.named_sublayers()}
         self._names[id(model)] = type(model).__name__
+        # the layer that called a softmax is the one whose code did: an nn.Softmax sublayer only applies it
+        softmax_layers = {id(layer) for layer in model.sublayers() if isinstance(layer, paddle.nn.Softmax)}
+        self._callers = {i: n for i, n in self._names.items() if i not in softmax_layers}
+        self.alias_modules = attention_calls.alias_modules(model)  # where a fused kernel may be bound by name
+        self.measured: dict[str, str] = {}  # attention layer -> how its logits were measured
         self._linears = [(name, layer) for name, layer in model.named_sublayers()
                          if isinstance(layer, paddle.nn.Linear)]
         self._looks_attention = [name for name, layer in model.named_sublayers()
@@ -64,6 +68,9 @@ class PrecursorMonitor:
         self._key_list: list[tuple[str, str]] = []
         self._open = False
         self._step = 0
+        # the first step a driver began: its sample finds the attention but stays out of the series, which starts
+        # at the next multiple of EVERY_ATTENTION in every way in (`nandoctor run` begins step 0 after its forward)
+        self._first: int | None = None
         self._idx: list[int] = []
         self._vals: list[Any] = []
         self._samples: list[tuple[int, list[int], Any]] = []
@@ -87,6 +94,8 @@ class PrecursorMonitor:
 
     # ---- a sampled step -------------------------------------------------------------------------
     def begin(self, step: int) -> None:
+        if self._first is None:
+            self._first = step
         if self._open or not self.due(step):
             return
         self._open, self._step = True, step
@@ -107,7 +116,7 @@ class PrecursorMonitor:
             return
         self._open = False
         self._detach()
-        if self._vals and self.broken is None:
+        if self._vals and self.broken is None and self._in_series(self._step):
             import paddle
 
             try:
@@ -122,6 +131,12 @@ class PrecursorMonitor:
         if len(self._samples) >= READ_EVERY:
             self.read()
 
+    def _in_series(self, step: int) -> bool:
+        """Whether a sample of `step` is kept: on the stride's grid, after the first step begun. The same steps
+        whichever driver saw which forward first: the discovery sample (the first step's forward for the probe
+        and the watch, step 1's for `nandoctor run`) only finds the layers."""
+        return self._first is not None and step > self._first and step % EVERY_ATTENTION == 0
+
     def close(self) -> None:
         self.end()
 
@@ -130,7 +145,7 @@ class PrecursorMonitor:
             h.remove()
         self._handles = []
         if self._intercepting:
-            _release(self)
+            attention_calls.release(self)
         self._intercepting = False
 
     def _discover(self) -> None:
@@ -193,34 +208,35 @@ class PrecursorMonitor:
         return hook
 
     def _patch(self) -> None:
-        _intercept(self)
         self._intercepting = True
+        attention_calls.intercept(self)
 
-    def on_softmax(self, frame: Any, x: Any, axis: int, out: Any) -> None:
+    def on_softmax(self, frame: Any, x: Any, axis: Any, out: Any) -> None:
         """A softmax ran during this monitor's sampled step: attention scores when a layer of the model made
         the call over a [batch, heads, q, k] tensor (or a 3-D one in a layer named like attention)."""
         self._forward_seen = True
         if self._open and self.broken is None and _is_float(x) and axis in (-1, len(x.shape) - 1):
-            layer = _calling_layer(frame, self._names)
+            layer = _calling_layer(frame, self._callers)
             if layer is not None and _is_attention(x, layer):
-                self._attention(layer, x, out)
+                self._attention(layer, x, out, "the softmax's input")
 
-    def on_sdpa(self, frame: Any, query: Any, key: Any, attn_mask: Any, is_causal: bool, scale: Any) -> None:
-        """scaled_dot_product_attention ran: its logits made again from q and k (the kernel keeps them)."""
-        layer = _calling_layer(frame, self._names) if self._open and self.broken is None else None
+    def on_kernel(self, frame: Any, kernel: Any, make_scores: Any) -> None:
+        """A fused attention kernel ran: its logits made again from q and k (the kernel keeps them)."""
+        layer = _calling_layer(frame, self._callers) if self._open and self.broken is None else None
         if layer is None:
             return
         try:
-            scores = _sdpa_scores(query, key, attn_mask, is_causal, scale)
+            scores = make_scores()
         except Exception:  # noqa: BLE001 - a layout this cannot read: left unmeasured
             return
-        self._attention(layer, scores, _ORIGINALS["softmax"](scores, -1))
+        self._attention(layer, scores, attention_calls.softmax(scores), kernel.how)
 
-    def _attention(self, layer: str, scores: Any, probs: Any) -> None:
+    def _attention(self, layer: str, scores: Any, probs: Any, how: str) -> None:
         import paddle
 
         if layer not in self.attention:
             self.attention.append(layer)
+            self.measured[layer] = how
         with paddle.no_grad():
             s = scores.detach()
             # the entropy of the first ENTROPY_ROWS sequences of the batch: a collapse shows in every one, and the
@@ -260,6 +276,9 @@ class PrecursorMonitor:
         self.end()
         self.read()
         out = judge(self.series, fault_step, lrs or {}, self.every)
+        for f in out:
+            if f.code == Code.ATTENTION_LOGIT_GROWTH:
+                f.evidence["measured"] = self.measured.get(f.evidence["layer"])
         unseen = self.unseen()
         if unseen is not None:
             out.append(unseen)
@@ -272,14 +291,17 @@ class PrecursorMonitor:
         shown = ", ".join(self._looks_attention[:5])
         return Finding(
             Code.ATTENTION_UNSEEN, Severity.INFO,
-            f"Layer(s) {shown} look like attention, but no softmax over attention scores (F.softmax over a "
-            "[batch, heads, q, k] tensor, nn.MultiHeadAttention, F.scaled_dot_product_attention) was seen in "
-            "their forward: their attention logits and entropy were not watched (a fused kernel, or a softmax "
-            "imported under another name). The output head's log Z was still watched.",
+            f"Layer(s) {shown} look like attention, but no softmax over attention scores was seen in their "
+            "forward (Paddle's softmax under any name, scaled_dot_product_attention, flash_attention, "
+            "flash_attn_unpadded, fused_multi_head_attention are): their attention logits and entropy were not "
+            "watched (a hand-written softmax, or a fused kernel nandoctor does not know). The output head's log Z "
+            "was still watched.",
             Location(phase=Phase.FORWARD, layer=self._looks_attention[0]),
             {"layers": self._looks_attention[:20]},
-            ["To have them watched, compute the attention weights with `paddle.nn.functional.softmax` "
-             "(`import paddle.nn.functional as F; F.softmax(scores, axis=-1)`) in the attention layer's forward."])
+            ["To have them watched, compute the attention weights with Paddle's softmax "
+             "(`paddle.nn.functional.softmax(scores, axis=-1)`) or `scaled_dot_product_attention` in the "
+             "attention layer's forward."])
+
 
 def _thin(series: list[tuple[int, float]]) -> None:
     """Every other sample of the older half dropped (the first EARLY_STEPS' samples stay): bounded memory."""
@@ -311,64 +333,10 @@ def _logits_of(outputs: Any) -> Any:
     return t
 
 
-# The interception of F.softmax / F.scaled_dot_product_attention: installed while any monitor has a sampled
-# step open (two watched models, a GAN's, may overlap), the originals put back when the last one closes.
-_OPEN: list[PrecursorMonitor] = []
-_ORIGINALS: dict[str, Any] = {}
-
-
-def _intercept(monitor: PrecursorMonitor) -> None:
-    import paddle.nn.functional as F
-
-    if not _OPEN:
-        _ORIGINALS.clear()
-        orig_softmax = F.softmax
-        _ORIGINALS["softmax"] = orig_softmax
-
-        def softmax(x: Any, axis: int = -1, dtype: Any = None, name: str | None = None, **kw: Any) -> Any:
-            out = orig_softmax(x, axis, dtype, name, **kw)
-            frame = sys._getframe(1)
-            for mon in list(_OPEN):
-                try:
-                    mon.on_softmax(frame, x, axis, out)
-                except Exception as exc:  # noqa: BLE001 - ours, not the user's
-                    mon.fail(exc)
-            return out
-
-        F.softmax = softmax
-        orig_sdpa = getattr(F, "scaled_dot_product_attention", None)
-        if orig_sdpa is not None:
-            _ORIGINALS["scaled_dot_product_attention"] = orig_sdpa
-
-            def sdpa(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-                     is_causal: bool = False, *args: Any, **kwargs: Any) -> Any:
-                out = orig_sdpa(query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
-                frame = sys._getframe(1)
-                for mon in list(_OPEN):
-                    try:
-                        mon.on_sdpa(frame, query, key, attn_mask, is_causal, kwargs.get("scale"))
-                    except Exception as exc:  # noqa: BLE001 - ours, not the user's
-                        mon.fail(exc)
-                return out
-
-            F.scaled_dot_product_attention = sdpa
-    _OPEN.append(monitor)
-
-
-def _release(monitor: PrecursorMonitor) -> None:
-    import paddle.nn.functional as F
-
-    if monitor in _OPEN:
-        _OPEN.remove(monitor)
-    if not _OPEN:
-        for attr, orig in _ORIGINALS.items():
-            setattr(F, attr, orig)
-        _ORIGINALS.clear()
-
-
 def _calling_layer(frame: Any, names: dict[int, str]) -> str | None:
-    """The model's layer whose code called the softmax: the nearest frame whose `self` is one of its layers."""
-    for _ in range(6):
+    """The model's layer whose code called the softmax: the nearest frame whose `self` is one of its layers
+    (within a few frames: Paddle's softmax and its decorator, or a kernel's math path, sit between)."""
+    for _ in range(8):
         if frame is None:
             return None
         owner = frame.f_locals.get("self")
@@ -383,22 +351,3 @@ def _is_attention(x: Any, layer: str) -> bool:
     like attention (a classifier's or a head's softmax is neither)."""
     nd = len(x.shape)
     return nd == 4 or (nd == 3 and any(w in layer.lower() for w in _ATTENTION_NAMES))
-
-
-def _sdpa_scores(query: Any, key: Any, attn_mask: Any, is_causal: bool, scale: float | None) -> Any:
-    """The logits scaled_dot_product_attention computes inside ([batch, seq, heads, dim] inputs), made again
-    on a sampled step."""
-    import paddle
-
-    with paddle.no_grad():
-        q = query.detach().astype("float32").transpose([0, 2, 1, 3])
-        k = key.detach().astype("float32").transpose([0, 2, 1, 3])
-        s = paddle.matmul(q, k, transpose_y=True) * (scale if scale else 1.0 / math.sqrt(q.shape[-1]))
-        if attn_mask is not None:
-            mask = attn_mask.detach()
-            s = paddle.where(mask, s, paddle.full_like(s, -1e30)) if mask.dtype == paddle.bool else s + mask.astype(
-                "float32")
-        if is_causal:
-            t, u = s.shape[-2], s.shape[-1]
-            s = s + paddle.to_tensor(np.triu(np.full((t, u), -1e30, dtype="float32"), 1))
-    return s
