@@ -51,6 +51,10 @@ def _no_evidence(r: Replay, c: Candidate) -> tuple[str, str | None] | None:
         return NOT_APPLICABLE, r.not_applicable
     if r.error is not None:
         return NOT_FIXED, f"the replay raised {r.error}"
+    if r.cut:  # the safety net, not the run, stopped it: the machine's load is no verdict either way
+        return NOT_APPLICABLE, (f"not judged: nandoctor's safety time limit stopped this replay after {r.steps_run} "
+                                "step(s) (the machine ran far slower than during the probe); run the probe again on "
+                                "a quieter machine for a verdict")
     if r.other_data_at is not None:
         return NOT_APPLICABLE, (f"this replay read another batch at step {r.other_data_at} than the training did "
                                 f"(the loader gave other data when re-read: {_why_other(r)}), so it says nothing "
