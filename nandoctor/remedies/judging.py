@@ -244,8 +244,14 @@ def judge_divergence(r: Replay, c: Candidate, before: list[tuple[int, float]], e
     broke = _loss_out_of_range(r, r.start_step - 1, span, "the growth began")
     if broke is not None:
         return NOT_FIXED, broke
-    tail = r.losses[-10:]
-    level = sorted(tail)[len(tail) // 2]
-    lowest = min([v for s, v in before if s < r.start_step] + r.losses)
-    return FIXED, (f"no divergence through step {last}: the median of its last {len(tail)} steps' losses is "
-                   f"{level:.3g}, {level / lowest:.3g}x the run's lowest ({lowest:.3g})" if lowest > 0 else None)
+    from nandoctor.diagnosis.loss_trend import DIVERGE_RATIO, final_rise
+
+    rise = final_rise([v for s, v in before if s < r.start_step] + r.losses)
+    if rise is None or rise[1] <= 0:
+        return FIXED, f"no divergence through step {last}"
+    level, lowest = rise
+    said = (f"the median of its last steps' losses is {level:.3g}, {level / lowest:.3g}x the run's smoothed minimum "
+            f"({lowest:.3g})")
+    if level >= DIVERGE_RATIO * lowest:  # noisy, but several-fold up at the end: not back in the healthy range
+        return NOT_FIXED, f"the loss still ended several-fold above its minimum: {said}"
+    return FIXED, f"no divergence through step {last}: {said}"

@@ -1,0 +1,111 @@
+"""Remedies for a loss that diverged without a NaN (issue 35, item 3), against plain Paddle loops.
+
+The run: the small regression MLP of tests/trend_models.py, Adam warmed up over 60 steps to a too-high peak
+(1.0), whose loss falls and then rises several-fold without a NaN (`loss.divergence`). The probe replays the
+step-size remedies from where the rise began to its last step. The truth: a plain Paddle loop (the probe's
+seeding and order of calls; tests/test_loss_trend.plain_losses) with the remedy's change made from the same step on
+the same weights (the learning rate x0.1, the gradients clipped at the row's threshold, a warmup twice as long
+to the same peak), and without any change. Whether each plain loop diverged is read from its own losses in
+float64 by the contract's words (the median of the last steps at least 3x the lowest 5-step median), and the
+probe's verdicts must match; the replayed losses must be the plain loop's. The 10x lower twin gets no replay.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_loss_trend import of_code, plain_losses, probe
+
+from nandoctor.engine.warnings import CLIP_FACTOR
+
+PEAK, TWIN, STEPS, WARMUP = 1.0, 0.1, 160, 60
+
+
+def diverged(losses: np.ndarray) -> bool:
+    """The plain loop's own verdict: non-finite, or its last 10 steps' median at least 3x its lowest 5-step
+    median (a several-fold rise above the minimum that stays)."""
+    x = np.asarray(losses, dtype=np.float64)
+    if not np.isfinite(x).all():
+        return True
+    smooth = np.median(np.lib.stride_tricks.sliding_window_view(x, 5), axis=1)
+    return bool(np.median(x[-10:]) >= 3 * smooth.min())
+
+
+def rows(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["remedy"]: r for r in report["remedies"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("divrem")
+    norms: list[float] = []
+    return {"diverging": probe(tmp, PEAK, try_fixes=True, n=STEPS), "twin": probe(tmp, TWIN, try_fixes=True, n=STEPS),
+            "truth": plain_losses(PEAK, n=STEPS, grad_norms=norms), "norms": norms}
+
+
+def check_against(row: dict[str, Any], truth: np.ndarray, start: int) -> None:
+    """The row's replay is the plain loop's from `start` (its steps, its last losses) and its verdict that
+    loop's."""
+    assert row["start_step"] == start and row["steps_run"] == STEPS - start
+    assert row["loss_after"] == pytest.approx(float(np.mean(truth[-3:])), rel=1e-4)
+    assert row["outcome"] == ("not_fixed" if diverged(truth) else "fixed"), (row["note"], truth[-10:])
+
+
+def test_the_run_diverges_and_the_control_reproduces_it(runs: dict[str, Any]) -> None:
+    truth, report = runs["truth"], runs["diverging"]
+    assert diverged(truth) and np.isfinite(truth).all()  # a divergence without a NaN
+    assert report["verdict"] == "at_risk" and report["first_fault"] is None
+    info = report["details"]["remedies"]
+    assert info["of"] == "loss.divergence" and info["control"]["reproduced"] is True
+    assert info["end_step"] == STEPS and info["time_limit_hit"] is False
+    assert info["replayed_steps"] <= info["step_budget"]
+
+
+def test_lower_rate_from_the_rise_is_verified_as_the_plain_loop_says(runs: dict[str, Any]) -> None:
+    [found] = of_code(runs["diverging"], "loss.divergence")
+    start = found["location"]["step"]
+    row = rows(runs["diverging"])["lr_x0.1"]
+    truth = plain_losses(PEAK, n=STEPS, lr_x=(start, 0.1))
+    assert not diverged(truth)  # the change prevents the divergence in a plain loop
+    check_against(row, truth, start)
+    assert row["outcome"] == "fixed"
+    assert row["change"].startswith("optimizer.args.learning_rate: 0.1")  # YAML for a spec
+    assert any(a.startswith("Verified by replay (lr_x0.1): optimizer.args.learning_rate") for a in found["advice"])
+
+
+def test_clipping_at_the_norms_before_the_rise_matches_the_plain_loop(runs: dict[str, Any]) -> None:
+    [found] = of_code(runs["diverging"], "loss.divergence")
+    start = found["location"]["step"]
+    row = rows(runs["diverging"])["grad_clip"]
+    # the threshold: CLIP_FACTOR x the median of the gradient norms before the rise (all read: < 64 steps)
+    assert start < 64
+    expected = CLIP_FACTOR * float(np.median(runs["norms"][:start]))
+    assert row["threshold"] == pytest.approx(expected, rel=5e-3)  # (the change text's 3 significant digits)
+    truth = plain_losses(PEAK, n=STEPS, clip=(start, row["threshold"]))
+    check_against(row, truth, start)
+
+
+def test_a_longer_warmup_matches_the_plain_loop(runs: dict[str, Any]) -> None:
+    row = rows(runs["diverging"])["warmup"]
+    assert row["spec_change"] == {"optimizer.lr_scheduler.warmup": {"steps": 2 * WARMUP, "start_lr": 0.0}}
+    truth = plain_losses(PEAK, n=STEPS, warmup=2 * WARMUP, start_lr=0.0)
+    assert row["start_step"] == 0 and row["steps_run"] == STEPS
+    assert row["loss_after"] == pytest.approx(float(np.mean(truth[-3:])), rel=1e-4)
+    assert row["outcome"] == ("not_fixed" if diverged(truth) else "fixed"), (row["note"], truth[-10:])
+
+
+def test_a_warmup_too_long_to_judge_is_not_tried(tmp_path: Path) -> None:
+    """100 steps: a 120-step warmup would leave no step at the peak, so no verdict is claimed for it."""
+    report = probe(tmp_path, PEAK, try_fixes=True, n=100)
+    row = rows(report)["warmup"]
+    assert row["outcome"] == "not_applicable" and "--steps" in row["note"] and row["steps_run"] == 0
+    assert rows(report)["lr_x0.1"]["outcome"] == "fixed"
+
+
+def test_the_lower_rate_twin_gets_no_replay(runs: dict[str, Any]) -> None:
+    twin = runs["twin"]
+    assert twin["verdict"] == "healthy" and not twin.get("remedies")
+    assert "remedies" not in twin["details"]
