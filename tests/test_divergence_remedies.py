@@ -109,3 +109,44 @@ def test_the_lower_rate_twin_gets_no_replay(runs: dict[str, Any]) -> None:
     twin = runs["twin"]
     assert twin["verdict"] == "healthy" and not twin.get("remedies")
     assert "remedies" not in twin["details"]
+
+
+LATE = {"warmup": 200, "n": 160, "optimizer": "SGD", "start_lr": 0.01}  # diverges from step ~116 (no NaN by 160)
+
+
+def test_a_late_divergence_clips_at_the_norms_every_stride_reads(tmp_path: Path) -> None:
+    """A rise past the steps read in full (64): the clip threshold is CLIP_FACTOR x the median of the norms of the
+    steps every read stride reads before it (the first 64 and step 64: engine/watcher.py), the plain loop's norms
+    at those steps; each verdict is the plain loop's with the change from the same step."""
+    report = probe(tmp_path, PEAK, try_fixes=True, **LATE)
+    [found] = of_code(report, "loss.divergence")
+    start = found["location"]["step"]
+    assert start > 64 and report["details"]["remedies"]["control"]["reproduced"] is True
+    norms: list[float] = []
+    unchanged = plain_losses(PEAK, **LATE, grad_norms=norms)
+    assert diverged(unchanged) and np.isfinite(unchanged).all()
+    row = rows(report)["grad_clip"]
+    assert row["threshold"] == pytest.approx(CLIP_FACTOR * float(np.median(norms[:65])), rel=5e-3)
+    check_against(row, plain_losses(PEAK, **LATE, clip=(start, row["threshold"])), start)
+    check_against(rows(report)["lr_x0.1"], plain_losses(PEAK, **LATE, lr_x=(start, 0.1)), start)
+
+
+def test_the_growth_begins_at_an_earlier_precursor() -> None:
+    """An attention-logit growth that began before the loss rose is where the step-size remedies restart; one
+    that began after it, or a spike, is not."""
+    from nandoctor.findings import Code, Finding, Location, Report, Severity
+    from nandoctor.remedies.divergence import diverged as divergence_of
+    from nandoctor.remedies.divergence import growth_step
+
+    def warning(code: Code, step: int) -> Finding:
+        return Finding(code, Severity.WARNING, "", Location(step=step), {})
+
+    report = Report(command="probe")
+    report.findings = [warning(Code.LOSS_DIVERGENCE, 40), warning(Code.ATTENTION_LOGIT_GROWTH, 52),
+                       warning(Code.LOSS_SPIKE, 10)]
+    found = divergence_of(report)
+    assert found is not None and growth_step(report, found) == 40
+    report.findings.append(warning(Code.ACTIVATION_NORM_GROWTH, 28))
+    assert growth_step(report, found) == 28
+    report.findings.append(Finding(Code.GRAD_NONFINITE, Severity.ERROR, "", Location(step=60), {}))
+    assert divergence_of(report) is None  # a fault's remedies are trial.py's
