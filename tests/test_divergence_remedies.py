@@ -150,3 +150,23 @@ def test_the_growth_begins_at_an_earlier_precursor() -> None:
     assert growth_step(report, found) == 28
     report.findings.append(Finding(Code.GRAD_NONFINITE, Severity.ERROR, "", Location(step=60), {}))
     assert divergence_of(report) is None  # a fault's remedies are trial.py's
+
+
+def test_the_bounds_are_said_never_judged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step budget too small for a replay leaves it untried, saying so (the same on every machine); the
+    safety time limit stops the replays with a note, never a 'did not help'."""
+    from nandoctor.remedies import trial
+
+    monkeypatch.setattr(trial, "REPLAY_STEPS_FACTOR", 2)  # room for the control and one replay (100 steps each)
+    report = probe(tmp_path, PEAK, try_fixes=True, n=100)
+    by = rows(report)
+    assert by["lr_x0.1"]["outcome"] == "fixed"
+    assert by["grad_clip"]["outcome"] == "not_applicable" and "step budget" in by["grad_clip"]["note"]
+    monkeypatch.setattr(trial, "REPLAY_STEPS_FACTOR", 8)
+    monkeypatch.setattr(trial, "SAFETY_MIN_SECONDS", 0.0)
+    monkeypatch.setenv(trial.BUDGET_ENV, "0")
+    report = probe(tmp_path, PEAK, try_fixes=True, n=100)
+    assert all(r["outcome"] == "not_applicable" for r in report["remedies"])
+    assert report["details"]["remedies"]["time_limit_hit"] is True
+    assert report["details"]["remedies"]["control"]["reproduced"] is None
+    assert any("safety time limit" in (r["note"] or "") for r in report["remedies"])

@@ -29,8 +29,10 @@ from nandoctor.remedies.judging import (
     judge_divergence,
 )
 
-# trial.py's bounds and row, shared so that every replay is counted and shown the same way
-from nandoctor.remedies.trial import REPLAY_STEPS_FACTOR, _row, _Trial, safety_note, safety_seconds, time_budget
+# trial.py's bounds and row, shared so that every replay is counted and shown the same way (its module: the bounds
+# are looked up there when a probe runs, where tests patch them)
+from nandoctor.remedies import trial as bounds
+from nandoctor.remedies.trial import _row, _Trial, safety_note, safety_seconds, time_budget
 
 # The warnings whose step is where a growth began: the loss's divergence and the transformer precursors before it
 _GROWTHS = (Code.LOSS_DIVERGENCE, Code.ATTENTION_LOGIT_GROWTH, Code.ACTIVATION_NORM_GROWTH,
@@ -74,7 +76,7 @@ def try_divergence_remedies(report: Report, res: Any, workload: Any, optimizer: 
     start = growth_step(report, divergence)
     trial = _Trial(report, None, workload, optimizer, ring, end_step, time.perf_counter(),
                    time_budget(probe_seconds), span=healthy_span(report, start),
-                   steps_left=REPLAY_STEPS_FACTOR * end_step)
+                   steps_left=bounds.REPLAY_STEPS_FACTOR * end_step)
     before = [(r.step, float(r.loss)) for r in records if r.step < end_step and r.loss is not None]
     cands = _candidates(report, workload, ring, start, end_step, conclusive_norms(records))
     try:
