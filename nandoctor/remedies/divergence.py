@@ -18,6 +18,7 @@ from nandoctor.engine.snapshots import Snapshot, SnapshotRing, restore
 from nandoctor.findings import Code, Finding, Report
 from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.remedies import changes as rt
+from nandoctor.remedies import trial as bounds  # trial's bounds, read when a probe runs (where tests patch them)
 from nandoctor.remedies.candidates import Candidate, clip_from_norms, conclusive_norms
 from nandoctor.remedies.judging import (
     FIXED,
@@ -28,11 +29,7 @@ from nandoctor.remedies.judging import (
     healthy_span,
     judge_divergence,
 )
-
-# trial.py's bounds and row, shared so that every replay is counted and shown the same way (its module: the bounds
-# are looked up there when a probe runs, where tests patch them)
-from nandoctor.remedies import trial as bounds
-from nandoctor.remedies.trial import _row, _Trial, safety_note, safety_seconds, time_budget
+from nandoctor.remedies.trial import _row, _Trial, safety_note, safety_seconds, time_budget  # (one row, one count)
 
 # The warnings whose step is where a growth began: the loss's divergence and the transformer precursors before it
 _GROWTHS = (Code.LOSS_DIVERGENCE, Code.ATTENTION_LOGIT_GROWTH, Code.ACTIVATION_NORM_GROWTH,
