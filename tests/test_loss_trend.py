@@ -27,9 +27,12 @@ SPIKE_LR, SPIKE_AT, SPIKE_STEPS = 0.01, 60, 100
 
 
 def plain_losses(peak: float, *, warmup: int = WARMUP, n: int = STEPS, spike_at: int = -1, optimizer: str = "Adam",
-                 start_lr: float = START_LR, lr_x: tuple[int, float] | None = None, epochs: int = 1) -> np.ndarray:
+                 start_lr: float = START_LR, lr_x: tuple[int, float] | None = None, epochs: int = 1,
+                 clip: tuple[int, float] | None = None, grad_norms: list[float] | None = None) -> np.ndarray:
     """Every step's loss of a plain Paddle loop (MSE, the probe's seeding and order of calls), float64, up to and
-    including the first non-finite one. `lr_x` (step, factor): the scheduler's rate times factor from that step."""
+    including the first non-finite one. `lr_x` (step, factor): the scheduler's rate times factor from that step;
+    `clip` (step, norm): the gradients' global norm clipped there from that step (ClipGradByGlobalNorm);
+    `grad_norms`: filled with each step's global gradient norm before any clip (float64, on the host)."""
     paddle.seed(0)
     np.random.seed(0)
     random.seed(0)
@@ -40,11 +43,16 @@ def plain_losses(peak: float, *, warmup: int = WARMUP, n: int = STEPS, spike_at:
     for step, (x, y) in enumerate(tm.batches(n, spike_at=spike_at) * epochs):
         if lr_x is not None and step >= lr_x[0]:
             sched.last_lr = float(sched.get_lr()) * lr_x[1]
+        if clip is not None and step == clip[0]:
+            opt._grad_clip = paddle.nn.ClipGradByGlobalNorm(clip[1])
         loss = paddle.nn.functional.mse_loss(model(paddle.to_tensor(x)), paddle.to_tensor(y))
         if not np.isfinite(float(loss)):
             out.append(float(loss))
             break
         loss.backward()
+        if grad_norms is not None:
+            grad_norms.append(float(np.sqrt(sum(float((p.grad.numpy().astype("float64") ** 2).sum())
+                                                for p in model.parameters() if p.grad is not None))))
         opt.step()
         opt.clear_grad()
         if warmup:

@@ -1,8 +1,9 @@
 """The same report on every run (issue 35 item 4): how often the probe reads the device follows measured
-timings, so a test forces the read stride (NANDOCTOR_READ_EVERY, tests only) to two values and asks for the same
-findings (codes, severities, steps, layers, ops), verdict and remedy verdicts. The runs: a plain SGD warmup to a
-too-high rate whose loss diverges and overflows at step ~150 (past the steps read in full), and an Adam one
-that diverges without a NaN."""
+timings, and the remedies' time budget the machine's load, so a test forces the read stride (NANDOCTOR_READ_EVERY)
+and the time budget (NANDOCTOR_REMEDY_SECONDS; both for tests only) to two values each and asks for the same
+findings (codes, severities, steps, layers, ops), verdict and remedy rows (kind, verdict, start step, threshold).
+The runs: a plain SGD warmup to a too-high rate whose loss diverges and overflows at step ~150 (past the steps
+read in full), and an Adam one that diverges without a NaN (its remedies replayed against the divergence)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ from test_loss_trend import FAULTY as FAULTY_RUN
 from test_loss_trend import probe
 
 from nandoctor.engine.watcher import READ_EVERY_ENV
+from nandoctor.remedies.trial import BUDGET_ENV
 
 FAULTY = {"peak": 1.0, **FAULTY_RUN}
 DIVERGING = {"peak": 1.0, "n": 200}
+# the faulty run stopped before its fault: a divergence from step ~116, past the steps every stride reads in full,
+# so a clip threshold from the norms read before it would follow the stride
+LATE = {**FAULTY, "n": 160}
 
 
 def conclusions(report: dict[str, Any]) -> dict[str, Any]:
@@ -26,21 +31,30 @@ def conclusions(report: dict[str, Any]) -> dict[str, Any]:
         "first_fault": report["first_fault"],
         "findings": [(f["code"], f["severity"], f["location"]["step"], f["location"]["layer"], f["location"]["op"],
                       f["location"]["batch_index"]) for f in report["findings"]],
-        "remedies": [(r["remedy"], r["outcome"], r.get("start_step")) for r in report.get("remedies") or []],
+        "remedies": [(r["remedy"], r["outcome"], r.get("start_step"), r.get("threshold"))
+                     for r in report.get("remedies") or []],
     }
 
 
-@pytest.mark.parametrize("case", ["faulty", "diverging"])
+@pytest.mark.parametrize("case", ["faulty", "diverging", "late"])
 def test_forced_read_strides_give_the_same_findings(case: str, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    kw = FAULTY if case == "faulty" else DIVERGING
+    kw = {"faulty": FAULTY, "diverging": DIVERGING, "late": LATE}[case]
     seen = []
-    for stride in ("1", "48"):
+    # every read against a budget a loaded machine would leave (0.001 s), one read in 48 against a quiet one's
+    for stride, budget in (("1", "0.001"), ("48", "100000")):
         monkeypatch.setenv(READ_EVERY_ENV, stride)
-        report = probe(tmp_path, try_fixes=case == "faulty", **kw)
+        monkeypatch.setenv(BUDGET_ENV, budget)
+        report = probe(tmp_path, try_fixes=True, **kw)
+        assert report["details"]["remedies"]["budget_seconds"] == round(float(budget), 1)
         seen.append(conclusions(report))
     assert seen[0] == seen[1]
     codes = {f[0] for f in seen[0]["findings"]}
     assert "loss.divergence" in codes
+    outcomes = {r[0]: r[1] for r in seen[0]["remedies"]}
+    assert outcomes["lr_x0.1"] == "fixed"  # (the plain loops agree: tests/test_divergence_remedies.py)
+    assert outcomes["grad_clip"] in ("fixed", "not_fixed")  # replayed, its threshold from every stride's norms
     if case == "faulty":
         assert seen[0]["verdict"] == "nan_found" and seen[0]["first_fault"]["step"] > 64
+    if case == "late":
+        assert seen[0]["verdict"] == "at_risk" and min(r[2] for r in seen[0]["remedies"] if r[2] is not None) > 64

@@ -107,12 +107,7 @@ def find_divergence(steps: list[int], losses: list[float]) -> Divergence | None:
         return None
     x = np.asarray(losses, dtype=np.float64)
     smooth = running_median(x)
-    stretch = max(8, min(20, n // 10))
-    # the minimum of a wider running median: the lowest of hundreds of noisy 5-step medians is an extreme of the
-    # noise (small-batch regression losses are chi-square-like), not a level the run reached
-    head = running_median(x, stretch | 1)[:n - stretch]
-    i_min = int(np.argmin(head))
-    m = float(head[i_min])
+    stretch, i_min, m = _smoothed_minimum(x)
     if m <= 0 or not _stayed_up(x, smooth, m, i_min, stretch):
         return None
     level = float(np.median(x[n - stretch:]))
@@ -122,6 +117,32 @@ def find_divergence(steps: list[int], losses: list[float]) -> Divergence | None:
     lowest = int(np.argmin(x[:start + 1]))  # the lowest loss before the rise began
     return Divergence(steps[lowest], float(x[lowest]), steps[start], steps[-1], level, float(x[-1]), stretch,
                       float(np.median(x[:EARLY_STEPS])))
+
+
+def _stretch(n: int) -> int:
+    """The last stretch's length: a tenth of the run, 8-20 steps."""
+    return max(8, min(20, n // 10))
+
+
+def _smoothed_minimum(x: np.ndarray) -> tuple[int, int, float]:
+    """(the last stretch's length, the index and value of the run's minimum before it). The minimum of a wider
+    running median: the lowest of hundreds of noisy 5-step medians is an extreme of the noise (small-batch
+    regression losses are chi-square-like), not a level the run reached."""
+    stretch = _stretch(len(x))
+    head = running_median(x, stretch | 1)[:len(x) - stretch]
+    i_min = int(np.argmin(head))
+    return stretch, i_min, float(head[i_min])
+
+
+def final_rise(losses: list[float]) -> tuple[float, float] | None:
+    """(the last stretch's median, the run's smoothed minimum): the first measure of the divergence rule, without
+    its tests that the rise stayed apart from the noise. A remedy's replay is held to it (a fix ends below
+    DIVERGE_RATIO times the minimum), where a warning needs the whole rule; None: too few steps."""
+    if len(losses) < MIN_STEPS:
+        return None
+    x = np.asarray(losses, dtype=np.float64)
+    stretch, _, m = _smoothed_minimum(x)
+    return float(np.median(x[len(x) - stretch:])), m
 
 
 def _stayed_up(x: np.ndarray, smooth: np.ndarray, m: float, i_min: int, stretch: int) -> bool:

@@ -33,6 +33,9 @@ class Change:
 
     lr_scale: float = 1.0
     warmup_steps: int = 0  # the learning rate ramps linearly from 0 over steps 0..warmup_steps-1
+    # the rate a warmup ramps to when it replaces the run's own (a longer warmup to the same peak: the rate at step
+    # s < warmup_steps is warmup_peak * s / warmup_steps, the run's own after); None: the run's rate times the ramp
+    warmup_peak: float | None = None
     clip_norm: float | None = None
     drop: tuple[int, int, list[int]] | None = None  # (epoch, batch_index, rows) left out of that batch
     drop_nonfinite: bool = False  # leave out every sample holding NaN/Inf, in every batch (a loader filter)
@@ -357,7 +360,10 @@ def _optimizer_changed(opt: Any, change: Change, start: int | None = None) -> It
     def set_factor(step: int) -> None:
         if start is not None and step >= start and change.clip_norm is not None and opt._grad_clip is clip:
             opt._grad_clip = paddle.nn.ClipGradByGlobalNorm(float(change.clip_norm))
-        f = factor(step)
+        if change.warmup_peak is not None and step < change.warmup_steps:  # a warmup in place of the run's own
+            _set_rate(opt, sched, change.warmup_peak * step / change.warmup_steps)
+            return
+        f = 1.0 if change.warmup_peak is not None else factor(step)
         if sched is None:
             if base is not None:
                 opt.set_lr(base * f)
@@ -371,6 +377,15 @@ def _optimizer_changed(opt: Any, change: Change, start: int | None = None) -> It
             opt._grad_clip = clip
         if base is not None:
             opt.set_lr(base)
+
+
+def _set_rate(opt: Any, sched: Any, rate: float) -> None:
+    """This step's learning rate set outright: the scheduler's value (its next step recomputes it), else the
+    optimizer's own."""
+    if sched is None:
+        opt.set_lr(rate)
+    else:
+        sched.last_lr = float(rate)
 
 
 @contextlib.contextmanager

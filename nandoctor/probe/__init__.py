@@ -179,7 +179,7 @@ def _train(run: _Run) -> None:
             report.findings.append(_empty_data(spec))
         if res.interrupted:
             _interrupted(report, res.steps_run)
-        elif loop.snapshots is not None and res.fault is not None:
+        elif loop.snapshots is not None and (res.fault is not None or _diverged(report)):
             _remedies(report, res, workload, optimizer, loop, run.options, run.device,
                       time.perf_counter() - run.t_start, run.progress)
     finally:
@@ -247,20 +247,33 @@ def _keep_batches(loop: ProbeLoop) -> None:
 
 def _remedies(report: Report, res: LoopResult, workload: Any, optimizer: Any, loop: ProbeLoop,
               options: ProbeOptions, device: str, probe_seconds: float, progress: ProgressFn = no_progress) -> None:
-    """Replay the candidate fixes (hooks detached, the checker off first: replays are plain training)."""
+    """Replay the candidate fixes (hooks detached, the checker off first: replays are plain training): after a
+    fault, or for a loss that diverged without one."""
+    from nandoctor.remedies.divergence import try_divergence_remedies
     from nandoctor.remedies.trial import try_remedies
 
     loop.close()
     disable_checker()
     try:
         with replaying(report, workload.spec.base_dir, "the remedy replays"):
-            try_remedies(report, res, workload, optimizer, loop.snapshots, fix_steps=options.fix_steps,
-                         probe_seconds=probe_seconds, amp=workload.spec.amp.enabled, device=device,
-                         progress=progress)
+            if res.fault is None:
+                try_divergence_remedies(report, res, workload, optimizer, loop.snapshots, probe_seconds=probe_seconds,
+                                        amp=workload.spec.amp.enabled, device=device, progress=progress)
+            else:
+                try_remedies(report, res, workload, optimizer, loop.snapshots, fix_steps=options.fix_steps,
+                             probe_seconds=probe_seconds, amp=workload.spec.amp.enabled, device=device,
+                             progress=progress)
     except Exception as exc:  # noqa: BLE001 - a bug in our replays must not cost the user the diagnosis
         report.remedies = []
         report.details["remedies"] = {"error": f"nandoctor's own remedy replay failed (a nandoctor bug, not "
                                                f"yours; please report it): {type(exc).__name__}: {exc}"[:400]}
+
+
+def _diverged(report: Report) -> bool:
+    """A run whose loss diverged without a fault: its step-size remedies are replayed too."""
+    from nandoctor.remedies.divergence import diverged
+
+    return diverged(report) is not None
 
 
 def _clip(spec: Spec) -> float | None:

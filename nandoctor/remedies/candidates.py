@@ -53,6 +53,7 @@ class _Found:
     here: Snapshot | None  # right before the failing step
     first: Snapshot | None  # before the first step
     diverge_start: Snapshot | None  # before the growth began, else `here`
+    norms: list[tuple[int, float]] | None = None  # (step, norm) every read stride reads (conclusive_norms)
 
     @property
     def growth_step(self) -> int | None:
@@ -60,10 +61,12 @@ class _Found:
 
 
 def candidates_for(report: Report, fault: Any, workload: Any, ring: SnapshotRing, here: Snapshot | None,
-                   amp: bool) -> list[Candidate]:
+                   amp: bool, norms: list[tuple[int, float]] | None = None) -> list[Candidate]:
     """Every remedy for this fault, each ready to replay or saying why not, kept to those its cause calls
-    for and put in the order a practitioner would try them."""
+    for and put in the order a practitioner would try them. `norms`: the gradient norms every read stride reads
+    (conclusive_norms), for a clip threshold that does not follow the machine's load."""
     found = _found(report, fault, workload, ring, here)
+    found.norms = norms
     repairs = _reinit_rows(found)
     drop = _drop_samples(found)
     drop.nan_weights = frozenset(name for c in repairs for name in c.change.reinit_rows)
@@ -192,7 +195,7 @@ def _reinit(found: _Found) -> list[Candidate]:
 
 def _grad_clip(found: _Found) -> Candidate:
     """Gradient clipping at a threshold from the norms before the fault, from before the growth began."""
-    clip = _clip_threshold(found.report, found.growth, found.fault.step)
+    clip = _clip_threshold(found.report, found.growth, found.fault.step, found.norms)
     if clip is None:
         return Candidate("grad_clip", "optimizer.grad_clip: {global_norm: ...}", Change(), None,
                          why_not="no finite gradient norm before the fault to set a threshold from")
@@ -318,14 +321,26 @@ def _records_text(fault: Any, rows: list[int], records: list[int]) -> str:
             "give the DataLoader a sampler without them")
 
 
-def _clip_threshold(report: Report, growth: Any, fault_step: int) -> float | None:
+def _clip_threshold(report: Report, growth: Any, fault_step: int,
+                    norms: list[tuple[int, float]] | None = None) -> float | None:
+    """The growth warning's threshold, else CLIP_FACTOR times the median norm before `fault_step`: of the norms
+    every read stride reads when given (a timeline's others were read because timing allowed it)."""
     if growth is not None and growth.evidence.get("clip_threshold"):
         return float(growth.evidence["clip_threshold"])
-    norms = sorted(p.grad_norm for p in report.timeline if p.step < fault_step and p.grad_norm is not None
-                   and p.grad_norm == p.grad_norm and p.grad_norm != float("inf"))
-    if not norms:
-        return None
-    return float(norms[len(norms) // 2]) * CLIP_FACTOR
+    return clip_from_norms(norms if norms is not None else
+                           [(p.step, p.grad_norm) for p in report.timeline if p.grad_norm is not None], fault_step)
+
+
+def clip_from_norms(norms: list[tuple[int, float]], before: int) -> float | None:
+    """CLIP_FACTOR times the median of the finite norms of the steps before `before` (None: no such norm)."""
+    vals = sorted(v for s, v in norms if s < before and v == v and v != float("inf"))
+    return float(vals[len(vals) // 2]) * CLIP_FACTOR if vals else None
+
+
+def conclusive_norms(records: list[Any]) -> list[tuple[int, float]]:
+    """(step, gradient norm) of the steps whose norm every read stride reads (StepRecord.conclusive)."""
+    return [(r.step, float(r.grad_norm)) for r in records
+            if r.grad_norm is not None and getattr(r, "conclusive", True)]
 
 
 def _lr(report: Report, step: int) -> float | None:

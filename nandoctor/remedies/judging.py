@@ -51,6 +51,10 @@ def _no_evidence(r: Replay, c: Candidate) -> tuple[str, str | None] | None:
         return NOT_APPLICABLE, r.not_applicable
     if r.error is not None:
         return NOT_FIXED, f"the replay raised {r.error}"
+    if r.cut:  # the safety net, not the run, stopped it: the machine's load is no verdict either way
+        return NOT_APPLICABLE, (f"not judged: nandoctor's safety time limit stopped this replay after {r.steps_run} "
+                                "step(s) (the machine ran far slower than during the probe); run the probe again on "
+                                "a quieter machine for a verdict")
     if r.other_data_at is not None:
         return NOT_APPLICABLE, (f"this replay read another batch at step {r.other_data_at} than the training did "
                                 f"(the loader gave other data when re-read: {_why_other(r)}), so it says nothing "
@@ -98,7 +102,8 @@ def _loss_not_recovered(r: Replay, before: float | None) -> str | None:
     return None
 
 
-def _loss_out_of_range(r: Replay, fault_step: int, span: tuple[float, float] | None) -> str | None:
+def _loss_out_of_range(r: Replay, fault_step: int, span: tuple[float, float] | None,
+                       what: str = "the fault") -> str | None:
     """A finite replay whose loss, after the fault step, left the range the run's healthy steps had by far
     (BLOW_UP times that range's scale beyond either end) is no fix: a guard that clamps `exp` inside a
     hand-written log-sum-exp leaves the target's logit unbounded, and the loss reads -3e6, finite and
@@ -113,7 +118,7 @@ def _loss_out_of_range(r: Replay, fault_step: int, span: tuple[float, float] | N
         return None
     i, v = max(out, key=lambda iv: abs(iv[1]))
     return (f"finite, but the loss reached {v:.3g} at step {r.start_step + i}, far outside the {lo:.3g} to "
-            f"{hi:.3g} of the steps before the fault: the change broke the loss rather than fixing the run")
+            f"{hi:.3g} of the steps before {what}: the change broke the loss rather than fixing the run")
 
 
 def healthy_span(report: Report, fault_step: int) -> tuple[float, float] | None:
@@ -207,3 +212,46 @@ def unverified_note(control: Replay | None, reproduced: bool | None, ring: Snaps
     if data:
         return f"{said} ({seen}): {data}" + tail
     return f"{said} on the same batches ({seen}; a nondeterministic run)" + tail
+
+
+def divergence_of(r: Replay, before: list[tuple[int, float]]) -> Any:
+    """loss_trend's divergence (the one rule) on the run's losses with the replay's in place of the run's from
+    where it began (diagnosis/loss_trend.Divergence), or None: the loss no longer diverges."""
+    from nandoctor.diagnosis.loss_trend import find_divergence
+
+    series = [(s, v) for s, v in before if s < r.start_step]
+    series += [(r.start_step + i, v) for i, v in enumerate(r.losses)]
+    return find_divergence([s for s, _ in series], [v for _, v in series])
+
+
+def judge_divergence(r: Replay, c: Candidate, before: list[tuple[int, float]], end_step: int,
+                     span: tuple[float, float] | None) -> tuple[str, str | None]:
+    """A replay against a divergence without a fault: fixed when it reached the probe's last step (`end_step` - 1)
+    finite, within the healthy steps' range (`span`), and the divergence rule no longer fires on the run's losses
+    with the replay's from its start; else not fixed, saying what the loss did."""
+    unjudged = _no_evidence(r, c)
+    if unjudged is not None:
+        return unjudged
+    if not r.finite:
+        return NOT_FIXED, f"NaN/Inf at step {r.failed_at}"
+    last = r.start_step + r.steps_run - 1
+    if last < end_step - 1:
+        return NOT_APPLICABLE, f"the data ran out at step {last}, before the probe's last step ({end_step - 1})"
+    d = divergence_of(r, before)
+    if d is not None:
+        return NOT_FIXED, (f"the loss still diverged: from {d.min_loss:.3g} at step {d.min_step} it rose from step "
+                           f"{d.start_step} to {d.level:.3g} over the last {d.stretch} steps ({d.ratio:.3g}x)")
+    broke = _loss_out_of_range(r, r.start_step - 1, span, "the growth began")
+    if broke is not None:
+        return NOT_FIXED, broke
+    from nandoctor.diagnosis.loss_trend import DIVERGE_RATIO, final_rise
+
+    rise = final_rise([v for s, v in before if s < r.start_step] + r.losses)
+    if rise is None or rise[1] <= 0:
+        return FIXED, f"no divergence through step {last}"
+    level, lowest = rise
+    said = (f"the median of its last steps' losses is {level:.3g}, {level / lowest:.3g}x the run's smoothed minimum "
+            f"({lowest:.3g})")
+    if level >= DIVERGE_RATIO * lowest:  # noisy, but several-fold up at the end: not back in the healthy range
+        return NOT_FIXED, f"the loss still ended several-fold above its minimum: {said}"
+    return FIXED, f"no divergence through step {last}: {said}"

@@ -7,12 +7,17 @@ rate x0.1 and a linear warmup. Each restarts from a snapshot (snapshots.py): the
 op, sample and NaN-row remedies, the state before the growth began for divergence remedies, the first
 step for warmup and re-initialisation. A run that stays finite to
 `end_step` without its loss blowing up is `fixed`. A replay without any change (the control) checks
-that the fault reproduces at all. Time is bounded by a budget of a few times the probe's own run.
-The candidates are made in candidates.py, each replay is judged in judging.py.
+that the fault reproduces at all. A run whose loss diverged without a fault gets the step-size remedies
+replayed to its last step (divergence.py). The replays are bounded in steps (REPLAY_STEPS_FACTOR times the
+steps they replay to, in all), so what is tried and concluded is the same on every run; a seconds limit
+(`safety_seconds`) is only a safety net against a machine far slower than when the probe ran, and a replay it
+stops is said to be stopped by it, never judged. The candidates are made in candidates.py, each replay is
+judged in judging.py.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +28,14 @@ from nandoctor.engine.snapshots import Snapshot, SnapshotRing, restore
 from nandoctor.engine.watcher import FaultKind
 from nandoctor.findings import Code, Report
 from nandoctor.progress import ProgressFn, no_progress
-from nandoctor.remedies.candidates import SYMPTOMS, Candidate, candidates_for, fault_fields, skip_list_of
+from nandoctor.remedies.candidates import (
+    SYMPTOMS,
+    Candidate,
+    candidates_for,
+    conclusive_norms,
+    fault_fields,
+    skip_list_of,
+)
 from nandoctor.remedies.guard import (
     elsewhere_note,
     guard_info,
@@ -46,8 +58,32 @@ from nandoctor.remedies.judging import (
 from nandoctor.remedies.judging import judge as _judge  # the name tests/test_remedies.py imports from here
 
 FIX_STEPS = 20  # replays run to the fault step + this many steps
+# The replays' bound: in all, this many times the steps they replay to (the fault step + FIX_STEPS, or a diverged
+# run's last step), counted as planned before each replay runs: what is tried never follows the machine's load
+REPLAY_STEPS_FACTOR = 8
+# The time the remedies are expected to take: a few times the probe's own run (at least MIN_BUDGET_SECONDS). It
+# decides nothing: the safety net is SAFETY_FACTOR times it (at least SAFETY_MIN_SECONDS), reached only on a
+# machine far slower than when the probe ran; a replay it stops is reported as stopped by it, with no verdict
 MIN_BUDGET_SECONDS = 20.0
-BUDGET_FACTOR = 4.0  # remedies may take this many times the probe's own run (at least MIN_BUDGET_SECONDS)
+BUDGET_FACTOR = 4.0
+SAFETY_MIN_SECONDS = 900.0
+SAFETY_FACTOR = 10.0
+# Tests only: the time budget forced, in seconds (a loaded machine's small one, a quiet one's large one)
+BUDGET_ENV = "NANDOCTOR_REMEDY_SECONDS"
+
+
+def time_budget(probe_seconds: float) -> float:
+    """The remedies' expected time in seconds (BUDGET_ENV when a test forces it)."""
+    raw = os.environ.get(BUDGET_ENV, "").strip()
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        return max(MIN_BUDGET_SECONDS, BUDGET_FACTOR * probe_seconds)
+
+
+def safety_seconds(budget: float) -> float:
+    """The seconds after which the replays stop whatever they found: a safety net, far above the budget."""
+    return max(SAFETY_MIN_SECONDS, SAFETY_FACTOR * budget)
 
 
 def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: SnapshotRing, *,
@@ -63,12 +99,15 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
                                       "not drive the GradScaler); run with amp.enabled: false to have them tried"}
         return
     t0 = time.perf_counter()
-    budget = max(MIN_BUDGET_SECONDS, BUDGET_FACTOR * probe_seconds)
     entry = ring.take(fault.step, fault.epoch, fault.batch_index or 0)  # to put back afterwards
     here = _fault_snapshot(fault, ring, entry)
-    trial = _Trial(report, fault, workload, optimizer, ring, fault.step + max(1, fix_steps), t0, budget,
-                   _fault_batch(fault, workload, ring), span=healthy_span(report, fault.step))
-    cands = candidates_for(report, fault, workload, ring, here, amp)
+    end_step = fault.step + max(1, fix_steps)
+    trial = _Trial(report, fault, workload, optimizer, ring, end_step, t0, time_budget(probe_seconds),
+                   _fault_batch(fault, workload, ring), span=healthy_span(report, fault.step),
+                   steps_left=REPLAY_STEPS_FACTOR * end_step)
+    records = getattr(res, "records", None)
+    cands = candidates_for(report, fault, workload, ring, here, amp,
+                           norms=conclusive_norms(records) if records else None)
     # The fault's batch has served (localisation, findings, the candidates' texts; a bundle took its own
     # copy): the replays read the batch again, so holding this one too keeps a second copy of a batch alive
     # through every replay (the loop's watcher and step engine must let it go as well for it to be freed).
@@ -100,15 +139,46 @@ class _Trial:
     ring: SnapshotRing
     end_step: int
     t0: float
-    budget: float
+    budget: float  # the remedies' expected seconds (time_budget): only the safety net follows from it
     expect: tuple[int, str] | None = None  # the fault's step and its batch's fingerprint (replay.Replay.expect)
     elsewhere: bool = False  # the control saw the guarded op overflow at another call as well
     span: tuple[float, float] | None = None  # the loss range of the probe's steps before the fault (healthy_span)
+    steps_left: int = 0  # replayed steps the replays may still take (REPLAY_STEPS_FACTOR)
+    steps_budget: int = 0  # ... of this many in all
+    time_limit_hit: bool = False  # the safety net stopped a replay, or kept one from starting
+
+    def __post_init__(self) -> None:
+        self.steps_budget = self.steps_budget or self.steps_left
+
+    @property
+    def deadline(self) -> float:
+        return self.t0 + safety_seconds(self.budget)
+
+    def past_deadline(self) -> bool:
+        """Whether the safety net has been reached (and so said in the report)."""
+        if time.perf_counter() > self.deadline:
+            self.time_limit_hit = True
+        return self.time_limit_hit
+
+    def charge(self, start: Snapshot, end_step: int) -> str | None:
+        """Take a replay from `start` to `end_step` out of the step budget; why not when it does not fit."""
+        planned = max(0, end_step - start.step)
+        if planned > self.steps_left:
+            return (f"not tried: the remedies' step budget ({self.steps_budget} replayed steps, "
+                    f"{REPLAY_STEPS_FACTOR}x the {self.end_step} steps replayed to) was spent")
+        self.steps_left -= planned
+        return None
 
     def run_from(self, start: Snapshot, change: Change) -> Replay:
-        """A replay with `change` from `start` to `end_step`, cut where the budget ends."""
-        return replay(self.workload, self.optimizer, self.ring, start, self.end_step, change, self.t0 + self.budget,
-                      expect=self.expect)
+        """A replay with `change` from `start` to `end_step`, when the step budget has room for it (else a replay
+        that did not run, saying so); the safety net may stop it (`Replay.cut`)."""
+        spent = self.charge(start, self.end_step)
+        if spent is not None:
+            return Replay(start.step, finite=False, not_applicable=spent)
+        r = replay(self.workload, self.optimizer, self.ring, start, self.end_step, change, self.deadline,
+                   expect=self.expect)
+        self.time_limit_hit = self.time_limit_hit or r.cut
+        return r
 
 
 def _control(trial: _Trial, cands: list[Candidate], progress: ProgressFn) -> Replay | None:
@@ -119,8 +189,11 @@ def _control(trial: _Trial, cands: list[Candidate], progress: ProgressFn) -> Rep
     if control_start is None:
         return None
     progress(0, None, "replaying without any change (does the fault come back?)")
-    return replay(trial.workload, trial.optimizer, trial.ring, control_start, fault.step + 2, Change(),
-                  trial.t0 + trial.budget, watch=_watch(cands, fault.step), expect=trial.expect)
+    trial.charge(control_start, fault.step + 2)  # (the control always runs: without it no replay is evidence)
+    r = replay(trial.workload, trial.optimizer, trial.ring, control_start, fault.step + 2, Change(),
+               trial.deadline, watch=_watch(cands, fault.step), expect=trial.expect)
+    trial.time_limit_hit = trial.time_limit_hit or r.cut
+    return r
 
 
 def _fault_batch(fault: Any, workload: Any, ring: SnapshotRing) -> tuple[int, str] | None:
@@ -154,11 +227,10 @@ def _try_all(trial: _Trial, cands: list[Candidate], control: Replay | None,
 
 
 def _try_one(trial: _Trial, c: Candidate, healthy: float | None) -> dict[str, Any]:
-    """A candidate's row: not applicable without a replay (no state to restart from, or the budget spent),
-    else its replay judged, the note saying what a guard's search did."""
-    budget = trial.budget
-    if c.why_not is None and time.perf_counter() - trial.t0 > budget:
-        c.why_not = f"not tried: the remedies' time budget ({budget:.0f} s) was spent"
+    """A candidate's row: not applicable without a replay (no state to restart from, the step budget spent, or
+    the safety net reached), else its replay judged, the note saying what a guard's search did."""
+    if c.why_not is None and trial.past_deadline():
+        c.why_not = safety_note(trial.budget)
     if c.why_not is not None or c.start is None:
         return _row(c, NOT_APPLICABLE, None, note=c.why_not or "no state to restart from")
     r, searched = _replay_candidate(trial, c, c.start, healthy)
@@ -200,7 +272,7 @@ def _at_the_source(trial: _Trial, c: Candidate, row: dict[str, Any], control: Re
     if said:
         row["note"] = "; ".join(n for n in (said, row["note"]) if n)
     layer = control.source_layer
-    if layer is None or time.perf_counter() - trial.t0 > trial.budget:
+    if layer is None or trial.past_deadline():
         return []
     before = baseline_loss(trial.report, c.start.step)
     cand = Candidate("source_clamp", "", Change(), c.start, accumulate=c.accumulate)
@@ -210,7 +282,7 @@ def _at_the_source(trial: _Trial, c: Candidate, row: dict[str, Any], control: Re
         r = trial.run_from(c.start, cand.change)
         outcome, note = _judge(r, trial.fault.step, trial.end_step, cand, before, trial.span)
         cand.extra["threshold"] = limit
-        if outcome != NOT_FIXED or r.error is not None or time.perf_counter() - trial.t0 > trial.budget:
+        if outcome != NOT_FIXED or r.error is not None or trial.past_deadline():
             break
         tried.append(f"clipped at {limit:g}: {note}")
     cand.change_text = source_clamp_text(guard.op, layer, limit, c.change.source, control.overflows)
@@ -239,12 +311,20 @@ def _record(trial: _Trial, rows: list[dict[str, Any]], control: Replay | None, r
     seconds = time.perf_counter() - trial.t0
     report.details["remedies"] = {
         "seconds": round(seconds, 3), "budget_seconds": round(trial.budget, 1),
+        "safety_seconds": round(safety_seconds(trial.budget), 1), "time_limit_hit": trial.time_limit_hit,
+        "replayed_steps": trial.steps_budget - trial.steps_left, "step_budget": trial.steps_budget,
         "probe_seconds": round(probe_seconds, 3), "fix_steps": fix_steps, "end_step": trial.end_step,
         "data": _data_note(ring),
         "control": None if control is None else {"start_step": control.start_step, "reproduced": reproduced,
                                                  "failed_at": control.failed_at}}
     report.details["snapshots"] = ring.summary()  # now with the fault-time snapshot's epoch kept
     _mark_advice(report, rows, trial.fault.step)
+
+
+def safety_note(budget: float) -> str:
+    """Why a replay has no verdict: the safety net stopped it (a machine far slower than when the probe ran)."""
+    return (f"not judged: nandoctor's safety time limit ({safety_seconds(budget):.0f} s) stopped the replays (the "
+            "machine ran far slower than during the probe); run the probe again on a quieter machine for a verdict")
 
 
 _MAX_LIMITS = 6  # clamps a threshold search tries: the rule's bound, then halved

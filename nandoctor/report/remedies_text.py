@@ -51,14 +51,15 @@ def summary_line(report: Any) -> str | None:
     if notice(report):
         return notice(report)
     control = info.get("control") or {}
+    what = "the loss's divergence" if info.get("of") == "loss.divergence" else "the fault"
     if not control:
         repro = "no replay without a change was possible"
     elif control.get("reproduced") is None:
         repro = "the replay without any change ran out of time, so reproduction is unchecked"
     elif control.get("reproduced"):
-        repro = "the fault reproduced in a replay without any change"
+        repro = f"{what} reproduced in a replay without any change"
     else:
-        repro = "the fault did NOT reproduce in a replay without any change, so outcomes are not evidence"
+        repro = f"{what} did NOT reproduce in a replay without any change, so outcomes are not evidence"
     end = info.get("end_step")
     to = f" to step {end}" if end is not None else ""
     ring = report.details.get("snapshots") or {}

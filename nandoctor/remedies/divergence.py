@@ -1,0 +1,215 @@
+"""Remedies for a run whose loss diverged without a NaN (issue 35): the step-size changes (the learning rate
+x0.1, gradient clipping, a longer warmup) replayed from before the growth began to the probe's last step.
+
+Each replay is judged by loss_trend's own divergence rule (one rule) on the run's losses with the replayed ones in
+place of the run's from where the replay began: `fixed` when the rule no longer finds a divergence, `not_fixed`
+when it still does (or the replay went NaN/Inf, or its loss left the healthy steps' range). A replay without any
+change must find the divergence again, else no replay is evidence either way. The replays share trial.py's
+bounds: replayed steps, not seconds, decide what is tried.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from nandoctor.engine.replay import Change, Replay, replay
+from nandoctor.engine.snapshots import Snapshot, SnapshotRing, restore
+from nandoctor.findings import Code, Finding, Report
+from nandoctor.progress import ProgressFn, no_progress
+from nandoctor.remedies import changes as rt
+from nandoctor.remedies import trial as bounds  # trial's bounds, read when a probe runs (where tests patch them)
+from nandoctor.remedies.candidates import Candidate, clip_from_norms, conclusive_norms
+from nandoctor.remedies.judging import (
+    FIXED,
+    NOT_APPLICABLE,
+    NOT_FIXED,
+    baseline_loss,
+    divergence_of,
+    healthy_span,
+    judge_divergence,
+)
+from nandoctor.remedies.trial import _row, _Trial, safety_note, safety_seconds, time_budget  # (one row, one count)
+
+# The warnings whose step is where a growth began: the loss's divergence and the transformer precursors before it
+_GROWTHS = (Code.LOSS_DIVERGENCE, Code.ATTENTION_LOGIT_GROWTH, Code.ACTIVATION_NORM_GROWTH,
+            Code.OUTPUT_LOGIT_DIVERGENCE)
+MIN_PEAK_STEPS = 30  # a longer warmup is judged only with this many replayed steps at the peak after it
+
+
+def diverged(report: Report) -> Finding | None:
+    """The loss.divergence warning of a run without an error (what these remedies answer), else None."""
+    if any(f.severity.value == "error" for f in report.findings):
+        return None
+    return next((f for f in report.findings if f.code == Code.LOSS_DIVERGENCE), None)
+
+
+def growth_step(report: Report, divergence: Finding) -> int:
+    """Where the growth began: the loss's rise, or an earlier precursor's start (attention logits, a linear
+    layer's output RMS, log Z) when one came before it."""
+    last = divergence.location.step or 0
+    steps = [f.location.step for f in report.findings if f.code in _GROWTHS and f.location.step is not None
+             and f.location.step <= last]
+    return min(steps, default=last)
+
+
+def try_divergence_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: SnapshotRing, *,
+                            probe_seconds: float = 0.0, amp: bool = False, device: str = "cpu",
+                            progress: ProgressFn = no_progress) -> None:
+    """Fill `report.remedies` for a run whose loss diverged without a fault: the step-size remedies replayed
+    from before the growth began to the probe's last step and judged by the divergence rule; the model,
+    optimizer and RNG are put back as the probe left them."""
+    divergence = diverged(report)
+    records = list(getattr(res, "records", None) or [])
+    if divergence is None or not records or ring.first is None:
+        return
+    if amp and device != "cpu":
+        report.details["remedies"] = {"note": "remedies are not replayed under AMP on a GPU yet (the replays do "
+                                      "not drive the GradScaler); run with amp.enabled: false to have them tried"}
+        return
+    last = records[-1]
+    end_step = last.step + 1
+    entry = ring.take(end_step, last.epoch or 0, (last.batch_index or 0) + 1)  # to put back afterwards
+    start = growth_step(report, divergence)
+    trial = _Trial(report, None, workload, optimizer, ring, end_step, time.perf_counter(),
+                   time_budget(probe_seconds), span=healthy_span(report, start),
+                   steps_left=bounds.REPLAY_STEPS_FACTOR * end_step)
+    before = [(r.step, float(r.loss)) for r in records if r.step < end_step and r.loss is not None]
+    cands = _candidates(report, workload, ring, start, end_step, conclusive_norms(records))
+    try:
+        control = _control(trial, cands, progress)
+        rows = [_try_one(trial, c, before, k, progress) for k, c in enumerate(cands)]
+    finally:  # the weights, optimizer state and RNG as the probe left them, whatever stopped the replays
+        restore(entry, workload.model, optimizer)
+        entry.rng.restore()
+    reproduced = _reproduced(control, before, end_step)
+    if reproduced is not True:
+        for row in rows:
+            if row["outcome"] != NOT_APPLICABLE:
+                row["outcome"], row["note"] = NOT_APPLICABLE, _unverified(control, reproduced, end_step)
+    _record(trial, rows, control, reproduced, start, probe_seconds, divergence)
+
+
+def _candidates(report: Report, workload: Any, ring: SnapshotRing, start: int, end_step: int,
+                norms: list[tuple[int, float]]) -> list[Candidate]:
+    """The learning rate x0.1 and clipping from the growth's step, and a longer warmup from the first step: a
+    few, as each replays the probe's steps again."""
+    snap = ring.latest(start)
+    spec_opt = workload.spec.optimizer
+    lr_edit, lr_note = rt.lr_change(spec_opt, _lr(report, start), 0.1)
+    out = [Candidate("lr_x0.1", rt.change_text(lr_edit, lr_note) if lr_edit else lr_note,
+                     Change(lr_scale=0.1, from_step=start), snap, extra={"spec_change": lr_edit} if lr_edit else {})]
+    clip = clip_from_norms(norms, start)
+    if clip is None:
+        out.append(Candidate("grad_clip", "optimizer.grad_clip: {global_norm: ...}", Change(), None,
+                             why_not="no gradient norm read before the growth began to set a threshold from"))
+    else:
+        edit = rt.clip_change(clip)
+        clip = edit[rt.CLIP_KEY]["global_norm"]  # the replay verifies the very threshold the text states
+        out.append(Candidate("grad_clip", rt.change_text(edit), Change(clip_norm=clip, from_step=start), snap,
+                             extra={"threshold": clip, "spec_change": edit}))
+    out.append(_warmup(spec_opt, ring, start, end_step))
+    return out
+
+
+def _warmup(spec_opt: Any, ring: SnapshotRing, start: int, end_step: int) -> Candidate:
+    """Twice the run's own warmup (else a warmup over twice the steps before the growth) to the same peak, from
+    the first step; only where the replay then runs MIN_PEAK_STEPS at the peak, and the peak is the spec's
+    base rate (a warmup alone, or none: another scheduler's rates after it are its own)."""
+    sched = spec_opt.lr_scheduler
+    own = sched.warmup.steps if sched is not None and sched.warmup is not None else 0
+    steps = 2 * max(own, start, 1)
+    edit = rt.warmup_change(steps)
+    text = rt.change_text(edit, f"a linear warmup from 0 to the same peak over the first {steps} steps"
+                          + (f", in place of {own}" if own else ""))
+    peak = (spec_opt.args or {}).get("learning_rate")
+    why = None
+    if sched is not None and (sched.name or sched.entry):
+        why = "the run's warmup leads into a scheduler of its own: the replay cannot lengthen the warmup alone"
+    elif not isinstance(peak, (int, float)):
+        why = "the spec names no base learning rate to warm up to"
+    elif end_step - steps < MIN_PEAK_STEPS:
+        why = (f"a warmup of {steps} steps leaves fewer than {MIN_PEAK_STEPS} of the probe's {end_step} steps at the "
+               "peak rate to judge it by: probe more steps (--steps) to have it tried")
+    change = Change(warmup_steps=steps, warmup_peak=float(peak) if why is None else None)
+    return Candidate("warmup", text, change, ring.first, why_not=why, extra={"spec_change": edit})
+
+
+def _lr(report: Report, step: int) -> float | None:
+    """The learning rate at `step` (the growth's), from the timeline."""
+    return next((p.lr for p in report.timeline if p.step == step and p.lr is not None), None)
+
+
+def _control(trial: _Trial, cands: list[Candidate], progress: ProgressFn) -> Replay | None:
+    """The replay without any change from the earliest state a candidate restarts from to the probe's last
+    step: does the loss diverge again?"""
+    starts = [c.start for c in cands if c.start is not None and c.why_not is None]
+    snap: Snapshot | None = min(starts, key=lambda s: s.step, default=None)
+    if snap is None:
+        return None
+    progress(0, None, "replaying without any change (does the loss diverge again?)")
+    trial.charge(snap, trial.end_step)  # (the control always runs: without it no replay is evidence)
+    r = replay(trial.workload, trial.optimizer, trial.ring, snap, trial.end_step, Change(), trial.deadline)
+    trial.time_limit_hit = trial.time_limit_hit or r.cut
+    return r
+
+
+def _try_one(trial: _Trial, c: Candidate, before: list[tuple[int, float]], k: int,
+             progress: ProgressFn) -> dict[str, Any]:
+    """A candidate's row: its replay judged by the divergence rule, or why it was not tried."""
+    if c.why_not is None and trial.past_deadline():
+        c.why_not = safety_note(trial.budget)
+    if c.why_not is not None or c.start is None:
+        return _row(c, NOT_APPLICABLE, None, note=c.why_not or "no state to restart from")
+    progress(k + 1, None, f"trying remedy {k + 1}: {c.remedy} (against the divergence)")
+    r = trial.run_from(c.start, c.change)
+    outcome, note = judge_divergence(r, c, before, trial.end_step, trial.span)
+    return _row(c, outcome, r, note=note, before=baseline_loss(trial.report, r.start_step))
+
+
+def _reproduced(control: Replay | None, before: list[tuple[int, float]], end_step: int) -> bool | None:
+    """Whether the replay without any change diverged again, by the same rule; None: unknown (no control, or
+    the safety net stopped it)."""
+    if control is None or control.cut:
+        return None
+    if not control.finite or control.start_step + control.steps_run < end_step:
+        return False
+    return divergence_of(control, before) is not None
+
+
+def _unverified(control: Replay | None, reproduced: bool | None, end_step: int) -> str:
+    tail = ", so no replay is evidence for or against a remedy"
+    if control is None:
+        return "no replay without any change could start (no state before the growth to restart from)" + tail
+    if reproduced is None:
+        return "the replay without any change was stopped by nandoctor's safety time limit" + tail
+    if not control.finite:
+        return f"the replay without any change went NaN/Inf at step {control.failed_at}" + tail
+    if control.start_step + control.steps_run < end_step:
+        return f"the replay without any change ran out of data before step {end_step - 1}" + tail
+    return ("the replay without any change did not diverge again on the same batches (a nondeterministic run)"
+            + tail)
+
+
+def _record(trial: _Trial, rows: list[dict[str, Any]], control: Replay | None, reproduced: bool | None,
+            start: int, probe_seconds: float, divergence: Finding) -> None:
+    """The rows in the report, verified first; what the replays were in its details; the advice marked."""
+    report = trial.report
+    order = {FIXED: 0, NOT_FIXED: 1, NOT_APPLICABLE: 2}
+    rows.sort(key=lambda r: order[r["outcome"]])  # stable: the practitioner's order within each outcome
+    report.remedies = rows
+    report.details["remedies"] = {
+        "of": Code.LOSS_DIVERGENCE.value, "growth_step": start,
+        "seconds": round(time.perf_counter() - trial.t0, 3), "budget_seconds": round(trial.budget, 1),
+        "safety_seconds": round(safety_seconds(trial.budget), 1), "time_limit_hit": trial.time_limit_hit,
+        "replayed_steps": trial.steps_budget - trial.steps_left, "step_budget": trial.steps_budget,
+        "probe_seconds": round(probe_seconds, 3), "end_step": trial.end_step,
+        "control": None if control is None else {"start_step": control.start_step, "reproduced": reproduced,
+                                                 "failed_at": control.failed_at}}
+    report.details["snapshots"] = trial.ring.summary()
+    lines = [f"Verified by replay ({r['remedy']}): {r['change']}" for r in rows if r["outcome"] == FIXED]
+    lines += [f"Tried by replay, did not help ({r['remedy']}): {r['change']}" for r in rows
+              if r["outcome"] == NOT_FIXED]
+    if lines:
+        kept = [a for a in divergence.advice if not a.startswith(("Verified by", "Tried by"))]
+        divergence.advice = kept + lines
