@@ -110,7 +110,8 @@ def z_loss_change(spec: Any, head: str, coef: float,
         return f"in {where}, right after the loss: {line}", None
     edit = {"loss": {"entry": Z_LOSS_ENTRY}}
     call, imports = _loss_call(loss)
-    body = [f"# {Z_LOSS_FILE}, beside this YAML file (its loss gets the output of layer {head} as `logits`):",
+    body = [f"# {Z_LOSS_FILE}, beside this YAML file: your loss ({loss.builtin or loss.entry}) plus the z-loss on "
+            f"the output of layer {head}, which the loss gets as logits:",
             *[f"# {i}" for i in imports],
             "# def loss_with_z_loss(logits, label):",
             f"#     return {call} + {z_loss_term(coef)}"]
@@ -128,4 +129,4 @@ def _loss_call(loss: Any) -> tuple[str, list[str]]:
         path = PurePosixPath(source.replace("\\", "/"))
         inside = not path.is_absolute() and ".." not in path.parts
         source = ".".join(path.with_suffix("").parts) if inside else path.stem
-    return f"{name}(logits, label)", ["import paddle", f"from {source} import {name}  # your loss: {loss.entry}"]
+    return f"{name}(logits, label)", ["import paddle", f"from {source} import {name}"]
