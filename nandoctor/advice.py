@@ -380,7 +380,12 @@ Z_LOSS_COEF = 1.0e-4  # PaLM's coefficient: small enough to leave the cross-entr
 
 def z_loss_term(coef: float = Z_LOSS_COEF, logits: str = "logits") -> str:
     """The z-loss term in Python: coef * mean(logsumexp(logits, -1)^2)."""
-    return f"{coef:g} * paddle.logsumexp({logits}, axis=-1).square().mean()"
+    return f"{coef_text(coef)} * paddle.logsumexp({logits}, axis=-1).square().mean()"
+
+
+def coef_text(coef: float) -> str:
+    """A small coefficient as people write it: 1e-4, not 0.0001."""
+    return f"{coef:.0e}".replace("e-0", "e-") if 0 < coef < 1e-3 and float(f"{coef:.0e}") == coef else f"{coef:g}"
 
 
 def z_loss_line(head: str | None = None, coef: float = Z_LOSS_COEF) -> str:

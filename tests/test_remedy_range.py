@@ -121,4 +121,33 @@ def test_the_z_loss_is_replayed_from_where_log_z_began_to_grow_and_agrees_with_a
     assert row["spec_change"] == {"loss": {"entry": "z_loss.py:loss_with_z_loss"}}
     change = row["change"]
     assert change.startswith("loss: {entry: ") and "from precursor_models import naive_cross_entropy" in change
-    assert "return naive_cross_entropy(logits, label) + 0.0001 * paddle.logsumexp(logits, axis=-1)" in change
+    assert "return naive_cross_entropy(logits, label) + 1e-4 * paddle.logsumexp(logits, axis=-1)" in change
+
+
+def test_the_z_loss_file_the_row_asks_for_computes_the_loss_plus_the_term() -> None:
+    """The file a z_loss row asks to write, for a spec with the builtin cross-entropy, run as written: it gives
+    the token cross-entropy plus 1e-4 * mean(logsumexp^2), both computed here in float64; a step entry gets
+    the line to add there, a script the line after its loss."""
+    from types import SimpleNamespace
+
+    from nandoctor.findings import Mode
+    from nandoctor.remedies.changes import z_loss_change
+    from nandoctor.spec import EntrySpec, LossSpec
+
+    text, edit = z_loss_change(SimpleNamespace(loss=LossSpec(builtin="cross_entropy"), step=None), "head", 1e-4)
+    assert edit == {"loss": {"entry": "z_loss.py:loss_with_z_loss"}}
+    source = "\n".join(line[2:] for line in text.splitlines()[2:])  # the file's lines, after the YAML and header
+    scope: dict = {}
+    exec(source, scope)  # noqa: S102 - the text under test
+    rng = np.random.default_rng(0)
+    logits, label = rng.normal(0, 3, (2, 5, pm.VOCAB)), rng.integers(0, pm.VOCAB, (2, 5))
+    got = float(scope["loss_with_z_loss"](paddle.to_tensor(logits, "float32"), paddle.to_tensor(label)))
+    m = logits.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
+    ce = (lse - np.take_along_axis(logits, label[..., None], -1)[..., 0]).mean()
+    assert got == pytest.approx(ce + 1e-4 * (lse ** 2).mean(), rel=1e-5)
+    step_text, step_edit = z_loss_change(SimpleNamespace(loss=None, step=EntrySpec("train.py:step")), "head", 1e-4)
+    assert step_edit is None and step_text.startswith("in your step function (train.py:step), right after the loss")
+    py_text, _ = z_loss_change(None, "head", 1e-4, mode=Mode.WATCH)
+    assert py_text == ("right after your loss: loss = loss + 1e-4 * paddle.logsumexp(logits, axis=-1).square().mean()"
+                       "  # logits: the output of layer head")

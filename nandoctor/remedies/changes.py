@@ -11,6 +11,7 @@ from typing import Any
 
 from nandoctor.advice import (
     LR_KEY,
+    coef_text,
     finite_rows_expr,
     flow_yaml,
     lr_edit,
@@ -115,7 +116,7 @@ def z_loss_change(spec: Any, head: str, coef: float,
             *[f"# {i}" for i in imports],
             "# def loss_with_z_loss(logits, label):",
             f"#     return {call} + {z_loss_term(coef)}"]
-    return "\n".join([change_text(edit, f"your loss plus a z-loss of {coef:g}"), *body]), edit
+    return "\n".join([change_text(edit, f"your loss plus a z-loss of {coef_text(coef)}"), *body]), edit
 
 
 def _loss_call(loss: Any) -> tuple[str, list[str]]:
