@@ -353,10 +353,10 @@ def _cause_first(cause: str, op: str | None, facts: dict[str, Any]) -> list[str]
 
 
 def precursor_advice(code: str, learning_rate: float | None = None, mode: Mode | str | None = None,
-                     optimizer: Any = None, at: str = "") -> list[str]:
+                     optimizer: Any = None, at: str = "", layer: str | None = None) -> list[str]:
     """What to change for a precursor's growth (issue 35; docs/how-it-works.md, "Precursors"), written for
     the way the user ran: the step size first (it drives all three), then the change to the model that keeps
-    the quantity bounded."""
+    the quantity bounded (`layer`: the one that grew, the head whose logits a z-loss reads)."""
     lower = lower_lr_advice(learning_rate, at, mode, optimizer)
     if code == "attention.logit_growth":
         return [lower, "Normalise the queries and keys of each head (qk-layernorm: a `paddle.nn.LayerNorm(head_dim)` "
@@ -365,7 +365,7 @@ def precursor_advice(code: str, learning_rate: float | None = None, mode: Mode |
     if code == "output.logit_divergence":
         z_loss = ("a z-loss on the head: return `ce + " + z_loss_term() + "` from a loss entry (`loss: {entry: "
                   "\"losses.py:with_z_loss\"}` in the spec)" if spec_mode(mode) else
-                  "a z-loss on the head, right after your loss: `" + z_loss_line() + "`")
+                  "a z-loss on the head, right after your loss: `" + z_loss_line(layer) + "`")
         return [f"Add {z_loss} (PaLM; Wortsman et al. 2023): it pulls log Z back towards 0.",
                 "Put a final LayerNorm before the output head, and compute log(sum(exp(logits))) with "
                 "`paddle.logsumexp` or `F.cross_entropy` (they subtract the maximum; a hand-written one overflows "
@@ -477,9 +477,10 @@ def fit_mode(report: Report, optimizer: Any = None) -> None:
     for f in report.findings:
         if f.code in (Code.LOSS_DIVERGENCE, Code.LOSS_SPIKE):
             _refit_lr_advice(f, mode, optimizer)
-        elif f.code in _PRECURSOR_CODES:
+        elif f.code in _PRECURSOR_CODES:  # (the replays' verdicts on its remedies kept, as grad.explosion's)
+            kept = [a for a in f.advice if a.startswith(("Verified by", "Tried by"))]
             f.advice = precursor_advice(f.code.value, f.evidence.get("learning_rate"), mode, optimizer,
-                                        at=f"at step {f.evidence.get('alarm_step')}")
+                                        layer=f.location.layer, at=f"at step {f.evidence.get('alarm_step')}") + kept
         if f.code != Code.GRAD_EXPLOSION:
             continue
         ev = f.evidence

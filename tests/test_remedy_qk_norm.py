@@ -19,7 +19,7 @@ import pytest
 from run_truth import changed_from
 from test_precursors import WARMUP, probe
 
-from nandoctor.engine.model_changes import qk_normed
+from nandoctor.engine.model_changes import changed_model, qk_normed
 from nandoctor.remedies.qk_sites import qk_sites
 
 PEAK, STEPS = 0.2, 40
@@ -126,3 +126,31 @@ def test_the_bundle_says_it_cannot_replay_a_model_change() -> None:
         report = {"remedies": [{"remedy": name, "change": "...", "outcome": "fixed"}]}
         with pytest.raises(BundleError, match="acts over many steps"):
             replayable_remedy(report, name)
+
+
+def test_the_model_changes_apply_from_their_start_step() -> None:
+    """A replay restarts from the snapshot before the growth and changes the model from the step the growth
+    began: before it, the forward and loss are the run's own; from it, qk-layernorm is on and the loss gains
+    1e-4 * mean(logsumexp(head output)^2), the term computed here in float64 on the model's own qk-norm output."""
+    paddle.seed(0)
+    model = pm.gpt()
+    ids, label = (paddle.to_tensor(a) for a in pm.tokens(1)[0])
+    plain = model(ids).numpy()
+    pm.plain_qk_norm(model)
+    normed = model(ids).numpy().astype("float64")
+    pm.plain_qk_norm(model, False)
+    sites = qk_sites(model, [])
+    with changed_model(model, ("head", 1e-4), tuple(sites.projections), from_step=3) as changes:
+        changes.begin(2)
+        out = model(ids)
+        loss = pm.cross_entropy(out, label)
+        assert changes.loss(loss) is loss and np.array_equal(out.numpy(), plain)
+        changes.begin(3)
+        out = model(ids)
+        loss = pm.cross_entropy(out, label)
+        total = float(changes.loss(loss))
+    np.testing.assert_allclose(out.numpy(), normed, rtol=1e-5, atol=1e-5)
+    m = normed.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(normed - m).sum(-1, keepdims=True)))[..., 0]
+    assert total == pytest.approx(float(loss) + 1e-4 * (lse ** 2).mean(), rel=1e-6)
+    assert np.array_equal(model(ids).numpy(), plain)  # every hook removed on exit
