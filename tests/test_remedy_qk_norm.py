@@ -154,3 +154,42 @@ def test_the_model_changes_apply_from_their_start_step() -> None:
     lse = (m + np.log(np.exp(normed - m).sum(-1, keepdims=True)))[..., 0]
     assert total == pytest.approx(float(loss) + 1e-4 * (lse ** 2).mean(), rel=1e-6)
     assert np.array_equal(model(ids).numpy(), plain)  # every hook removed on exit
+
+
+def _found(model: paddle.nn.Layer, growth_layers: list[str]):
+    """What the candidates follow from, with an attention.logit_growth warning at step 5 naming `growth_layers`
+    (the first as its layer) before a fault at step 20."""
+    from types import SimpleNamespace
+
+    from nandoctor.findings import Code, Finding, Location, Report, Severity
+    from nandoctor.remedies.candidates import _Found
+
+    growth = Finding(Code.ATTENTION_LOGIT_GROWTH, Severity.WARNING, "", Location(step=5, layer=growth_layers[0]),
+                     {"layers": [{"layer": n} for n in growth_layers]}, [])
+    report = Report(command="probe", findings=[growth])
+    fault = SimpleNamespace(step=20)
+    return _Found(report, fault, SimpleNamespace(model=model), None, None, growth, None, None, "before-growth")
+
+
+def test_an_attention_growth_offers_qk_norm_on_every_attention_layer_from_where_it_began() -> None:
+    """After attention.logit_growth the qk_norm candidate changes every attention layer the model exposes
+    (nn.TransformerEncoder's q_proj/k_proj), from the growth's step and the state before it; an attention
+    that exposes no head count is a not-applicable row whose change is the code to write, with the reason."""
+    from nandoctor.remedies.candidates import _qk_norm
+
+    paddle.seed(0)
+    enc = paddle.nn.TransformerEncoder(paddle.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0), 2)
+    [cand] = _qk_norm(_found(enc, ["layers.1.self_attn"]))
+    assert cand.why_not is None and cand.start == "before-growth" and cand.change.from_step == 5
+    assert [p.layer for p in cand.change.qk_norm] == ["layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj",
+                                                      "layers.1.self_attn.q_proj", "layers.1.self_attn.k_proj"]
+    assert cand.extra["qk_norm"]["layers"] == ["layers.0.self_attn", "layers.1.self_attn"]
+
+    class NoHeads(paddle.nn.Layer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = paddle.nn.Linear(8, 24)
+
+    [cand] = _qk_norm(_found(paddle.nn.Sequential(NoHeads()), ["0"]))
+    assert cand.start is None and cand.why_not and not cand.change.qk_norm
+    assert "F.layer_norm(q, head_dim)" in cand.change_text and "0: it names no head count" in cand.change_text
