@@ -363,8 +363,8 @@ def precursor_advice(code: str, learning_rate: float | None = None, mode: Mode |
                 "on q and on k before `q @ k^T`; Dehghani et al. 2023, Wortsman et al. 2023) so the attention logits "
                 "cannot grow with the weights, and keep weight decay on the QKV projection."]
     if code == "output.logit_divergence":
-        z_loss = ("a z-loss on the head: return `ce + " + z_loss_term() + "` from a loss entry (`loss: {entry: "
-                  "\"losses.py:with_z_loss\"}` in the spec)" if spec_mode(mode) else
+        z_loss = ("a z-loss on the head: return `your_loss + " + z_loss_term() + "` from a loss entry that wraps "
+                  f"yours (`loss: {{entry: {Z_LOSS_ENTRY}}}` in the spec)" if spec_mode(mode) else
                   "a z-loss on the head, right after your loss: `" + z_loss_line(layer) + "`")
         return [f"Add {z_loss} (PaLM; Wortsman et al. 2023): it pulls log Z back towards 0.",
                 "Put a final LayerNorm before the output head, and compute log(sum(exp(logits))) with "
@@ -376,6 +376,7 @@ def precursor_advice(code: str, learning_rate: float | None = None, mode: Mode |
 
 
 Z_LOSS_COEF = 1.0e-4  # PaLM's coefficient: small enough to leave the cross-entropy's optimum alone
+Z_LOSS_ENTRY = "z_loss.py:loss_with_z_loss"  # the loss entry a spec's z-loss is written in, beside the spec
 
 
 def z_loss_term(coef: float = Z_LOSS_COEF, logits: str = "logits") -> str:

@@ -66,18 +66,22 @@ class InModel:
     was): `begin(step)` before each forward, `loss(loss)` the loss to backpropagate."""
 
     z: ZLossTerm | None
-    qk_on: list[bool]
+    on: list[bool]  # shared with the qk-norm hooks
     qk_hits: list[int]
     from_step: int | None = None
 
     def begin(self, step: int) -> None:
-        self.qk_on[0] = self.from_step is None or step >= self.from_step
+        self.on[0] = self.from_step is None or step >= self.from_step
         if self.z is not None:
             self.z.outputs = []
 
     def loss(self, loss: Any) -> Any:
-        """The step's loss with the z-loss term added while the change is on."""
-        if self.z is None or not self.qk_on[0]:
+        """The step's loss with the z-loss term added while the change is on (the head's outputs let go either
+        way: a step's forward is not held into the next)."""
+        if self.z is None:
+            return loss
+        if not self.on[0]:
+            self.z.outputs = []
             return loss
         return loss + self.z.take().astype(loss.dtype)
 

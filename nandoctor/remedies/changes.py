@@ -11,6 +11,7 @@ from typing import Any
 
 from nandoctor.advice import (
     LR_KEY,
+    Z_LOSS_ENTRY,
     coef_text,
     finite_rows_expr,
     flow_yaml,
@@ -85,8 +86,7 @@ def fingerprints_text(fault: Any, rows: list[int], prints: list[str]) -> str:
             "and the row's bytes); fix or filter those records in your data code")
 
 
-Z_LOSS_FILE = "z_loss.py"
-Z_LOSS_ENTRY = f"{Z_LOSS_FILE}:loss_with_z_loss"
+Z_LOSS_FILE = Z_LOSS_ENTRY.partition(":")[0]
 # the spec's builtin losses as Python on (logits, label), as workload.builtin_loss computes them
 _BUILTIN = {
     "cross_entropy": 'F.cross_entropy(logits, label.astype("int64").reshape([*logits.shape[:-1], 1]))',
