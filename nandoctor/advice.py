@@ -400,7 +400,7 @@ def qk_norm_text(layers: list[str], classes: list[str], projections: list[tuple[
     heads, hd = projections[0][1], projections[0][2]
     shown = ", ".join(layers[:4]) + (f" and {len(layers) - 4} more" if len(layers) > 4 else "")
     hooked = ", ".join(p[0] for p in projections[:4]) + ("…" if len(projections) > 4 else "")
-    parts = "their q and k parts, laid out [q | k | v]" if fused else "their outputs"
+    parts = "their q and k parts (laid out [q | k | v])" if fused else "their outputs"
     return (f"in the forward of {shown} ({', '.join(dict.fromkeys(classes))}), normalise the queries and keys of "
             f"each head before q @ k^T: `q, k = F.layer_norm(q, {hd}), F.layer_norm(k, {hd})` on q and k shaped "
             f"[..., {heads}, {hd}] (`import paddle.nn.functional as F`; a `paddle.nn.LayerNorm({hd})` on each also "
