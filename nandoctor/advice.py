@@ -353,19 +353,19 @@ def _cause_first(cause: str, op: str | None, facts: dict[str, Any]) -> list[str]
 
 
 def precursor_advice(code: str, learning_rate: float | None = None, mode: Mode | str | None = None,
-                     optimizer: Any = None, at: str = "") -> list[str]:
+                     optimizer: Any = None, at: str = "", layer: str | None = None) -> list[str]:
     """What to change for a precursor's growth (issue 35; docs/how-it-works.md, "Precursors"), written for
     the way the user ran: the step size first (it drives all three), then the change to the model that keeps
-    the quantity bounded."""
+    the quantity bounded (`layer`: the one that grew, the head whose logits a z-loss reads)."""
     lower = lower_lr_advice(learning_rate, at, mode, optimizer)
     if code == "attention.logit_growth":
         return [lower, "Normalise the queries and keys of each head (qk-layernorm: a `paddle.nn.LayerNorm(head_dim)` "
                 "on q and on k before `q @ k^T`; Dehghani et al. 2023, Wortsman et al. 2023) so the attention logits "
                 "cannot grow with the weights, and keep weight decay on the QKV projection."]
     if code == "output.logit_divergence":
-        z_loss = ("a z-loss on the head: return `ce + 1e-4 * paddle.logsumexp(logits, axis=-1).square().mean()` "
-                  "from a loss entry (`loss: {entry: \"losses.py:with_z_loss\"}` in the spec)" if spec_mode(mode) else
-                  "a z-loss on the head: `loss = loss + 1e-4 * paddle.logsumexp(logits, axis=-1).square().mean()`")
+        z_loss = ("a z-loss on the head: return `your_loss + " + z_loss_term() + "` from a loss entry that wraps "
+                  f"yours (`loss: {{entry: {Z_LOSS_ENTRY}}}` in the spec)" if spec_mode(mode) else
+                  "a z-loss on the head, right after your loss: `" + z_loss_line(layer) + "`")
         return [f"Add {z_loss} (PaLM; Wortsman et al. 2023): it pulls log Z back towards 0.",
                 "Put a final LayerNorm before the output head, and compute log(sum(exp(logits))) with "
                 "`paddle.logsumexp` or `F.cross_entropy` (they subtract the maximum; a hand-written one overflows "
@@ -373,6 +373,49 @@ def precursor_advice(code: str, learning_rate: float | None = None, mode: Mode |
     return [lower, "Gradient clipping (" + setting_text("clip", 1.0, mode) + ") and qk-layernorm on the QKV "
             "projections keep these outputs from growing step after step (Rybakov et al. 2024); so does weight "
             "decay on the linear layers."]
+
+
+Z_LOSS_COEF = 1.0e-4  # PaLM's coefficient: small enough to leave the cross-entropy's optimum alone
+Z_LOSS_ENTRY = "z_loss.py:loss_with_z_loss"  # the loss entry a spec's z-loss is written in, beside the spec
+
+
+def z_loss_term(coef: float = Z_LOSS_COEF, logits: str = "logits") -> str:
+    """The z-loss term in Python: coef * mean(logsumexp(logits, -1)^2)."""
+    return f"{coef_text(coef)} * paddle.logsumexp({logits}, axis=-1).square().mean()"
+
+
+def coef_text(coef: float) -> str:
+    """A small coefficient as people write it: 1e-4, not 0.0001."""
+    return f"{coef:.0e}".replace("e-0", "e-") if 0 < coef < 1e-3 and float(f"{coef:.0e}") == coef else f"{coef:g}"
+
+
+def z_loss_line(head: str | None = None, coef: float = Z_LOSS_COEF) -> str:
+    """The line to add right after the loss in the user's own code (`logits`: the head's output)."""
+    return f"loss = loss + {z_loss_term(coef)}" + (f"  # logits: the output of layer {head}" if head else "")
+
+
+def qk_norm_text(layers: list[str], classes: list[str], projections: list[tuple[str, int, int]], fused: bool) -> str:
+    """qk-layernorm as the user writes it in the attention's forward (a model change: the same in every mode),
+    and how the replay made it (`projections`: layer, heads, head_dim)."""
+    heads, hd = projections[0][1], projections[0][2]
+    shown = ", ".join(layers[:4]) + (f" and {len(layers) - 4} more" if len(layers) > 4 else "")
+    hooked = ", ".join(p[0] for p in projections[:4]) + ("…" if len(projections) > 4 else "")
+    parts = "their q and k parts (laid out [q | k | v])" if fused else "their outputs"
+    return (f"in the forward of {shown} ({', '.join(dict.fromkeys(classes))}), normalise the queries and keys of "
+            f"each head before q @ k^T: `q, k = F.layer_norm(q, {hd}), F.layer_norm(k, {hd})` on q and k shaped "
+            f"[..., {heads}, {hd}] (`import paddle.nn.functional as F`; a `paddle.nn.LayerNorm({hd})` on each also "
+            f"learns a scale). The replay did this with a forward post-hook on {hooked} returning {parts} "
+            f"layer-normed per head ({heads} heads of {hd}).")
+
+
+def qk_norm_unidentified(why: dict[str, str]) -> str:
+    """qk-layernorm as a code change, where the query and key projections could not be identified."""
+    said = "; ".join(f"{layer}: {reason}" for layer, reason in list(why.items())[:3])
+    return ("normalise the queries and keys of each head (qk-layernorm: `F.layer_norm(q, head_dim)` and "
+            "`F.layer_norm(k, head_dim)`, or a `paddle.nn.LayerNorm(head_dim)` on each, before q @ k^T) in your "
+            f"attention's forward; not replayed: its query and key projections could not be identified ({said}; "
+            "a replay needs Linear sublayers named q/k, q_proj/k_proj or query/key, or a fused qkv Linear, and "
+            "a head count attribute such as num_heads)")
 
 
 def _explosion_advice(facts: dict[str, Any]) -> list[str]:
@@ -435,9 +478,10 @@ def fit_mode(report: Report, optimizer: Any = None) -> None:
     for f in report.findings:
         if f.code in (Code.LOSS_DIVERGENCE, Code.LOSS_SPIKE):
             _refit_lr_advice(f, mode, optimizer)
-        elif f.code in _PRECURSOR_CODES:
+        elif f.code in _PRECURSOR_CODES:  # (the replays' verdicts on its remedies kept, as grad.explosion's)
+            kept = [a for a in f.advice if a.startswith(("Verified by", "Tried by"))]
             f.advice = precursor_advice(f.code.value, f.evidence.get("learning_rate"), mode, optimizer,
-                                        at=f"at step {f.evidence.get('alarm_step')}")
+                                        layer=f.location.layer, at=f"at step {f.evidence.get('alarm_step')}") + kept
         if f.code != Code.GRAD_EXPLOSION:
             continue
         ev = f.evidence

@@ -240,6 +240,33 @@ def causal_attention_stats(scores: np.ndarray, entropy_rows: int) -> tuple[float
     return float(a.max()), float(-(p * np.log(np.maximum(p, 1e-300))).sum(-1).mean())
 
 
+def changed_from(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callable[[Any, Any], Any], *, peak_lr: float,
+                 warmup: int, start: int, change: Callable[[], None] | None = None,
+                 changed_loss: Callable[[Any, Any], Any] | None = None,
+                 lr_scale: float = 1.0) -> tuple[list[float], int | None]:
+    """A remedy's ground truth: precursor_record's plain AdamW loop with its linear warmup to `peak_lr`, unchanged
+    before step `start` and changed from there: `change()` called once (a change to the model's own code),
+    the loss made by `changed_loss`, the learning rate times `lr_scale`. Returns the losses (the user's own
+    `loss_fn`, as a replay records them) and the first step whose loss or gradients went non-finite."""
+    opt = paddle.optimizer.AdamW(learning_rate=0.0, parameters=model.parameters())
+    losses: list[float] = []
+    for step, (x, y) in enumerate(batches):
+        if step == start and change is not None:
+            change()
+        opt.set_lr(peak_lr * min(1.0, step / warmup) * (lr_scale if step >= start else 1.0))
+        logits = model(paddle.to_tensor(x))
+        label = paddle.to_tensor(y)
+        loss = loss_fn(logits, label)
+        losses.append(float(loss))
+        total = changed_loss(logits, label) if changed_loss is not None and step >= start else loss
+        total.backward()
+        if not math.isfinite(losses[-1]) or step_went_nonfinite(total, model):
+            return losses, step
+        opt.step()
+        opt.clear_grad()
+    return losses, None
+
+
 # (step, the model's forward, the loss code on its output, the loss of one row of the batch, rows)
 LossStep = tuple[int, Callable[[], Any], Callable[[Any], Any], Callable[[int], Any], int]
 

@@ -85,7 +85,7 @@ def _finding(code: Code, growths: list[Growth], fault_step: int | None, lrs: dic
     if entropy is not None:
         evidence["entropy_early"], evidence["entropy"] = entropy
     return Finding(code, Severity.WARNING, message, Location(step=g.start_step, phase=Phase.FORWARD, layer=g.layer),
-                   evidence, precursor_advice(code.value, lr, at=f"at step {g.alarm_step}"))
+                   evidence, precursor_advice(code.value, lr, at=f"at step {g.alarm_step}", layer=g.layer))
 
 
 def _entropy(g: Growth, series: dict[tuple[str, str], list[tuple[int, float]]]) -> tuple[float, float] | None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from nandoctor.engine.batch_source import END, BatchSource
 from nandoctor.engine.batch_tape import BatchTape
+from nandoctor.engine.model_changes import ChangeNotMade, InModel, QKProjection, changed_model
 from nandoctor.engine.op_guards import Guard, guarded
 from nandoctor.engine.op_watch import OpWatch, clamped_output, watching
 from nandoctor.engine.snapshots import Snapshot, SnapshotRing, restore
@@ -48,7 +49,10 @@ class Change:
     reinit_rows: dict[str, list[int]] = field(default_factory=dict)  # parameter -> rows drawn afresh (NaN rows)
     reinit: dict[str, float] = field(default_factory=dict)  # parameter name -> std to draw it from
     clamp_output: tuple[str, float] | None = None  # (layer, bound): its output clipped where it is made
-    # The learning-rate and clip changes apply from this step on; the steps before it replay the run as it was.
+    z_loss: tuple[str, float] | None = None  # (head layer, coefficient): loss + coef * mean(logsumexp(out)^2)
+    qk_norm: tuple[QKProjection, ...] = ()  # the q/k projections whose outputs are layer-normed per head
+    # The learning-rate, clip, z-loss and qk-norm changes apply from this step on; the steps before it replay
+    # the run as it was.
     # A remedy meant to start where the growth began starts exactly there, from whichever snapshot the ring
     # happened to hold before it (their spacing follows measured timings: the same report on every run)
     from_step: int | None = None
@@ -93,6 +97,7 @@ class Replay:
     overflows: dict[str, tuple[float, str | None]] = field(default_factory=dict)
     source_layer: str | None = None  # the layer a watched op's overflowing input came out of
     clamp_hits: int = 0  # forwards where `clamp_output` changed a value
+    qk_hits: int = 0  # projection outputs `qk_norm` normalised
     # (step, fingerprint) of the batch the training read there (the fault's), to check the replay reads it too
     expect: tuple[int, str] | None = None
     other_data_at: int | None = None  # the step where the replay read another batch than the training did
@@ -119,18 +124,20 @@ def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, en
     restore(snap, workload.model, optimizer)
     _reinit(workload.model, change.reinit)
     _reinit_rows(workload.model, change.reinit_rows)
-    seen, clamped = OpWatch(), [0]
+    seen, clamped, qk_hits = OpWatch(), [0], [0]
     try:
         with _optimizer_changed(optimizer, change, start) as set_factor, _guard(change) as hits, \
                 _watched(workload.model, watch, now, seen), \
-                clamped_output(workload.model, change.clamp_output, clamped):
-            _run(workload, optimizer, ring, snap, end_step, change, deadline, set_factor, out, record, now)
+                clamped_output(workload.model, change.clamp_output, clamped), \
+                changed_model(workload.model, change.z_loss, change.qk_norm, start) as in_model:
+            qk_hits = in_model.qk_hits
+            _run(workload, optimizer, ring, snap, end_step, change, deadline, (set_factor, in_model), out, record, now)
             if hits is not None:
                 out.guard_calls, out.guard_sites = hits["calls"], dict(hits["sites"])
         out.still_nonfinite = _held(workload.model)
     except KeyboardInterrupt:
         raise
-    except NotApplicable as exc:
+    except (NotApplicable, ChangeNotMade) as exc:
         out.not_applicable = out.error = str(exc)
         out.finite = False
     except Exception as exc:  # noqa: BLE001 - the user's code (or a subset it cannot take) raised
@@ -141,7 +148,7 @@ def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, en
         with contextlib.suppress(Exception):
             optimizer.clear_grad()
     out.observed, out.overflows, out.source_layer = seen.observed, seen.others, seen.layer
-    out.clamp_hits = clamped[0]
+    out.clamp_hits, out.qk_hits = clamped[0], qk_hits[0]
     out.seconds = time.perf_counter() - t0
     if start is not None:
         _from_change(out, start)
@@ -160,8 +167,9 @@ def _from_change(out: Replay, start: int) -> None:
 
 
 def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change, deadline: float,
-         set_factor: Any, out: Replay, record: bool, now: list[int]) -> None:
-    """Train from `snap` to `end_step` with `change` into `out`; `now[0]`: the step running."""
+         changed: tuple[Any, InModel], out: Replay, record: bool, now: list[int]) -> None:
+    """Train from `snap` to `end_step` with `change` into `out`; `changed`: the optimizer's and the model's
+    changes, set before each step; `now[0]`: the step running."""
     import paddle
 
     from nandoctor.engine.step import StepEngine
@@ -177,6 +185,7 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
         return out.cut
 
     feed = _batches(w, ring, snap, end_step, engine.end_epoch, late)
+    set_factor, in_model = changed
     opt.clear_grad()
     try:
         for step, epoch, batch_index, batch in feed:
@@ -187,13 +196,14 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
                 _check_same(out, ring, (epoch, batch_index), batch, fields)
             fields = _changed_fields(fields, change, epoch, batch_index, step, out, records)
             set_factor(step)
+            in_model.begin(step)
             here = (step, epoch, batch_index, fields, paddle.get_rng_state()) if record else None
             loss = engine.loss(fields)
-            value = float(loss.detach().astype("float32").reshape([]))
+            value = float(loss.detach().astype("float32").reshape([]))  # the user's own loss, without a z-loss
             if not math.isfinite(value):
                 _failed(out, step, "loss", here, value)
                 return
-            engine.backward(loss)
+            engine.backward(in_model.loss(loss))
             grads = [p.grad for p in params if p.grad is not None]
             if grads and _any_nonfinite(grads):
                 _failed(out, step, "grad", here, value)  # (not a norm: a finite 1e24 gradient squares to inf)

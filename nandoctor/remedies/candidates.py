@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from nandoctor.advice import Z_LOSS_COEF, qk_norm_text, qk_norm_unidentified
 from nandoctor.engine.op_guards import guard_for
 from nandoctor.engine.replay import Change
 from nandoctor.engine.snapshots import Snapshot, SnapshotRing
@@ -15,6 +16,7 @@ from nandoctor.engine.warnings import CLIP_FACTOR
 from nandoctor.engine.watcher import FaultKind
 from nandoctor.findings import Code, Report
 from nandoctor.remedies import changes as rt
+from nandoctor.remedies.qk_sites import attention_layer_of, qk_sites
 from nandoctor.remedies.weights import init_stds, nan_rows, rows_text
 
 _RECURRENT = ("RNN", "SimpleRNN", "LSTM", "GRU", "RNNCellBase", "RNNBase")
@@ -70,7 +72,8 @@ def candidates_for(report: Report, fault: Any, workload: Any, ring: SnapshotRing
     repairs = _reinit_rows(found)
     drop = _drop_samples(found)
     drop.nan_weights = frozenset(name for c in repairs for name in c.change.reinit_rows)
-    out = [_op_guard(found), *repairs, drop, *_reinit(found), _grad_clip(found), _lower_lr(found), _warmup(found)]
+    out = [_op_guard(found), *repairs, drop, *_reinit(found), _grad_clip(found), _lower_lr(found), _warmup(found),
+           *_qk_norm(found), *_z_loss(found)]
     if amp:  # (on a GPU, try_remedies has returned with a note before getting here)
         out += _amp_remedies()
     for c in out:
@@ -225,6 +228,57 @@ def _warmup(found: _Found) -> Candidate:
                      if fault.step < 2 else (None if first is not None else "no snapshot of the first step"))
 
 
+def _before_fault(found: _Found, code: Code) -> Any:
+    """The precursor warning `code` whose growth began before the fault (None: none)."""
+    return next((f for f in found.report.findings if f.code == code and f.location.step is not None
+                 and f.location.step <= found.fault.step), None)
+
+
+def _z_loss(found: _Found) -> list[Candidate]:
+    """A z-loss on the head whose log Z diverged before the fault (output.logit_divergence), from before the
+    growth began; none without that warning."""
+    growth = _before_fault(found, Code.OUTPUT_LOGIT_DIVERGENCE)
+    head = growth.location.layer if growth is not None else None
+    if head is None:
+        return []
+    text, edit = rt.z_loss_change(found.workload.spec, head, Z_LOSS_COEF)
+    if head not in dict(found.workload.model.named_sublayers()):
+        return [Candidate("z_loss", text, Change(), None, why_not=f"the head {head} is no sublayer of the model")]
+    return [Candidate("z_loss", text, Change(z_loss=(head, Z_LOSS_COEF), from_step=found.growth_step),
+                      found.diverge_start, extra={"z_loss": {"layer": head, "coef": Z_LOSS_COEF},
+                                                  **({"spec_change": edit} if edit else {})})]
+
+
+def _qk_norm(found: _Found) -> list[Candidate]:
+    """qk-layernorm on every attention layer's query and key projections, where the attention logits grew
+    before the fault (attention.logit_growth) or the fault is inside an attention layer; from before the growth
+    began. Not applicable, with the code change to make, where the projections cannot be identified."""
+    model = found.workload.model
+    growth = _before_fault(found, Code.ATTENTION_LOGIT_GROWTH)
+    if growth is not None:
+        named = [growth.location.layer, *[o.get("layer") for o in growth.evidence.get("layers", [])]]
+        wanted = [n for n in dict.fromkeys(named) if n]
+    else:
+        layer = found.symptom.location.layer if found.symptom is not None else None
+        inside = attention_layer_of(model, layer)
+        if inside is None:
+            return []
+        wanted = [inside]
+    sites = qk_sites(model, wanted)
+    if sites.unknown or not sites.projections:
+        why = sites.unknown or {w: "no q/k projections found" for w in wanted}
+        return [Candidate("qk_norm", qk_norm_unidentified(why), Change(), None,
+                          why_not="its query and key projections could not be identified")]
+    layers = dict(model.named_sublayers())
+    classes = [type(layers[a]).__name__ for a in sites.layers]
+    shown = [(p.layer, p.heads, p.head_dim) for p in sites.projections]
+    return [Candidate("qk_norm", qk_norm_text(sites.layers, classes, shown, sites.fused),
+                      Change(qk_norm=tuple(sites.projections), from_step=found.growth_step), found.diverge_start,
+                      extra={"qk_norm": {"layers": sites.layers, "projections": [
+                          {"layer": p.layer, "heads": p.heads, "parts": [list(r) for r in p.parts]}
+                          for p in sites.projections]}})]
+
+
 def _amp_remedies() -> list[Candidate]:
     """The float16 remedies, named but not tried: the probe ran on CPU, where AMP is inactive."""
     why = "the probe ran on CPU, where AMP is inactive: float16 remedies need a GPU"
@@ -242,7 +296,7 @@ def _by_cause(fault: Any, symptom: Any, growth: Any) -> set[str]:
     clipping or warmup cannot remove it); an overflow at the end of a divergence is the step size's (an epsilon
     on the op that overflowed last only hides it)."""
     every = {"op_guard", "drop_samples", "reinit_rows", "reinit", "grad_clip", "lr_x0.1", "warmup", "fp32_layer",
-             "loss_scale"}
+             "loss_scale", "qk_norm", "z_loss"}
     if fault.kind == FaultKind.DATA:
         return _DATA_REMEDIES
     causes = set(symptom.evidence.get("causes", [])) if symptom is not None else set()
@@ -260,9 +314,9 @@ def _ordered(cands: list[Candidate], report: Report, fault: Any, symptom: Any, g
     elif growth is not None or fault.kind == FaultKind.UPDATE:
         recurrent = any(type(m).__name__ in _RECURRENT for _, m in model.named_sublayers())
         pref = (["grad_clip", "lr_x0.1"] if recurrent else ["lr_x0.1", "grad_clip"]) + \
-            ["warmup", "reinit", "op_guard", "drop_samples"]
+            ["warmup", "qk_norm", "z_loss", "reinit", "op_guard", "drop_samples"]
     else:
-        pref = ["op_guard", "drop_samples", "reinit", "grad_clip", "lr_x0.1", "warmup"]
+        pref = ["op_guard", "drop_samples", "reinit", "qk_norm", "grad_clip", "lr_x0.1", "warmup", "z_loss"]
     rank = {name: i for i, name in enumerate(["reinit_rows", *pref])}  # a NaN weight is repaired first
     return sorted(cands, key=lambda c: rank.get(c.remedy, len(pref)))
 

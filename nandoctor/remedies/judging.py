@@ -63,6 +63,9 @@ def _no_evidence(r: Replay, c: Candidate) -> tuple[str, str | None] | None:
     if clamp is not None and not r.clamp_hits:
         return NOT_APPLICABLE, (f"the clamp never changed a value of layer {clamp[0]}'s output during the replay, so "
                                 "this replay says nothing about the fix")
+    if c.change.qk_norm and not r.qk_hits:
+        return NOT_APPLICABLE, ("the query and key projections never ran during the replay, so this replay says "
+                                "nothing about qk-layernorm")
     unused = never_fired(r, c.change)  # before the outcome: a guard never applied says nothing about the fix
     if unused is not None:
         return NOT_APPLICABLE, unused

@@ -433,8 +433,9 @@ def _row(c: Candidate, outcome: str, r: Replay | None, note: str | None,
                            "start_step": r.start_step if r else None, "note": note}
     if r is not None and not r.finite:
         row["failed_at"] = r.failed_at
-    if "guard" in c.extra:
-        row["guard"] = c.extra["guard"]
+    for key in ("guard", "z_loss", "qk_norm"):  # what the replay applied, whatever its outcome
+        if key in c.extra:
+            row[key] = c.extra[key]
     if "spec_change" in c.extra:  # what `change` says, as spec key -> value (report/remedies_text.py)
         row["spec_change"] = c.extra["spec_change"]
     if outcome == FIXED:
@@ -452,7 +453,8 @@ def _row(c: Candidate, outcome: str, r: Replay | None, note: str | None,
 
 
 _CAUSE_OF = {"grad_clip": Code.GRAD_EXPLOSION, "lr_x0.1": Code.GRAD_EXPLOSION, "warmup": Code.GRAD_EXPLOSION,
-             "reinit": Code.PARAM_INIT_SCALE, "reinit_rows": Code.PARAM_NONFINITE}
+             "reinit": Code.PARAM_INIT_SCALE, "reinit_rows": Code.PARAM_NONFINITE,
+             "z_loss": Code.OUTPUT_LOGIT_DIVERGENCE, "qk_norm": Code.ATTENTION_LOGIT_GROWTH}
 
 
 def _mark_advice(report: Report, rows: list[dict[str, Any]], fault_step: int) -> None:
