@@ -51,14 +51,19 @@ def judge(series: dict[tuple[str, str], list[tuple[int, float]]], fault_step: in
           lrs: dict[int, float | None], every: int) -> list[Finding]:
     """One warning for each quantity that grew past its threshold in some layer, up to `fault_step`."""
     out: list[Finding] = []
-    for quantity, code, alarm in ((ATTN_MAX, Code.ATTENTION_LOGIT_GROWTH, _attention_alarm),
-                                  (LOG_Z, Code.OUTPUT_LOGIT_DIVERGENCE, _logz_alarm),
-                                  (RMS, Code.ACTIVATION_NORM_GROWTH, _rms_alarm)):
+    for code, (quantity, alarm) in _RULE.items():
         growths = [g for (q, layer), xs in series.items() if q == quantity
                    for g in [_growth(layer, quantity, _upto(xs, fault_step), alarm)] if g is not None]
         if growths:
             out.append(_finding(code, growths, fault_step, lrs, every, series))
     return out
+
+
+def growth_of(code: Code, layer: str, series: dict[tuple[str, str], list[tuple[int, float]]]) -> Growth | None:
+    """The growth `code`'s own rule finds in `layer`'s series (None: it does not fire there): what a remedy's
+    replay is judged by, with the same thresholds as the warning."""
+    quantity, alarm = _RULE[code]
+    return _growth(layer, quantity, series.get((quantity, layer), []), alarm)
 
 
 def _finding(code: Code, growths: list[Growth], fault_step: int | None, lrs: dict[int, float | None],
@@ -142,6 +147,10 @@ def _logz_alarm(series: list[tuple[int, float]], early: float) -> int | None:
         if before and v >= 2.0 * min(before):
             return i
     return None
+
+
+_RULE = {Code.ATTENTION_LOGIT_GROWTH: (ATTN_MAX, _attention_alarm), Code.OUTPUT_LOGIT_DIVERGENCE: (LOG_Z, _logz_alarm),
+         Code.ACTIVATION_NORM_GROWTH: (RMS, _rms_alarm)}
 
 
 def _growth(layer: str, quantity: str, series: list[tuple[int, float]], judge: Any) -> Growth | None:

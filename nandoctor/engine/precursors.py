@@ -80,6 +80,15 @@ class PrecursorMonitor:
         self.broken: str | None = None  # nandoctor's own measurement failed: no more samples (never the user's)
         self.series: dict[tuple[str, str], list[tuple[int, float]]] = {}
 
+    @classmethod
+    def resumed(cls, like: PrecursorMonitor) -> PrecursorMonitor:
+        """A fresh monitor of `like`'s model that samples `like`'s very steps and layers from wherever a replay
+        starts (no discovery sample of its own): a remedy's replay is judged on the steps the run was."""
+        m = cls(like.model)
+        m._discovered, m.every, m._first = like._discovered, like.every, like._first
+        m.attention, m.measured, m._tracked = list(like.attention), dict(like.measured), list(like._tracked)
+        return m
+
     # ---- the schedule ----------------------------------------------------------------------------
     def due(self, step: int) -> bool:
         return self.broken is None and (step % self.every == 0 or not self._discovered)

@@ -101,6 +101,8 @@ class Replay:
     # (step, fingerprint) of the batch the training read there (the fault's), to check the replay reads it too
     expect: tuple[int, str] | None = None
     other_data_at: int | None = None  # the step where the replay read another batch than the training did
+    # with `sample` (a precursor monitor): its series, (quantity, layer) -> [(step, value)], on the steps it sampled
+    precursors: dict[tuple[str, str], list[tuple[int, float]]] = field(default_factory=dict)
 
 
 class NotApplicable(Exception):
@@ -109,14 +111,15 @@ class NotApplicable(Exception):
 
 def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change,
            deadline: float, record: bool = False, watch: tuple[Guard, str | None, int] | None = None,
-           expect: tuple[int, str] | None = None) -> Replay:
+           expect: tuple[int, str] | None = None, sample: Any | None = None) -> Replay:
     """Train from `snap` to `end_step` with `change`; never raises for the user's errors (they go in `.error`).
     `record`: keep the failing step's batch and RNG state (`.failed`) and check the weights after every
     update too, so the step that went non-finite first is named exactly (the rollback's replay). `watch`
     (a guard's op, source line and the fault's step): record each step's largest input to that op at that
     line, and from the fault's step its other calls that overflow and the layer the value comes from
     (op_watch.py), changing nothing. `expect`
-    (step, fingerprint): the batch the training read at that step, checked (`.other_data_at`)."""
+    (step, fingerprint): the batch the training read at that step, checked (`.other_data_at`). `sample`: a
+    precursor monitor (engine/precursors.py) opened around each step's forward, its series in `.precursors`."""
     t0 = time.perf_counter()
     out = Replay(snap.step, expect=expect)
     now = [snap.step]  # the step running, for what `watch` records
@@ -131,7 +134,8 @@ def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, en
                 clamped_output(workload.model, change.clamp_output, clamped), \
                 changed_model(workload.model, change.z_loss, change.qk_norm, start) as in_model:
             qk_hits = in_model.qk_hits
-            _run(workload, optimizer, ring, snap, end_step, change, deadline, (set_factor, in_model), out, record, now)
+            _run(workload, optimizer, ring, snap, end_step, change, deadline, (set_factor, in_model, sample), out,
+                 record, now)
             if hits is not None:
                 out.guard_calls, out.guard_sites = hits["calls"], dict(hits["sites"])
         out.still_nonfinite = _held(workload.model)
@@ -147,6 +151,7 @@ def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, en
     finally:
         with contextlib.suppress(Exception):
             optimizer.clear_grad()
+        out.precursors = _sampled(sample)
     out.observed, out.overflows, out.source_layer = seen.observed, seen.others, seen.layer
     out.clamp_hits, out.qk_hits = clamped[0], qk_hits[0]
     out.seconds = time.perf_counter() - t0
@@ -167,9 +172,10 @@ def _from_change(out: Replay, start: int) -> None:
 
 
 def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, change: Change, deadline: float,
-         changed: tuple[Any, InModel], out: Replay, record: bool, now: list[int]) -> None:
+         changed: tuple[Any, InModel, Any], out: Replay, record: bool, now: list[int]) -> None:
     """Train from `snap` to `end_step` with `change` into `out`; `changed`: the optimizer's and the model's
-    changes, set before each step; `now[0]`: the step running."""
+    changes, set before each step, and the precursor monitor opened around each forward (None: none); `now[0]`:
+    the step running."""
     import paddle
 
     from nandoctor.engine.step import StepEngine
@@ -185,7 +191,7 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
         return out.cut
 
     feed = _batches(w, ring, snap, end_step, engine.end_epoch, late)
-    set_factor, in_model = changed
+    set_factor, in_model, sample = changed
     opt.clear_grad()
     try:
         for step, epoch, batch_index, batch in feed:
@@ -198,7 +204,11 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
             set_factor(step)
             in_model.begin(step)
             here = (step, epoch, batch_index, fields, paddle.get_rng_state()) if record else None
+            if sample is not None:
+                sample.begin(step)
             loss = engine.loss(fields)
+            if sample is not None:
+                sample.end()  # (the forward is over: its hooks off before the backward)
             value = float(loss.detach().astype("float32").reshape([]))  # the user's own loss, without a z-loss
             if not math.isfinite(value):
                 _failed(out, step, "loss", here, value)
@@ -223,6 +233,18 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
             out.finite, out.failed_at = False, feed.step  # the last update wrote (more) NaN/Inf
     finally:
         feed.close()  # a DataLoader's worker processes end with the replay
+
+
+def _sampled(sample: Any | None) -> dict[tuple[str, str], list[tuple[int, float]]]:
+    """The monitor's series, its hooks off (whatever stopped the replay): {} without one, or if reading failed."""
+    if sample is None:
+        return {}
+    try:
+        sample.close()
+        sample.read()
+    except Exception:  # noqa: BLE001 - ours: a replay without its samples is judged without them
+        return {}
+    return sample.series
 
 
 def _check_same(out: Replay, ring: SnapshotRing, pos: tuple[int, int], batch: Any, fields: dict[str, Any]) -> None:

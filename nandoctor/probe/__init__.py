@@ -248,7 +248,7 @@ def _keep_batches(loop: ProbeLoop) -> None:
 def _remedies(report: Report, res: LoopResult, workload: Any, optimizer: Any, loop: ProbeLoop,
               options: ProbeOptions, device: str, probe_seconds: float, progress: ProgressFn = no_progress) -> None:
     """Replay the candidate fixes (hooks detached, the checker off first: replays are plain training): after a
-    fault, or for a loss that diverged without one."""
+    fault, or for a loss that diverged without one, or (without either) for precursor warnings or a loss spike."""
     from nandoctor.remedies.divergence import try_divergence_remedies
     from nandoctor.remedies.trial import try_remedies
 
@@ -258,7 +258,8 @@ def _remedies(report: Report, res: LoopResult, workload: Any, optimizer: Any, lo
         with replaying(report, workload.spec.base_dir, "the remedy replays"):
             if res.fault is None:
                 try_divergence_remedies(report, res, workload, optimizer, loop.snapshots, probe_seconds=probe_seconds,
-                                        amp=workload.spec.amp.enabled, device=device, progress=progress)
+                                        amp=workload.spec.amp.enabled, device=device, progress=progress,
+                                        precursors=getattr(loop.watcher, "precursors", None))
             else:
                 try_remedies(report, res, workload, optimizer, loop.snapshots, fix_steps=options.fix_steps,
                              probe_seconds=probe_seconds, amp=workload.spec.amp.enabled, device=device,
@@ -270,10 +271,11 @@ def _remedies(report: Report, res: LoopResult, workload: Any, optimizer: Any, lo
 
 
 def _diverged(report: Report) -> bool:
-    """A run whose loss diverged without a fault: its step-size remedies are replayed too."""
-    from nandoctor.remedies.divergence import diverged
+    """A run whose loss diverged without a fault, or whose only signs are precursor warnings or a loss spike: its
+    step-size remedies are replayed too."""
+    from nandoctor.remedies.divergence import diverged, warned
 
-    return diverged(report) is not None
+    return diverged(report) is not None or bool(warned(report))
 
 
 def _clip(spec: Spec) -> float | None:

@@ -82,6 +82,19 @@ def candidates_for(report: Report, fault: Any, workload: Any, ring: SnapshotRing
     return _ordered(out, report, fault, found.symptom, found.growth, workload.model)
 
 
+def model_change_candidates(report: Report, workload: Any, ring: SnapshotRing, start: int,
+                            end_step: int) -> list[Candidate]:
+    """qk-layernorm where the attention logits grew, z-loss where the head's log Z diverged, for a run without a
+    fault (remedies/divergence.py): changed from `start` (before the earliest warning began), the same candidates
+    as after a fault, their warnings read up to `end_step`."""
+    from types import SimpleNamespace
+
+    growth = SimpleNamespace(location=SimpleNamespace(step=start))  # (only its step: where the changes begin)
+    found = _Found(report, SimpleNamespace(step=end_step), workload, ring, None, growth, None, ring.first,
+                   ring.latest(start))
+    return [*_qk_norm(found), *_z_loss(found)]
+
+
 def _found(report: Report, fault: Any, workload: Any, ring: SnapshotRing, here: Snapshot | None) -> _Found:
     """The findings the candidates follow from, and the snapshots to restart from: the first step's, the last
     before the gradient growth began (divergence remedies), the failing step's."""

@@ -258,3 +258,72 @@ def judge_divergence(r: Replay, c: Candidate, before: list[tuple[int, float]], e
     if level >= DIVERGE_RATIO * lowest:  # noisy, but several-fold up at the end: not back in the healthy range
         return NOT_FIXED, f"the loss still ended several-fold above its minimum: {said}"
     return FIXED, f"no divergence through step {last}: {said}"
+
+
+# ---- a run whose only signs are precursors or a loss spike (issue 35): each warning's own rule, replayed ----
+
+Series = dict[tuple[str, str], list[tuple[int, float]]]
+
+
+def replayed_series(run: Series, r: Replay) -> Series:
+    """The run's precursor series with the replay's samples in place from where the replay began (its change's
+    first step): the early level stays the run's, the growth is the replay's."""
+    keys = set(run) | set(r.precursors)
+    return {k: [(s, v) for s, v in run.get(k, []) if s < r.start_step]
+            + [(s, v) for s, v in r.precursors.get(k, []) if s >= r.start_step] for k in keys}
+
+
+def replayed_spikes(r: Replay, before: list[tuple[int, float]]) -> list[Any]:
+    """loss_trend's spikes (the one rule) on the run's losses with the replay's in place from its start, those
+    whose elevated steps reach into the replayed stretch."""
+    from types import SimpleNamespace
+
+    from nandoctor.diagnosis.loss_trend import find_spikes
+
+    series = [(s, v) for s, v in before if s < r.start_step] + [(r.start_step + i, v) for i, v in enumerate(r.losses)]
+    spikes = find_spikes([SimpleNamespace(step=s, loss=v) for s, v in series])
+    return [s for s in spikes if s.end_step >= r.start_step]
+
+
+def still_warned(f: Any, r: Replay, before: list[tuple[int, float]], run: Series, anywhere: bool) -> str | None:
+    """What the warning `f`'s own rule finds on the replayed steps: a sentence, or None when it does not fire.
+    A precursor's rule is read at `f`'s layer, or (`anywhere`) at every layer of its quantity, as the report would
+    read it again; a spike's on the replayed losses."""
+    from nandoctor.engine.precursor_rules import growth_of
+    from nandoctor.findings import Code
+
+    if f.code == Code.LOSS_SPIKE:
+        spikes = replayed_spikes(r, before)
+        return None if not spikes else (f"the loss still spiked from step {spikes[0].start_step}, up to "
+                                        f"{spikes[0].peak:.3g} ({spikes[0].peak / spikes[0].baseline:.3g}x the median "
+                                        "before it)")
+    series = replayed_series(run, r)
+    quantity = f.evidence.get("quantity")
+    layers = sorted({layer for q, layer in series if q == quantity}) if anywhere else [f.location.layer]
+    for layer in layers:
+        g = growth_of(f.code, layer, series)
+        if g is not None:
+            return (f"{f.code.value} still fired at layer {layer}: it grew {g.ratio:.3g}x from step {g.start_step}, "
+                    f"past the threshold at step {g.alarm_step}")
+    return None
+
+
+def judge_precursors(r: Replay, c: Candidate, before: list[tuple[int, float]], end_step: int,
+                     span: tuple[float, float] | None, warnings: list[Any], run: Series) -> tuple[str, str | None]:
+    """A replay against precursor warnings or a loss spike without a fault or a divergence: fixed when the loss
+    stays in the healthy range (judge_divergence: finite to the last step, no divergence, no blow-up), no spike
+    rises in the replayed stretch, and no warning's own rule fires again on the replayed steps (at any layer)."""
+    outcome, note = judge_divergence(r, c, before, end_step, span)
+    if outcome != FIXED:
+        return outcome, note
+    spikes = replayed_spikes(r, before)
+    if spikes:
+        s = spikes[0]
+        return NOT_FIXED, (f"the loss spiked from step {s.start_step} to {s.end_step}, up to {s.peak:.3g} at step "
+                           f"{s.peak_step} ({s.peak / s.baseline:.3g}x the median before it)")
+    fired = [said for f in warnings for said in [still_warned(f, r, before, run, anywhere=True)] if said]
+    if fired:
+        return NOT_FIXED, "; ".join(fired)
+    what = ", ".join(f"{f.code.value}" + (f" at {f.location.layer}" if f.location.layer else "") for f in warnings)
+    return FIXED, f"no longer warned ({what}) through step {end_step - 1}; {note}" if note else \
+        f"no longer warned ({what}) through step {end_step - 1}"

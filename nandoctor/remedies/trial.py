@@ -146,6 +146,9 @@ class _Trial:
     steps_left: int = 0  # replayed steps the replays may still take (REPLAY_STEPS_FACTOR)
     steps_budget: int = 0  # ... of this many in all
     time_limit_hit: bool = False  # the safety net stopped a replay, or kept one from starting
+    # makes a fresh precursor monitor for each replay (engine/precursors.py), when the replays are judged by the
+    # precursors' own rules (divergence.py); None: no sampling
+    sampler: Any = None
 
     def __post_init__(self) -> None:
         self.steps_budget = self.steps_budget or self.steps_left
@@ -176,7 +179,7 @@ class _Trial:
         if spent is not None:
             return Replay(start.step, finite=False, not_applicable=spent)
         r = replay(self.workload, self.optimizer, self.ring, start, self.end_step, change, self.deadline,
-                   expect=self.expect)
+                   expect=self.expect, sample=self.sampler() if self.sampler is not None else None)
         self.time_limit_hit = self.time_limit_hit or r.cut
         return r
 

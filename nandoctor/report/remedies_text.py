@@ -51,7 +51,7 @@ def summary_line(report: Any) -> str | None:
     if notice(report):
         return notice(report)
     control = info.get("control") or {}
-    what = "the loss's divergence" if info.get("of") == "loss.divergence" else "the fault"
+    what = _answered(info)
     if not control:
         repro = "no replay without a change was possible"
     elif control.get("reproduced") is None:
@@ -66,6 +66,16 @@ def summary_line(report: Any) -> str | None:
     where = ("on the failing step alone (no room in memory or on disk for a snapshot of an earlier state)"
              if ring.get("enabled") is False else "from a saved state")
     return f"Each remedy was replayed {where}{to}; {repro}."
+
+
+def _answered(info: dict[str, Any]) -> str:
+    """What the replays answered: the fault, the loss's divergence, or a run's precursor warnings and spikes."""
+    if info.get("of") == "loss.divergence":
+        return "the loss's divergence"
+    warnings = info.get("warnings")
+    if isinstance(warnings, list) and warnings:
+        return "the warning(s) " + ", ".join(sorted({str(w.get("code")) for w in warnings}))
+    return "the fault"
 
 
 def skip_list_text(row: dict[str, Any]) -> str | None:
