@@ -143,21 +143,10 @@ def nandoctor_run(script: Path, args: list[str], cwd: Path, columns: int = 120
     return proc, data
 
 
-def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callable[[Any, Any], Any], *,
-                     peak_lr: float, warmup: int, entropy_rows: int = 4) -> tuple[dict[str, list[float]], list[float],
-                                                                                 int | None]:
-    """Issue 35's ground truth: a plain AdamW loop with a linear warmup to `peak_lr` that records, every step
-    and on the host in float64, through forward hooks of its own: per attention layer (q k^T / sqrt(d) from its
-    QKV projection's output, or with qk-layernorm from its `scores` sublayer's, before the causal mask) the
-    largest logit (`<layer>:max`,
-    the mask's -1e9 added as the model adds it) and the attention entropy in nats, the mean over the rows of the
-    batch's first `entropy_rows` sequences (`<layer>:entropy`); the
-    head's largest |logsumexp(logits)| (`head:log_z`); each Linear's output RMS (`<layer>:rms`). Returns the
-    records, the losses, and the first step whose loss was non-finite (None: none)."""
-    import math
-
-    record: dict[str, list[float]] = {}
-
+def precursor_hooks(model: Any, record: dict[str, list[float]], entropy_rows: int = 4) -> list[Any]:
+    """precursor_record's forward hooks (its docstring says what each records into `record`, every forward, in
+    float64 on the host); the caller removes the handles. With qk-layernorm switched on in a test decoder's code
+    (`plain_qk_norm`), its attention logits are read from its `scores` sublayer (q and k normed before it)."""
     def put(key: str, value: float) -> None:
         record.setdefault(key, []).append(value)
 
@@ -166,9 +155,10 @@ def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callab
         put(f"{name}:max", logit_max)
         put(f"{name}:entropy", entropy)
 
-    def scores_hook(name: str) -> Callable[..., None]:
+    def scores_hook(name: str, attn: Any) -> Callable[..., None]:
         def hook(layer: Any, inputs: Any, out: Any) -> None:
-            put_attention(name, out.numpy().astype("float64"))
+            if attn.qk_norm or attn.plain_qk_norm:
+                put_attention(name, out.numpy().astype("float64"))
         return hook
 
     def head_hook(layer: Any, inputs: Any, out: Any) -> None:
@@ -182,9 +172,10 @@ def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callab
             put(f"{name}:rms", math.sqrt(float((a * a).mean())))
         return hook
 
-    def projection_hook(name: str, heads: int) -> Callable[..., None]:
+    def projection_hook(name: str, attn: Any) -> Callable[..., None]:
         def hook(layer: Any, inputs: Any, out: Any) -> None:
-            put_attention(name, qk_logits(out.numpy(), heads))
+            if not attn.plain_qk_norm:  # q and k straight from the projection
+                put_attention(name, qk_logits(out.numpy(), attn.heads))
         return hook
 
     handles = []
@@ -192,14 +183,30 @@ def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callab
     for name, layer in layers.items():
         parent = name.rsplit(".", 1)[0]
         attn = layers.get(parent)
-        if name.endswith("qkv") and not getattr(attn, "qk_norm", True):  # q and k straight from the projection
-            handles.append(layer.register_forward_post_hook(projection_hook(parent, attn.heads)))
-        elif name.endswith("scores") and getattr(attn, "qk_norm", False):  # (q and k normed after it)
-            handles.append(layer.register_forward_post_hook(scores_hook(parent)))
+        if name.endswith("qkv") and not getattr(attn, "qk_norm", True):
+            handles.append(layer.register_forward_post_hook(projection_hook(parent, attn)))
+        elif name.endswith("scores") and hasattr(attn, "plain_qk_norm"):  # (q and k normed before it)
+            handles.append(layer.register_forward_post_hook(scores_hook(parent, attn)))
         elif name == "head":
             handles.append(layer.register_forward_post_hook(head_hook))
         if isinstance(layer, paddle.nn.Linear) and name != "head":
             handles.append(layer.register_forward_post_hook(rms_hook(name)))
+    return handles
+
+
+def precursor_record(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callable[[Any, Any], Any], *,
+                     peak_lr: float, warmup: int, entropy_rows: int = 4) -> tuple[dict[str, list[float]], list[float],
+                                                                                 int | None]:
+    """Issue 35's ground truth: a plain AdamW loop with a linear warmup to `peak_lr` that records, every step
+    and on the host in float64, through forward hooks of its own: per attention layer (q k^T / sqrt(d) from its
+    QKV projection's output, or with qk-layernorm from its `scores` sublayer's, before the causal mask) the
+    largest logit (`<layer>:max`,
+    the mask's -1e9 added as the model adds it) and the attention entropy in nats, the mean over the rows of the
+    batch's first `entropy_rows` sequences (`<layer>:entropy`); the
+    head's largest |logsumexp(logits)| (`head:log_z`); each Linear's output RMS (`<layer>:rms`). Returns the
+    records, the losses, and the first step whose loss was non-finite (None: none)."""
+    record: dict[str, list[float]] = {}
+    handles = precursor_hooks(model, record, entropy_rows)
     sched = paddle.optimizer.lr.LinearWarmup(peak_lr, warmup, 0.0, peak_lr)
     opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters())
     losses: list[float] = []
@@ -243,27 +250,42 @@ def causal_attention_stats(scores: np.ndarray, entropy_rows: int) -> tuple[float
 def changed_from(model: Any, batches: list[tuple[Any, Any]], loss_fn: Callable[[Any, Any], Any], *, peak_lr: float,
                  warmup: int, start: int, change: Callable[[], None] | None = None,
                  changed_loss: Callable[[Any, Any], Any] | None = None,
-                 lr_scale: float = 1.0) -> tuple[list[float], int | None]:
+                 lr_scale: float = 1.0, clip: float | None = None,
+                 record: dict[str, list[float]] | None = None, record_every: int = 1) -> tuple[list[float], int | None]:
     """A remedy's ground truth: precursor_record's plain AdamW loop with its linear warmup to `peak_lr`, unchanged
     before step `start` and changed from there: `change()` called once (a change to the model's own code),
-    the loss made by `changed_loss`, the learning rate times `lr_scale`. Returns the losses (the user's own
-    `loss_fn`, as a replay records them) and the first step whose loss or gradients went non-finite."""
+    the loss made by `changed_loss`, the learning rate times `lr_scale`, the gradients clipped to a global norm of
+    `clip`. Returns the losses (the user's own `loss_fn`, as a replay records them) and the first step whose loss
+    or gradients went non-finite. `record`: filled with precursor_record's quantities of the forward of every
+    `record_every`-th step (from step 0)."""
     opt = paddle.optimizer.AdamW(learning_rate=0.0, parameters=model.parameters())
+    handles: list[Any] = []
     losses: list[float] = []
-    for step, (x, y) in enumerate(batches):
-        if step == start and change is not None:
-            change()
-        opt.set_lr(peak_lr * min(1.0, step / warmup) * (lr_scale if step >= start else 1.0))
-        logits = model(paddle.to_tensor(x))
-        label = paddle.to_tensor(y)
-        loss = loss_fn(logits, label)
-        losses.append(float(loss))
-        total = changed_loss(logits, label) if changed_loss is not None and step >= start else loss
-        total.backward()
-        if not math.isfinite(losses[-1]) or step_went_nonfinite(total, model):
-            return losses, step
-        opt.step()
-        opt.clear_grad()
+    try:
+        for step, (x, y) in enumerate(batches):
+            if record is not None and step % record_every == 0:
+                handles = precursor_hooks(model, record)
+            if step == start and change is not None:
+                change()
+            if step == start and clip is not None:
+                opt._grad_clip = paddle.nn.ClipGradByGlobalNorm(clip)
+            opt.set_lr(peak_lr * min(1.0, step / warmup) * (lr_scale if step >= start else 1.0))
+            logits = model(paddle.to_tensor(x))
+            label = paddle.to_tensor(y)
+            loss = loss_fn(logits, label)
+            for h in handles:
+                h.remove()
+            handles = []
+            losses.append(float(loss))
+            total = changed_loss(logits, label) if changed_loss is not None and step >= start else loss
+            total.backward()
+            if not math.isfinite(losses[-1]) or step_went_nonfinite(total, model):
+                return losses, step
+            opt.step()
+            opt.clear_grad()
+    finally:
+        for h in handles:
+            h.remove()
     return losses, None
 
 
