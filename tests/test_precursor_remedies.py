@@ -16,7 +16,6 @@ the median of the 32 before it, none above the highest loss before the change).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from nandoctor.findings import Report
 from nandoctor.remedies.trial import BUDGET_ENV
 
 PEAK, TWIN = 0.1, 0.01
-QK_STEPS, ATTN_STEPS = 80, 120
+QK_STEPS, ATTN_STEPS = 80, 100
 EVERY = 4  # the monitor's sampled steps of a model whose attention is seen: 4, 8, 12, ...
 # the rule's own thresholds, by the record's key suffix (what the warning measures)
 THRESHOLD = {"attention.logit_growth": (":max", rules.ATTENTION_RATIO),

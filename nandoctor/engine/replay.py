@@ -204,11 +204,7 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
             set_factor(step)
             in_model.begin(step)
             here = (step, epoch, batch_index, fields, paddle.get_rng_state()) if record else None
-            if sample is not None:
-                sample.begin(step)
-            loss = engine.loss(fields)
-            if sample is not None:
-                sample.end()  # (the forward is over: its hooks off before the backward)
+            loss = _forward(engine, fields, sample, step)
             value = float(loss.detach().astype("float32").reshape([]))  # the user's own loss, without a z-loss
             if not math.isfinite(value):
                 _failed(out, step, "loss", here, value)
@@ -233,6 +229,17 @@ def _run(w: Any, opt: Any, ring: SnapshotRing, snap: Snapshot, end_step: int, ch
             out.finite, out.failed_at = False, feed.step  # the last update wrote (more) NaN/Inf
     finally:
         feed.close()  # a DataLoader's worker processes end with the replay
+
+
+def _forward(engine: Any, fields: dict[str, Any], sample: Any | None, step: int) -> Any:
+    """The step's loss, its forward sampled by the precursor monitor when there is one (its hooks off before the
+    backward)."""
+    if sample is None:
+        return engine.loss(fields)
+    sample.begin(step)
+    loss = engine.loss(fields)
+    sample.end()
+    return loss
 
 
 def _sampled(sample: Any | None) -> dict[tuple[str, str], list[tuple[int, float]]]:
