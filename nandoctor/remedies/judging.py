@@ -321,9 +321,11 @@ def judge_precursors(r: Replay, c: Candidate, before: list[tuple[int, float]], e
         s = spikes[0]
         return NOT_FIXED, (f"the loss spiked from step {s.start_step} to {s.end_step}, up to {s.peak:.3g} at step "
                            f"{s.peak_step} ({s.peak / s.baseline:.3g}x the median before it)")
-    fired = [said for f in warnings for said in [still_warned(f, r, before, run, anywhere=True)] if said]
+    said = {id(f): still_warned(f, r, before, run, anywhere=True) for f in warnings}
+    fired = [s for s in said.values() if s]
+    quiet = ", ".join(f"{f.code.value}" + (f" at {f.location.layer}" if f.location.layer else "") for f in warnings
+                      if not said[id(f)])
     if fired:
-        return NOT_FIXED, "; ".join(fired)
-    what = ", ".join(f"{f.code.value}" + (f" at {f.location.layer}" if f.location.layer else "") for f in warnings)
-    return FIXED, f"no longer warned ({what}) through step {end_step - 1}; {note}" if note else \
-        f"no longer warned ({what}) through step {end_step - 1}"
+        return NOT_FIXED, "; ".join(fired) + (f" (no longer warned: {quiet})" if quiet else "")
+    return FIXED, f"no longer warned ({quiet}) through step {end_step - 1}; {note}" if note else \
+        f"no longer warned ({quiet}) through step {end_step - 1}"
