@@ -41,8 +41,10 @@ def plain_losses(peak: float, *, warmup: int = WARMUP, n: int = STEPS, spike_at:
     opt = getattr(paddle.optimizer, optimizer)(learning_rate=sched, parameters=model.parameters())
     out = []
     for step, (x, y) in enumerate(tm.batches(n, spike_at=spike_at) * epochs):
-        if lr_x is not None and step >= lr_x[0]:
+        if lr_x is not None and step >= lr_x[0] and warmup:
             sched.last_lr = float(sched.get_lr()) * lr_x[1]
+        elif lr_x is not None and step == lr_x[0]:  # (a constant rate: cut once, from that step)
+            opt.set_lr(peak * lr_x[1])
         if clip is not None and step == clip[0]:
             opt._grad_clip = paddle.nn.ClipGradByGlobalNorm(clip[1])
         loss = paddle.nn.functional.mse_loss(model(paddle.to_tensor(x)), paddle.to_tensor(y))

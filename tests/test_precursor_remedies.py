@@ -12,6 +12,10 @@ float64, the quantities the warnings measure at every step. Its verdict, compute
 samples (every 4th from step 4): `fixed` exactly when no layer's quantity reaches the rule's threshold over its
 early level and its loss stays in range (finite, no several-fold rise above its minimum at the end, no step 3x
 the median of the 32 before it, none above the highest loss before the change).
+
+A lone loss spike (tests/trend_models.py's MLP, one batch's inputs scaled 30x at step 60, which the run recovers
+from): the step-size changes replayed from 4 steps before it, each `fixed` exactly when a plain loop with that
+change (tests/test_loss_trend.plain_losses) no longer has a step 3x the median of the steps before it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import precursor_models as pm
 import pytest
 from run_truth import changed_from
 from test_divergence_remedies import diverged
+from test_loss_trend import SPIKE_AT, SPIKE_LR, SPIKE_STEPS, plain_losses
+from test_loss_trend import probe as trend_probe
 from test_precursors import WARMUP, probe
 
 from nandoctor.engine import precursor_rules as rules
@@ -193,3 +199,31 @@ def test_the_lower_lr_twins_get_no_replays(qk_norm: bool, tmp_path: Path) -> Non
     report = probe(tmp_path, peak=TWIN, steps=QK_STEPS, qk_norm=qk_norm)
     assert report.verdict.value == "healthy" and all(f.severity.value == "info" for f in report.findings)
     assert report.remedies == [] and "remedies" not in report.details
+
+
+def spiked(losses: np.ndarray, start: int) -> bool:
+    """A step from `start` on at least 3x the median of the (up to 50) steps before it, or a non-finite one."""
+    x = np.asarray(losses, dtype=np.float64)
+    return not np.isfinite(x).all() or any(x[i] >= 3 * np.median(x[max(0, i - 50):i])
+                                           for i in range(max(start, 32), len(x)))
+
+
+def test_a_lone_spike_is_replayed_and_judged_as_plain_loops_say(tmp_path: Path) -> None:
+    """A data spike the run recovers from: the replays start 4 steps before it; a lower rate there does not
+    remove a spike made by the batch's own values, as the plain loop with the rate cut there shows."""
+    report = trend_probe(tmp_path, SPIKE_LR, warmup=0, n=SPIKE_STEPS, spike_at=SPIKE_AT, try_fixes=True)
+    [spike] = [f for f in report["findings"] if f["code"] == "loss.spike"]
+    assert spike["location"]["step"] == SPIKE_AT
+    info = report["details"]["remedies"]
+    assert info["of"] == "loss.spike" and info["growth_step"] == SPIKE_AT - 4
+    assert info["control"]["reproduced"] is True
+    assert spiked(plain_losses(SPIKE_LR, warmup=0, n=SPIKE_STEPS, spike_at=SPIKE_AT), SPIKE_AT - 4)
+    got = {r["remedy"]: r for r in report["remedies"]}
+    truth = plain_losses(SPIKE_LR, warmup=0, n=SPIKE_STEPS, spike_at=SPIKE_AT, lr_x=(SPIKE_AT - 4, 0.1))
+    row = got["lr_x0.1"]
+    assert row["start_step"] == SPIKE_AT - 4
+    assert row["loss_after"] == pytest.approx(float(np.mean(truth[-3:])), rel=1e-3)
+    assert row["outcome"] == ("not_fixed" if spiked(truth, SPIKE_AT - 4) else "fixed"), row["note"]
+    clip = got["grad_clip"]
+    truth = plain_losses(SPIKE_LR, warmup=0, n=SPIKE_STEPS, spike_at=SPIKE_AT, clip=(SPIKE_AT - 4, clip["threshold"]))
+    assert clip["outcome"] == ("not_fixed" if spiked(truth, SPIKE_AT - 4) else "fixed"), clip["note"]

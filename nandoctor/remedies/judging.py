@@ -310,17 +310,19 @@ def still_warned(f: Any, r: Replay, before: list[tuple[int, float]], run: Series
 
 def judge_precursors(r: Replay, c: Candidate, before: list[tuple[int, float]], end_step: int,
                      span: tuple[float, float] | None, warnings: list[Any], run: Series) -> tuple[str, str | None]:
-    """A replay against precursor warnings or a loss spike without a fault or a divergence: fixed when the loss
-    stays in the healthy range (judge_divergence: finite to the last step, no divergence, no blow-up), no spike
-    rises in the replayed stretch, and no warning's own rule fires again on the replayed steps (at any layer)."""
+    """A replay against precursor warnings or a loss spike without a fault or a divergence: fixed when no spike
+    rises in the replayed stretch, the loss stays in the healthy range (judge_divergence: finite to the last step,
+    no divergence, no blow-up), and no warning's own rule fires again on the replayed steps (at any layer)."""
+    reached = r.finite and r.start_step + r.steps_run >= end_step and _no_evidence(r, c) is None
+    spikes = replayed_spikes(r, before) if reached else []
+    if spikes:  # (said first: a spike's top is out of the healthy range too, and the spike is what happened)
+        s = spikes[0]
+        when = f"at step {s.start_step}" if s.start_step == s.end_step else f"from step {s.start_step} to {s.end_step}"
+        return NOT_FIXED, (f"the loss still spiked {when}, up to {s.peak:.3g} at step {s.peak_step} "
+                           f"({s.peak / s.baseline:.3g}x the median before it)")
     outcome, note = judge_divergence(r, c, before, end_step, span)
     if outcome != FIXED:
         return outcome, note
-    spikes = replayed_spikes(r, before)
-    if spikes:
-        s = spikes[0]
-        return NOT_FIXED, (f"the loss spiked from step {s.start_step} to {s.end_step}, up to {s.peak:.3g} at step "
-                           f"{s.peak_step} ({s.peak / s.baseline:.3g}x the median before it)")
     said = {id(f): still_warned(f, r, before, run, anywhere=True) for f in warnings}
     fired = [s for s in said.values() if s]
     quiet = ", ".join(f"{f.code.value}" + (f" at {f.location.layer}" if f.location.layer else "") for f in warnings
