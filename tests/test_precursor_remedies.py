@@ -4,13 +4,15 @@ attention logits grew) qk-layernorm from before the earliest warning began, samp
 very steps in each replay, and judges each by the rule that raised the warning.
 
 The runs: the small GPT decoders of tests/precursor_models.py warmed up over 30 steps to a 10x peak rate (0.1),
-plain and with qk-layernorm; their lower-LR twins (0.01). The truth: a plain Paddle loop (run_truth.changed_from,
-seeded as the probe seeds) that trains the same decoder from the same state with the remedy's change made from
-the row's start step (the rate x0.1; the gradients clipped at the row's threshold; qk-layernorm switched on in
-the model's own code; a 60-step warmup to the same peak from step 0), recording with its own forward hooks, in
-float64, the quantities the warnings measure at every step. Its verdict, computed here on the steps the monitor
-samples (every 4th from step 4): `fixed` exactly when no layer's quantity reaches the rule's threshold over its
-early level and its loss stays in range (finite, no several-fold rise above its minimum at the end, no step 3x
+plain and with qk-layernorm, and one without a final LayerNorm (0.15: its head's log Z diverges); their
+lower-LR twins (10x lower). The truth: a plain Paddle loop (run_truth.changed_from, seeded as the probe seeds)
+that trains the same decoder from the same state with the remedy's change made from the row's start step (the
+rate x0.1; the gradients clipped at the row's threshold; qk-layernorm switched on in the model's own code; the
+loss plus its z-loss; a 60-step warmup to the same peak from step 0), recording with its own forward hooks, in
+float64, the quantities the warnings measure on the steps the monitor samples (every 4th from step 4). Its
+verdict, computed here: `fixed` exactly when no layer's quantity passes the rule's threshold over its early
+level (log Z: the rule's three tests) and its loss stays in range (finite, no several-fold rise above its
+minimum at the end, no step 3x
 the median of the 32 before it, none above the highest loss before the change).
 
 A lone loss spike (tests/trend_models.py's MLP, one batch's inputs scaled 30x at step 60, which the run recovers
@@ -39,11 +41,12 @@ from nandoctor.findings import Report
 from nandoctor.remedies.trial import BUDGET_ENV
 
 PEAK, TWIN = 0.1, 0.01
+HEAD_PEAK = 0.15  # the decoder without a final LayerNorm
 QK_STEPS, ATTN_STEPS = 80, 100
 EVERY = 4  # the monitor's sampled steps of a model whose attention is seen: 4, 8, 12, ...
 # the rule's own thresholds, by the record's key suffix (what the warning measures)
 THRESHOLD = {"attention.logit_growth": (":max", rules.ATTENTION_RATIO),
-             "activation.norm_growth": (":rms", rules.RMS_RATIO)}
+             "activation.norm_growth": (":rms", rules.RMS_RATIO), "output.logit_divergence": (":log_z", 1.0)}
 
 
 def rows(report: Report) -> dict[str, dict[str, Any]]:
@@ -59,23 +62,27 @@ def conclusions(report: Report) -> dict[str, Any]:
 
 def plain(steps: int, *, start: int | None = None, warmup: int = WARMUP, qk_norm_model: bool = False,
           lr_scale: float = 1.0, clip: float | None = None,
-          qk_norm: bool = False, peak: float = PEAK) -> tuple[list[float], int | None, dict[str, list[float]]]:
+          qk_norm: bool = False, peak: float = PEAK, final_ln: bool = True,
+          z_loss: bool = False) -> tuple[list[float], int | None, dict[str, list[float]]]:
     """The plain loop, seeded as the probe seeds, changed from `start` (None: never); its losses, first
     non-finite step and record of the quantities of every EVERY-th step's forward (step 0 first)."""
     paddle.seed(0)
     np.random.seed(0)
-    model = pm.gpt(qk_norm=qk_norm_model)
+    model = pm.gpt(qk_norm=qk_norm_model, final_ln=final_ln)
     record: dict[str, list[float]] = {}
     losses, fault = changed_from(model, pm.tokens(steps), pm.cross_entropy, peak_lr=peak, warmup=warmup,
                                  start=steps if start is None else start, lr_scale=lr_scale, clip=clip,
                                  change=(lambda: pm.plain_qk_norm(model)) if qk_norm else None, record=record,
-                                 record_every=EVERY)
+                                 record_every=EVERY,
+                                 changed_loss=pm.with_z_loss(pm.cross_entropy) if z_loss else None)
     return losses, fault, record
 
 
 def growths(record: dict[str, list[float]], code: str) -> dict[str, float]:
     """Each layer's largest value over its early level (the median of the samples of its first 8 steps), on the
-    sampled steps, in float64."""
+    sampled steps, in float64 (the head's log Z: how far it got past its rule, logz_over)."""
+    if code == "output.logit_divergence":
+        return {"head": logz_over(np.asarray(record["head:log_z"], dtype=np.float64)[1:])}
     suffix, _ = THRESHOLD[code]
     out = {}
     for key, values in record.items():
@@ -84,6 +91,18 @@ def growths(record: dict[str, list[float]], code: str) -> dict[str, float]:
             early = float(np.median(x[:2]))  # steps 4 and 8
             out[key[:-len(suffix)]] = float(x.max()) / early
     return out
+
+
+def logz_over(x: np.ndarray) -> float:
+    """How far the head's |log Z| got past its rule, as a ratio that reaches 1 where the rule fires: past 5x its
+    early level and 20, and at least double the lowest sample of the 16 steps before it (samples 4 steps apart)."""
+    early = float(np.median(x[:2]))
+    floor = max(rules.LOGZ_RATIO * early, rules.LOGZ_FLOOR)
+    worst = 0.0
+    for i in range(1, len(x)):
+        lowest = float(x[max(0, i - rules.LOGZ_DOUBLING_STEPS // EVERY):i].min())
+        worst = max(worst, min(x[i] / floor, x[i] / (2 * lowest)))
+    return worst
 
 
 def loss_in_range(losses: list[float], start: int) -> bool:
@@ -121,6 +140,11 @@ def qk_run(tmp_path_factory: pytest.TempPathFactory) -> list[Report]:
             mp.setenv(BUDGET_ENV, budget)
             out.append(probe(tmp, peak=PEAK, steps=QK_STEPS, qk_norm=True))
     return out
+
+
+@pytest.fixture(scope="module")
+def head_run(tmp_path_factory: pytest.TempPathFactory) -> Report:
+    return probe(tmp_path_factory.mktemp("headrem"), peak=HEAD_PEAK, steps=ATTN_STEPS, final_ln=False)
 
 
 @pytest.fixture(scope="module")
@@ -191,12 +215,34 @@ def test_attention_decoder_remedies_match_plain_loops(attn_run: Report) -> None:
         assert any(a.startswith("Verified by replay (lr_x0.1): optimizer.args.learning_rate") for a in found[c].advice)
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_the_lower_lr_twins_get_no_replays(qk_norm: bool, tmp_path: Path) -> None:
+def test_head_without_final_layernorm_remedies_match_plain_loops(head_run: Report) -> None:
+    """The head's log Z diverges (and an FC1 output RMS grows), the loss does not diverge: lr_x0.1 and z-loss
+    from the log Z's start, each judged as a plain loop with that change."""
+    report = head_run
+    found = warned(report)
+    assert "output.logit_divergence" in found and report.first_fault is None and "loss.divergence" not in found
+    assert found["output.logit_divergence"].location.layer == "head"
+    codes = set(found) & set(THRESHOLD)
+    start = min(found[c].location.step for c in codes)
+    assert report.details["remedies"]["control"]["reproduced"] is True
+    unchanged = plain(ATTN_STEPS, peak=HEAD_PEAK, final_ln=False)
+    assert growths(unchanged[2], "output.logit_divergence")["head"] >= 1.0  # (the rule fires on the plain loop)
+    got = rows(report)
+    check_row(got["lr_x0.1"], plain(ATTN_STEPS, start=start, peak=HEAD_PEAK, final_ln=False, lr_scale=0.1), codes,
+              start, ATTN_STEPS)
+    check_row(got["z_loss"], plain(ATTN_STEPS, start=start, peak=HEAD_PEAK, final_ln=False, z_loss=True), codes,
+              start, ATTN_STEPS)
+    assert got["z_loss"]["z_loss"] == {"layer": "head", "coef": 1e-4}
+
+
+@pytest.mark.parametrize(("peak", "model"), [(TWIN, {}), (TWIN, {"qk_norm": True}),
+                                             (HEAD_PEAK / 10, {"final_ln": False})])
+def test_the_lower_lr_twins_get_no_replays(peak: float, model: dict[str, Any], tmp_path: Path) -> None:
     """At a 10x lower peak the plain loop's quantities stay under every threshold: no warning, so no replay."""
-    losses, fault, record = plain(QK_STEPS, qk_norm_model=qk_norm, peak=TWIN)
+    losses, fault, record = plain(QK_STEPS, qk_norm_model=model.get("qk_norm", False), peak=peak,
+                                  final_ln=model.get("final_ln", True))
     assert truth_fixed((losses, fault, record), set(THRESHOLD), QK_STEPS)
-    report = probe(tmp_path, peak=TWIN, steps=QK_STEPS, qk_norm=qk_norm)
+    report = probe(tmp_path, peak=peak, steps=QK_STEPS, **model)
     assert report.verdict.value == "healthy" and all(f.severity.value == "info" for f in report.findings)
     assert report.remedies == [] and "remedies" not in report.details
 

@@ -121,8 +121,7 @@ def try_divergence_remedies(report: Report, res: Any, workload: Any, optimizer: 
                    steps_left=bounds.REPLAY_STEPS_FACTOR * end_step, sampler=sampler)
     before = [(r.step, float(r.loss)) for r in records if r.step < end_step and r.loss is not None]
     cands = _candidates(report, workload, ring, start, end_step, conclusive_norms(records))
-    if aim.divergence is None:
-        cands += model_change_candidates(report, workload, ring, start, end_step)
+    cands += model_change_candidates(report, workload, ring, start, end_step)  # (none without their precursors)
     try:
         control = _control(trial, cands, progress, aim)
         reproduced = _reproduced(control, before, end_step, aim)
