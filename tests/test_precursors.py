@@ -173,6 +173,7 @@ def test_the_lower_lr_twins_stay_quiet(tmp_path: Path, peak: float, steps: int, 
     assert fault is None and min(losses) < 0.5 * losses[0]  # it trains
     assert report.verdict.value == "healthy", [(f.code.value, f.message) for f in report.findings]
     assert not PRECURSORS & {f.code.value for f in report.findings}
+    assert report.remedies == [] and "remedies" not in report.details  # no warning: nothing replayed
     # and the record agrees: nothing near a threshold
     assert not first_to_cross(record, ":max", rules.ATTENTION_RATIO / 2)
     assert not first_to_cross(record, ":rms", rules.RMS_RATIO / 2)
