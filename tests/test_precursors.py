@@ -354,3 +354,45 @@ def test_run_gives_the_probes_warnings_from_the_same_step(attention_run: tuple, 
     ev = ran["attention.logit_growth"]["evidence"]
     assert ev["history"][0][0] == pc.EVERY_ATTENTION
     assert ev["history"][0][1] == pytest.approx(record[f"{ev['layer']}:max"][pc.EVERY_ATTENTION], rel=1e-4)
+
+
+def test_the_hapi_callback_gives_the_probes_warning(attention_run: tuple, tmp_path: Path) -> None:
+    """The same run through `paddle.Model.fit` with NanDoctorCallback, the fourth way in: hapi rebuilds the
+    probe's batches from single items (shuffle off) and steps the warmup every batch; the precursors are the
+    engine's, so the codes, layers and steps are the probe's."""
+    from paddle.static import InputSpec
+
+    from nandoctor.hapi import NanDoctorCallback
+
+    probe_report, _, _ = attention_run
+
+    class Items(paddle.io.Dataset):
+        def __init__(self) -> None:
+            self.items = [(x[i], y[i]) for x, y in pm.tokens(120) for i in range(len(x))]
+
+        def __getitem__(self, i: int) -> Any:
+            return self.items[i]
+
+        def __len__(self) -> int:
+            return len(self.items)
+
+    class Loss(paddle.nn.Layer):
+        def forward(self, logits: Any, label: Any) -> Any:
+            return pm.cross_entropy(logits, label)
+
+    paddle.seed(0)
+    np.random.seed(0)
+    net = pm.gpt()
+    sched = paddle.optimizer.lr.LinearWarmup(0.1, WARMUP, 0.0, 0.1)
+    model = paddle.Model(net, inputs=[InputSpec([None, pm.SEQ], "int64", "ids")],
+                         labels=[InputSpec([None, pm.SEQ], "int64", "label")])
+    model.prepare(paddle.optimizer.AdamW(learning_rate=sched, parameters=net.parameters()), Loss())
+    cb = NanDoctorCallback(report_dir=tmp_path / "r")
+    model.fit(Items(), epochs=1, batch_size=16, shuffle=False, verbose=0, callbacks=[cb])
+    assert cb.report is not None
+    mine = {f.code.value: f for f in cb.report.findings if f.code.value in PRECURSORS}
+    theirs = {f.code.value: f for f in probe_report.findings if f.code.value in PRECURSORS}
+    assert "attention.logit_growth" in theirs and set(mine) == set(theirs)
+    for code, f in theirs.items():
+        for key in ("layer", "start_step", "alarm_step"):
+            assert mine[code].evidence[key] == f.evidence[key], (code, key)
