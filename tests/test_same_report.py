@@ -58,3 +58,35 @@ def test_forced_read_strides_give_the_same_findings(case: str, tmp_path: Path,
         assert seen[0]["verdict"] == "nan_found" and seen[0]["first_fault"]["step"] > 64
     if case == "late":
         assert seen[0]["verdict"] == "at_risk" and min(r[2] for r in seen[0]["remedies"] if r[2] is not None) > 64
+
+
+def test_a_guard_replayed_from_an_earlier_snapshot_applies_from_the_fault_step() -> None:
+    """An update fault (or unsound live weights) replays from the ring's last snapshot before the fault, whose
+    step follows the snapshots' measured spacing: a guard or clamp then applies from the fault's step, so the
+    row's start and verdict are the same whichever snapshot the ring held; changes with a step of their own, and
+    replays that start at the fault, are left as they are. A guard that is not active leaves the op alone."""
+    import numpy as np
+    import paddle
+
+    from nandoctor.engine.op_guards import guard_for, guarded
+    from nandoctor.engine.replay import Change
+    from nandoctor.remedies.trial import _at_the_fault
+
+    class Snap:  # the one field _at_the_fault reads
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+    guard = guard_for("log")
+    for snap_step in (4, 8, 12):
+        assert _at_the_fault(Change(guard=guard), Snap(snap_step), 13).from_step == 13
+        assert _at_the_fault(Change(clamp_output=("head", 60.0)), Snap(snap_step), 13).from_step == 13
+    assert _at_the_fault(Change(guard=guard), Snap(13), 13).from_step is None
+    assert _at_the_fault(Change(lr_scale=0.1, from_step=9), Snap(8), 13).from_step == 9
+    assert _at_the_fault(Change(lr_scale=0.1), Snap(8), 13).from_step is None
+    zero = paddle.to_tensor(np.zeros(2, np.float32))
+    on = [False]
+    with guarded(guard, None, "any", active=lambda: on[0]) as hits:
+        off_value = paddle.log(zero).numpy()
+        on[0] = True
+        on_value = paddle.log(zero).numpy()
+    assert np.isneginf(off_value).all() and np.isfinite(on_value).all() and hits["calls"] == 1

@@ -183,14 +183,15 @@ def _at(source: str | None) -> tuple[str, int] | None:
 
 @contextlib.contextmanager
 def guarded(guard: Guard, source: str | None, scope: str = "line", limit: float | None = None,
-            observe: Callable[[float], None] | None = None) -> Iterator[dict[str, Any]]:
+            observe: Callable[[float], None] | None = None,
+            active: Callable[[], bool] | None = None) -> Iterator[dict[str, Any]]:
     """Within the block, `guard.op` calls get the epsilon/clamp: those made at `source` (scope "line"),
     those made while the call at `source` runs ("within"), or all of them ("any", also when `source` is
     unknown). Yields {"calls": firings, "sites": {line that made the call: firings that changed a value}},
     so a replay can tell whether the guard was reached at all, and where it mattered. `limit` replaces the
     clamp's upper bound (exp's 60: the threshold search); with `observe`, nothing is changed: every call of
     the op, wherever made, goes to `observe(at_source, frame, input)` (what the healthy steps feed the op, and
-    what its other calls get)."""
+    what its other calls get). `active`: whether the guard applies now (a replay's change from its step on)."""
     import paddle
 
     where = _at(source) if scope != "any" else None
@@ -199,6 +200,8 @@ def guarded(guard: Guard, source: str | None, scope: str = "line", limit: float 
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         def guarded_fn(*args: Any, **kwargs: Any) -> Any:
+            if active is not None and not active():
+                return fn(*args, **kwargs)
             frame = sys._getframe(1)
             mine = True
             if where is not None:

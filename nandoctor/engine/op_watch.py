@@ -116,9 +116,10 @@ def _same_value(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 @contextlib.contextmanager
-def clamped_output(model: Any, clamp: tuple[str, float] | None, hits: list[int]) -> Iterator[None]:
+def clamped_output(model: Any, clamp: tuple[str, float] | None, hits: list[int],
+                   active: Callable[[], bool] | None = None) -> Iterator[None]:
     """Within the block, the output of layer `clamp[0]` is clipped at `clamp[1]`; `hits[0]` counts the forwards
-    where that changed a value."""
+    where that changed a value. `active`: whether the clamp applies now (a replay's change from its step on)."""
     if clamp is None:
         yield
         return
@@ -128,7 +129,7 @@ def clamped_output(model: Any, clamp: tuple[str, float] | None, hits: list[int])
     layer = dict(model.named_sublayers())[name]
 
     def hook(_layer: Any, _inputs: Any, out: Any) -> Any:
-        if not isinstance(out, paddle.Tensor):
+        if not isinstance(out, paddle.Tensor) or (active is not None and not active()):
             return None
         if bool((out > hi).any()):
             hits[0] += 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,9 +129,12 @@ def replay(workload: Any, optimizer: Any, ring: SnapshotRing, snap: Snapshot, en
     _reinit_rows(workload.model, change.reinit_rows)
     seen, clamped, qk_hits = OpWatch(), [0], [0]
     try:
-        with _optimizer_changed(optimizer, change, start) as set_factor, _guard(change) as hits, \
+        def changing() -> bool:  # the change's own steps (Change.from_step), for the guard and the clamp
+            return start is None or now[0] >= start
+
+        with _optimizer_changed(optimizer, change, start) as set_factor, _guard(change, changing) as hits, \
                 _watched(workload.model, watch, now, seen), \
-                clamped_output(workload.model, change.clamp_output, clamped), \
+                clamped_output(workload.model, change.clamp_output, clamped, changing), \
                 changed_model(workload.model, change.z_loss, change.qk_norm, start) as in_model:
             qk_hits = in_model.qk_hits
             _run(workload, optimizer, ring, snap, end_step, change, deadline, (set_factor, in_model, sample), out,
@@ -428,11 +431,11 @@ def _set_rate(opt: Any, sched: Any, rate: float) -> None:
 
 
 @contextlib.contextmanager
-def _guard(change: Change) -> Iterator[dict[str, int] | None]:
+def _guard(change: Change, active: Callable[[], bool]) -> Iterator[dict[str, int] | None]:
     if change.guard is None:
         yield None
         return
-    with guarded(change.guard, change.source, change.guard_scope, change.guard_limit) as hits:
+    with guarded(change.guard, change.source, change.guard_scope, change.guard_limit, active=active) as hits:
         yield hits
 
 

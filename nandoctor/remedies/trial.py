@@ -17,6 +17,7 @@ judged in judging.py.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -178,10 +179,21 @@ class _Trial:
         spent = self.charge(start, self.end_step)
         if spent is not None:
             return Replay(start.step, finite=False, not_applicable=spent)
+        change = _at_the_fault(change, start, self.fault.step)
         r = replay(self.workload, self.optimizer, self.ring, start, self.end_step, change, self.deadline,
                    expect=self.expect, sample=self.sampler() if self.sampler is not None else None)
         self.time_limit_hit = self.time_limit_hit or r.cut
         return r
+
+
+def _at_the_fault(change: Change, start: Snapshot, fault_step: int) -> Change:
+    """A guard or clamp replayed from a snapshot before the fault (an update fault, or live weights already
+    unsound) applies from the fault's step on: which snapshot the ring held there follows the snapshots'
+    measured spacing, and the row's start and verdict must not (the same report on every run)."""
+    if change.from_step is not None or start.step >= fault_step or (change.guard is None
+                                                                     and change.clamp_output is None):
+        return change
+    return dataclasses.replace(change, from_step=fault_step)
 
 
 def _control(trial: _Trial, cands: list[Candidate], progress: ProgressFn) -> Replay | None:
@@ -416,8 +428,6 @@ def _fault_snapshot(fault: Any, ring: SnapshotRing, entry: Snapshot) -> Snapshot
         return ring.latest(fault.step)
     if fault.rng is None:
         return entry
-    import dataclasses
-
     from nandoctor.engine.snapshots import RngState
 
     return dataclasses.replace(entry, rng=RngState(fault.rng, entry.rng.numpy, entry.rng.python))
