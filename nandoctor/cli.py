@@ -3,39 +3,25 @@
 Exit status (the contract): 0 when the report holds no error finding, 1 when it does, 2 for a bad
 command line or a spec that cannot be loaded, 3 for nandoctor's own bug, 130/143 when Ctrl-C/SIGTERM
 stopped the run. Every NandoctorError becomes one message on stderr and exit 2, no traceback for a
-mistake the user made, and so do two set-up problems that arrive as plain exceptions (`_user_error`):
+mistake the user made, and so do two set-up problems that arrive as plain exceptions (entry.py's funnel):
 Paddle not installed, and an OSError on a path the user gave. Any other exception is ours: one message
 naming the issue tracker, the traceback in a file. `--json -` puts the JSON on standard output and the
-report for people on standard error.
+report for people on standard error. The funnel and `nandoctor run` itself are in entry.py, which a plain
+`run` command line reaches without typer (`python -m nandoctor`, the `nandoctor` script: __main__.py).
 """
 
 from __future__ import annotations
 
 import copy
-import warnings
 from pathlib import Path
 from typing import Annotated, Any, Callable, NoReturn, Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
-from nandoctor.engine import interrupt
-from nandoctor.errors import (
-    INTERNAL_EXIT,
-    NandoctorError,
-    PaddleMissing,
-    internal_error_message,
-    paddle_installed,
-    paddle_missing,
-    path_error,
-    save_internal_error,
-)
+from nandoctor import entry
+from nandoctor.errors import NandoctorError, PaddleMissing, paddle_installed
 from nandoctor.version import __version__
-
-# Paddle's import warns about a missing ccache (a build tool for C++ extensions) on every machine without
-# one: noise under a diagnosis, and nothing the user needs to act on.
-warnings.filterwarnings("ignore", message=".*ccache.*")
 
 
 def _plain_params(params: list[Any]) -> list[Any]:
@@ -105,70 +91,21 @@ NoCodeOpt = Annotated[bool, typer.Option("--no-code", help="Leave your source fi
 
 def _console(*outputs: Path | None) -> Console:
     """Where the report for people goes: standard output, unless `--json -` (or `--markdown -`) took it."""
-    from nandoctor.report.writer import is_stdout
-
-    return Console(stderr=any(is_stdout(p) for p in outputs), highlight=False)
+    return entry.console_for(*outputs)
 
 
 def _fail(err: NandoctorError) -> typer.Exit:
-    # The message quotes the user's text and YAML (`such as [x, y]`): escaped, or rich would eat the brackets.
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]nandoctor:[/] {escape(str(err))}",
-                                                                markup=True)
-    return typer.Exit(err.exit_code)
-
-
-def _interrupted(exc: BaseException) -> typer.Exit:
-    """A signal before a report existed (spec loading, imports) or while it was written."""
-    Console(stderr=True, highlight=False).print(f"nandoctor: stopped by {interrupt.name(exc)}; no report was written.")
-    return typer.Exit(interrupt.exit_status(exc))
+    return typer.Exit(entry.fail(err))
 
 
 def _internal(exc: BaseException, near: Path | None) -> typer.Exit:
     """nandoctor's own bug: one message asking to report it, the traceback in a file, exit 3."""
-    import sys
-
-    folder = near.parent if near is not None and str(near.parent) and str(near) != "-" else Path(".")
-    try:
-        folder = folder if folder.is_dir() else Path(".")
-    except OSError:  # a --json folder name too long to look at
-        folder = Path(".")
-    saved = save_internal_error(exc, folder, sys.argv)
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
-    err.print(internal_error_message(exc, saved), markup=False)
-    if saved is None:
-        import traceback
-
-        err.print("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), markup=False)
-    return typer.Exit(INTERNAL_EXIT)
-
-
-def _user_error(exc: Exception, paths: dict[str, Path | None]) -> NandoctorError | None:
-    """An exception that is the user's set-up after all: Paddle not installed, or a path they gave that the
-    file system refuses (too long, read-only, full). Anything else that reaches the CLI is ours."""
-    if isinstance(exc, ImportError):
-        return paddle_missing(exc)
-    if isinstance(exc, OSError):
-        return path_error(exc, paths)
-    return None
+    return typer.Exit(entry.internal(exc, near))
 
 
 def _exit_with(call: Callable[[], int], paths: dict[str, Path | None], near: Path | None) -> NoReturn:
-    """The one error funnel of every command: `call()`'s exit status; our own errors (NandoctorError) as one
-    message and their status; a signal as its status; a path or a missing Paddle as the user's set-up
-    (exit 2); anything else as nandoctor's bug (exit 3, the traceback saved near `near`). The user's own
-    errors never get here: they became findings, or the script's exit status."""
-    try:
-        code = call()
-    except NandoctorError as err:
-        raise _fail(err) from None
-    except KeyboardInterrupt as exc:
-        raise _interrupted(exc) from None
-    except Exception as exc:  # noqa: BLE001 - what reaches the CLI and is not the user's set-up is ours
-        mistake = _user_error(exc, paths)
-        if mistake is not None:
-            raise _fail(mistake) from None
-        raise _internal(exc, near) from None
-    raise typer.Exit(code)
+    """The one error funnel of every command (entry.exit_status), as typer's exit."""
+    raise typer.Exit(entry.exit_status(call, paths, near))
 
 
 def _run(command: str, config: Path, **options: Any) -> NoReturn:
@@ -247,15 +184,9 @@ def run(
     quiet: QuietOpt = False,
 ) -> None:
     """Run your unmodified training script with the probe's watcher attached; report the first NaN/Inf step."""
-    from nandoctor.zero_change.runner import run_script
-
-    def call() -> int:
-        if not paddle_installed():  # the script would fail at its `import paddle`, or train unwatched
-            raise PaddleMissing()
-        return run_script(list(command), _console(json_path, markdown_path), json_path=json_path,
-                          markdown_path=markdown_path, bundle=bundle, keep_going=keep_going, quiet=quiet, force=force)
-
-    _exit_with(call, {"--json": json_path, "--markdown": markdown_path, "--bundle": bundle}, json_path or markdown_path)
+    # (`python -m nandoctor run` and the `nandoctor` script read a plain command line in entry.py, without typer)
+    raise typer.Exit(entry.run_status(list(command), json_path=json_path, markdown_path=markdown_path, bundle=bundle,
+                                      keep_going=keep_going, force=force, quiet=quiet))
 
 
 @app.command(cls=_Command)

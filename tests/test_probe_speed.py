@@ -27,6 +27,26 @@ def test_stats_schedule_recovers_from_one_slow_plain_step():
     assert all(sched.want(s) for s in range(200, 240))  # after a warning sign: stats on every step
 
 
+def test_one_slow_plain_step_costs_a_few_stats_steps_not_thirty():
+    """Under `nandoctor run`, and in a pair sharing one core, step 1 (the one plain step measured) was often
+    slow, and stats then ran on 30 of the first 32 steps of a 500-layer MLP (~20 ms each over a 27 ms step):
+    now odd steps stay plain until three plain steps were measured, and k finds its value at once. Fed
+    made-up durations (no clock): a stats step costs 10 ms more than a 10 ms plain step."""
+    from nandoctor.engine.loop import StatsSchedule
+    from nandoctor.engine.watcher import NORM_GRID
+
+    sched = StatsSchedule()
+    stats_steps = []
+    for step in range(NORM_GRID):
+        stats = sched.want(step)
+        if stats:
+            stats_steps.append(step)
+        seconds = 1.0 if step == 0 else 0.050 if step == 1 else 0.020 if stats else 0.010  # step 1: slow
+        sched.record(step, stats, seconds)
+    assert stats_steps == [0, 2, 4]  # the fixed ones (0, 2), and one more before k was measured (100)
+    assert sched.k == 100
+
+
 def _narrow_mlp(depth: int):
     """The narrow_mlp benchmark's model (Linear + Tanh pairs, a head of its own shape): > 96 tensors, so
     the grouped path, with two one-tensor shapes (the head's weight and bias) that skip the stack."""

@@ -48,6 +48,7 @@ AROUND_MARKS = 16
 MAX_MARKS = 32
 MAX_ARRAYS = 512  # older records keeping their per-tensor arrays (per-parameter norms, layer maxima)
 _MIN_STATS_BUDGET = 0.0025
+_PLAIN_SAMPLES = 3  # plain steps measured before stats may be taken on every step (StatsSchedule.want)
 # With reads deferred: a read may cost this share of the step time on average (k = its cost / this share of a
 # step), and at most this many steps go unread in a row (their losses are kept as device tensors). Each read
 # also ends a quiet stretch (its catch-up) and widens the ring's interval to k: 0.5% put a 0.3 ms step's reads,
@@ -150,8 +151,13 @@ class StatsSchedule:
         if step == 2 or step % NORM_GRID == 0:  # and one stats step that is not the first (warm-up) step; and the
             return True  # grid's, taken whatever the measured cost (StepWatcher.stats_fixed: the same report)
         # k == 1 (stats every step) would leave no plain step to measure against, so a plain step
-        # measured slow once (a first-call cost, a load spike) would keep it at 1: measure one in 16.
-        return step - self.last >= self.k and not (self.k == 1 and step % 16 == 0)
+        # measured slow once (a first-call cost, a load spike) would keep it at 1: measure one in 16, and
+        # every other step until a few plain steps were measured (under `nandoctor run` step 1 was often the
+        # only one, slowed by load or what attaching left behind, and a 500-layer MLP then took stats on 30 of
+        # its first 32 steps: ~3 ms a step more than the probe on the same workload)
+        if self.k == 1 and (step % 16 == 0 or len(self.plain) < _PLAIN_SAMPLES and step % 2):
+            return False
+        return step - self.last >= self.k
 
     def next_stats(self, step: int) -> int:
         """The first step after `step` (which `want` did not take) that `want` takes, alerts aside."""

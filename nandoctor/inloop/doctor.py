@@ -104,7 +104,7 @@ class Doctor:
 
         self.causes = check_start(self.model, optimizer)
         self.watcher = StepWatcher(self.model, optimizer, scaler=scaler, fp16=fp16, amp=scaler is not None,
-                                   start_nonfinite=self.causes.nonfinite or None)
+                                   start_nonfinite=self.causes.nonfinite)  # (none found: [], not found again)
         # Where a rollback can replay (history.py): most steps' losses left on the device, and a many-tensor
         # model's gradients read one step in four
         self.history: StepHistory | None = None

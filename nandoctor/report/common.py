@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nandoctor.findings import Report, TimelinePoint, Verdict
+from nandoctor.findings import Finding, Report, TimelinePoint, Verdict
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 NONFINITE_MARK = "✗"
@@ -60,6 +60,51 @@ VERDICT_TEXT = {
     Verdict.INTERRUPTED: "interrupted (partial report)",
     Verdict.ERROR_FOUND: "errors found",
 }
+
+
+def verdict_line(report: Report) -> tuple[Verdict, str]:
+    """The --quiet line (and a healthy `nandoctor run`'s): its verdict, then the counts and where the first
+    fault is, as `: 0 errors, ...; first fault: <code> at <where>` (the renderers style the verdict)."""
+    report = shown_report(report)
+    rest = ": " + ", ".join(summary_parts(report))
+    lead = _lead_finding(report)
+    if report.first_fault is not None:
+        where = lead.location if lead is not None else report.first_fault.as_location()
+        code = f"{_code_of(lead)} " if lead is not None else ""
+        rest += f"; first fault: {code}at {where.describe()}"
+    elif report.findings:
+        first = report.sorted_findings()[0]
+        rest += f"; first: {_code_of(first)} at {first.location.describe()}"
+    if report.partial:
+        rest += " (partial: interrupted)"
+    return report.verdict, rest
+
+
+def plain_text_stream(stream: Any) -> bool:
+    """Whether rich would print to `stream` without any style (not a terminal, and no FORCE_COLOR or
+    TTY_COMPATIBLE set, which make rich style its output anyway): a line for it can then be written as
+    plain text, without importing rich (~30 ms of a `nandoctor run` parent's CPU)."""
+    try:
+        terminal = stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+    return not terminal and "FORCE_COLOR" not in os.environ and "TTY_COMPATIBLE" not in os.environ
+
+
+def _lead_finding(report: Report) -> Finding | None:
+    """The finding that is the first fault (same step, phase and batch), which also knows the field."""
+    ff = report.first_fault
+    if ff is None:
+        return None
+    for finding in report.sorted_findings():
+        loc = finding.location
+        if (loc.step, loc.phase, loc.batch_index) == (ff.step, ff.phase, ff.batch_index):
+            return finding
+    return None
+
+
+def _code_of(finding: Finding) -> str:
+    return getattr(finding.code, "value", str(finding.code))
 
 
 def summary_parts(report: Report) -> list[str]:

@@ -36,6 +36,7 @@ from nandoctor.report.common import (
     source_text,
     sparkline,
     summary_parts,
+    verdict_line,
 )
 
 VERDICT_STYLE = {
@@ -74,21 +75,11 @@ def render(report: Report, console: Console) -> None:
 
 
 def render_verdict_line(report: Report, console: Console) -> None:
-    """One line for --quiet: verdict, counts, and where the first fault is."""
-    report = shown_report(report)
+    """One line for --quiet: verdict, counts, and where the first fault is (common.verdict_line)."""
+    verdict, rest = verdict_line(report)
     line = Text()
-    line.append(report.verdict.value, style=VERDICT_STYLE[report.verdict])
-    line.append(": " + ", ".join(summary_parts(report)))
-    lead = _lead_finding(report)
-    if report.first_fault is not None:
-        where = lead.location if lead is not None else report.first_fault.as_location()
-        code = f"{_code(lead)} " if lead is not None else ""
-        line.append(f"; first fault: {code}at {where.describe()}")
-    elif report.findings:
-        first = report.sorted_findings()[0]
-        line.append(f"; first: {_code(first)} at {first.location.describe()}")
-    if report.partial:
-        line.append(" (partial: interrupted)")
+    line.append(verdict.value, style=VERDICT_STYLE[verdict])
+    line.append(rest)
     console.print(line, soft_wrap=True)
 
 
@@ -100,18 +91,6 @@ def render_environment(env: dict[str, Any], console: Console) -> None:
     for key, value in shown_value(env).items():
         table.add_row(Text(str(key)), Text(fmt_value(value, limit=400)))
     console.print(table)
-
-
-def _lead_finding(report: Report) -> Finding | None:
-    """The finding that is the first fault (same step, phase and batch), which also knows the field."""
-    ff = report.first_fault
-    if ff is None:
-        return None
-    for finding in report.sorted_findings():
-        loc = finding.location
-        if (loc.step, loc.phase, loc.batch_index) == (ff.step, ff.phase, ff.batch_index):
-            return finding
-    return None
 
 
 def _code(finding: Finding) -> str:

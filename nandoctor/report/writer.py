@@ -8,28 +8,43 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from rich.console import Console
+from typing import TYPE_CHECKING
 
 from nandoctor.errors import OutputError
 from nandoctor.findings import Report
 
+if TYPE_CHECKING:
+    from rich.console import Console
 
-def write_outputs(report: Report, console: Console, *, json_path: Path | None, markdown_path: Path | None,
+
+def write_outputs(report: Report, console: Console | None, *, json_path: Path | None, markdown_path: Path | None,
                   quiet: bool = False) -> None:
-    from nandoctor.report import console as console_report
+    """The report shown on `console` (its verdict line alone when `quiet`; `console` None: that line as plain
+    text on standard error, see common.plain_text_stream), then --json and --markdown written."""
     from nandoctor.report import json as json_report
-    from nandoctor.report import markdown as markdown_report
 
     if markdown_path is not None:
         report.run["markdown_written"] = str(markdown_path)  # the footer then does not ask for --markdown
-    if quiet:
-        console_report.render_verdict_line(report, console)
+    if console is None:
+        import sys
+
+        from nandoctor.report.common import verdict_line
+
+        verdict, rest = verdict_line(report)
+        sys.stderr.write(f"{verdict.value}{rest}\n")
+        sys.stderr.flush()
     else:
-        console_report.render(report, console)
+        from nandoctor.report import console as console_report
+
+        if quiet:
+            console_report.render_verdict_line(report, console)
+        else:
+            console_report.render(report, console)
     if json_path is not None:
         write_text(json_path, json_report.render(report))  # `--json -`: standard output
     if markdown_path is not None:
+        from nandoctor.report import markdown as markdown_report
+
         write_text(markdown_path, markdown_report.render(report))
 
 

@@ -17,10 +17,11 @@ import json
 import os
 import shlex
 import signal
+import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-
-from rich.console import Console
+from typing import TYPE_CHECKING
 
 from nandoctor.errors import OutputError, SpecError
 from nandoctor.findings import Report, Verdict
@@ -29,17 +30,29 @@ from nandoctor.parallel.rank_progress import Ending, RankWatch
 from nandoctor.parallel.supervisor import Supervisor
 from nandoctor.zero_change.processes import OWN_ERROR, merge_children
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 SITE = Path(__file__).resolve().parent / "site"
 
 
 def _stderr() -> Console:
+    from rich.console import Console  # (here: a healthy run's parent prints without rich, _say)
+
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def run_script(command: list[str], console: Console, *, json_path: Path | None = None,
+def _say(message: str) -> None:
+    """One line of nandoctor's own on standard error, as it is (no markup, no wrapping)."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+
+
+def run_script(command: list[str], console: Callable[[], Console], *, json_path: Path | None = None,
                markdown_path: Path | None = None, bundle: Path | None = None, keep_going: bool = False,
                quiet: bool = False, force: bool = False) -> int:
-    """Run `command` watched; the exit status `nandoctor run` returns."""
+    """Run `command` watched; the exit status `nandoctor run` returns. `console()`: where the report for
+    people goes (made only when one is shown: a healthy run's verdict line goes to standard error)."""
     from nandoctor.report.writer import is_stdout
 
     _check_before(command, json_path, markdown_path, bundle, force)
@@ -105,30 +118,30 @@ def _start(command: list[str], env: dict[str, str], ranks: RankWatch, stdout: in
 
 
 def _said_forwarded(signum: int, grace: float) -> None:
-    _stderr().print(f"nandoctor run: {_signal_name(signum)} passed to the script; it has {grace:g} s to "
-                    "stop on its own (its handlers, a checkpoint save) before it is killed.", markup=False)
+    _say(f"nandoctor run: {_signal_name(signum)} passed to the script; it has {grace:g} s to "
+         "stop on its own (its handlers, a checkpoint save) before it is killed.")
 
 
 def _without_report(command: list[str], tmp: Path, returncode: int, stopped_by: int | None) -> int:
     """The exit status when the script left no report, and why there is none."""
     if stopped_by is not None:
-        _stderr().print(f"nandoctor run: {_signal_name(stopped_by)} stopped the script before it wrote a "
-                        "report (before its first training step, or a library it imports had taken over "
-                        "the signal); no report.", markup=False)
+        _say(f"nandoctor run: {_signal_name(stopped_by)} stopped the script before it wrote a "
+             "report (before its first training step, or a library it imports had taken over "
+             "the signal); no report.")
         return 128 + stopped_by
     if returncode < 0:
         return _killed(-returncode)
     own_error = tmp / OWN_ERROR
     if own_error.is_file():
-        _stderr().print(f"nandoctor run: nandoctor failed while writing the report at the script's end "
-                        f"({own_error.read_text(encoding='utf-8')[:300]}). This is a bug in nandoctor, "
-                        "not in your script; no report was written. The command's own exit status "
-                        "follows.", markup=False)
+        _say(f"nandoctor run: nandoctor failed while writing the report at the script's end "
+             f"({own_error.read_text(encoding='utf-8')[:300]}). This is a bug in nandoctor, "
+             "not in your script; no report was written. The command's own exit status "
+             "follows.")
         return returncode
     if not (tmp / "watched").exists():
-        _stderr().print(f"nandoctor run: nothing was watched: {' '.join(command[:3])} never stepped a "
-                        "Paddle optimizer on a model in training mode (or its Python cannot import "
-                        "nandoctor). The command's own exit status follows.", markup=False)
+        _say(f"nandoctor run: nothing was watched: {' '.join(command[:3])} never stepped a "
+             "Paddle optimizer on a model in training mode (or its Python cannot import "
+             "nandoctor). The command's own exit status follows.")
     return returncode  # nothing found: the script's own status
 
 
@@ -147,20 +160,23 @@ def _read_report(result: Path, stopped_by: int | None) -> Report:
     return report
 
 
-def _write(report: Report, console: Console, *, bundle: Path | None, ranks_seen: bool, json_path: Path | None,
-           markdown_path: Path | None, quiet: bool) -> None:
+def _write(report: Report, console: Callable[[], Console], *, bundle: Path | None, ranks_seen: bool,
+           json_path: Path | None, markdown_path: Path | None, quiet: bool) -> None:
     """The report shown and written: --json, --markdown, and the job's report in the --bundle folder."""
+    from nandoctor.report.common import plain_text_stream
     from nandoctor.report.writer import write_outputs
 
     if bundle is not None and ranks_seen and report.exit_code and not (bundle / "report.json").is_file():
         from nandoctor.report.writer import write_folder
 
         write_folder(report, bundle)  # the job's report, beside the ones ranks wrote alone (rank-N/)
-    # A clean run's output stays the script's own: one line on stderr; the files are written all the same
-    write_outputs(report, _stderr() if report.verdict == Verdict.HEALTHY else console, json_path=json_path,
-                  markdown_path=markdown_path, quiet=quiet or report.verdict == Verdict.HEALTHY)
+    # A clean run's output stays the script's own: one line on stderr (plain text where rich would add no
+    # style: common.plain_text_stream); the files are written all the same
+    healthy = report.verdict == Verdict.HEALTHY
+    shown = (None if plain_text_stream(sys.stderr) else _stderr()) if healthy else console()
+    write_outputs(report, shown, json_path=json_path, markdown_path=markdown_path, quiet=quiet or healthy)
     if bundle is not None and (bundle / "report.json").is_file():
-        console.print(f"Report folder written to [bold]{bundle}[/].", soft_wrap=True)
+        console().print(f"Report folder written to [bold]{bundle}[/].", soft_wrap=True)
 
 
 def _exit_status(report: Report, returncode: int, stopped_by: int | None, ending: Ending | None = None) -> int:
@@ -170,11 +186,11 @@ def _exit_status(report: Report, returncode: int, stopped_by: int | None, ending
         return 128 + stopped_by
     signum = teardown_signal(ending, returncode) if ending is not None and not report.exit_code else None
     if signum is not None:
-        _stderr().print(f"nandoctor run: a rank of the launch died of {_signal_name(signum)} after its script "
-                        "had ended and its report was written: in the native teardown at interpreter exit "
-                        "(Paddle's C++ destructors), after every rank had run all its exit handlers. The "
-                        f"training and this report are complete; exit 0, not the launcher's {returncode}. "
-                        "Nothing to rerun (docs/paddle-teardown.md).", markup=False)
+        _say(f"nandoctor run: a rank of the launch died of {_signal_name(signum)} after its script "
+             "had ended and its report was written: in the native teardown at interpreter exit "
+             "(Paddle's C++ destructors), after every rank had run all its exit handlers. The "
+             f"training and this report are complete; exit 0, not the launcher's {returncode}. "
+             "Nothing to rerun (docs/paddle-teardown.md).")
         return 0
     if returncode < 0 and not report.exit_code:
         return _killed(-returncode)
@@ -247,6 +263,5 @@ def _signal_name(signum: int) -> str:
 def _killed(signum: int) -> int:
     """The script died of a signal nandoctor did not send (SIGKILL from the OOM killer): 128 + its number."""
     why = " (the kernel's out-of-memory killer sends it, and so does kill -9)" if signum == signal.SIGKILL else ""
-    _stderr().print(f"nandoctor run: the script was killed by {_signal_name(signum)}{why}; exit {128 + signum}.",
-                    markup=False)
+    _say(f"nandoctor run: the script was killed by {_signal_name(signum)}{why}; exit {128 + signum}.")
     return 128 + signum
