@@ -261,7 +261,7 @@ def test_the_wheel_ships_every_module_the_package_data_and_the_entry_point(dists
     for name in PACKAGE_DATA:
         assert name in files, name
     [entry_points] = [v for k, v in files.items() if k.endswith(".dist-info/entry_points.txt")]
-    assert "nandoctor = nandoctor.cli:app" in entry_points.decode()
+    assert "nandoctor = nandoctor.__main__:main" in entry_points.decode()  # (plain `run` lines skip typer)
     assert not [k for k in files if k.startswith(("tests/", "sample_configs/", "benchmarks/", "examples/"))]
     [meta] = [v.decode() for k, v in files.items() if k.endswith(".dist-info/METADATA")]
     assert "Classifier: Typing :: Typed" in meta and "Requires-Dist: paddlepaddle>=3.0; extra == \"cpu\"" in meta

@@ -179,7 +179,8 @@ class _Trial:
         spent = self.charge(start, self.end_step)
         if spent is not None:
             return Replay(start.step, finite=False, not_applicable=spent)
-        change = _at_the_fault(change, start, self.fault.step)
+        if self.fault is not None:  # (a divergence's replays have no fault)
+            change = _at_the_fault(change, start, self.fault.step)
         r = replay(self.workload, self.optimizer, self.ring, start, self.end_step, change, self.deadline,
                    expect=self.expect, sample=self.sampler() if self.sampler is not None else None)
         self.time_limit_hit = self.time_limit_hit or r.cut
