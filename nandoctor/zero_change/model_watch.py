@@ -48,6 +48,7 @@ class ModelWatch:
         self._grads: dict[int, Any] = {}  # output leaf index -> the gradient that came back to it
         self._retained: list[tuple[int, Any]] = []  # (index, output leaf) whose gradient is not yet in _grads
         self.names: list[str] = []
+        self._layout: tuple | None = None  # (input names, keyword input names, number of labels) of `batch()`
         self.checked = -1  # the session's backward count at this optimizer's last check
         self.handles: list[Any] = []
         self.index = 0  # its position among the models the process watched
@@ -71,7 +72,8 @@ class ModelWatch:
         # defer_reads: most steps unread, a fault rolled back and replayed from the tape (the Doctor turns it
         # off under ranks and for skip_step, --keep-going, where every update must be checked before it lands)
         self.doctor = Doctor(self.model, self.optimizer, step_fn=self.replay, report_dir=report_dir,
-                             on_fault=on_fault, wrap_step=False, sync=sync, mode=Mode.RUN, defer_reads=True)
+                             on_fault=on_fault, wrap_step=False, sync=sync, mode=Mode.RUN, defer_reads=True,
+                             namer=self.name_batch)
         self.doctor.loss_code_fault = self.loss_code_fault
         self.doctor.model_caller = self.model_caller
         self.doctor.replay_failure = self.replay_failed
@@ -108,6 +110,7 @@ class ModelWatch:
         self.kwargs = dict(kwargs or {})
         if len(self.names) != len(self.inputs):
             self.names = input_names(self.model, len(self.inputs), self.kwargs)
+            self._layout = None
 
     def hook(self) -> None:
         """Record the model's and the loss layer's calls from now on (the class patch is gone or going)."""
@@ -187,23 +190,45 @@ class ModelWatch:
         return self.call_site
 
     def fields(self) -> dict[str, Any]:
-        """The step's batch as named fields (every step: nothing made that the step does not need)."""
+        """The step's batch as named fields (a crash's report)."""
+        return self.name_batch(self.batch())[0]
+
+    def batch(self) -> tuple:
+        """The step's batch as the doctor keeps it: a flat tuple of references, `(layout, *inputs, *keyword
+        inputs, *labels)`, named (`name_batch`) only when a read or a replay needs it. Naming every step (a
+        dict, the batch size, the sample positions) was ~10 us of a 0.3 ms step; a tuple is kept as it came
+        (history.keep_quiet), and its values are the step's own (a new dict per call for the keywords)."""
+        kwargs, labels = self.kwargs, self.labels
+        layout = self._layout
+        if layout is None or len(labels) != layout[2] or (kwargs or layout[1]) and tuple(kwargs) != layout[1]:
+            layout = self._layout = (tuple(self.names), tuple(kwargs), len(labels))
+        if kwargs:
+            return (layout, *self.inputs, *kwargs.values(), *labels)
+        return (layout, *self.inputs, *labels)
+
+    def name_batch(self, batch: tuple) -> tuple[dict[str, Any], Any]:
+        """A `batch()` as named fields and their rebuild (the doctor's namer): positional inputs named after
+        forward's parameters, tensor keyword inputs by keyword, the labels `label` (or `label0`, ...), and
+        the sample positions (`ROW`) when every tensor shares one leading dimension."""
         paddle = sys.modules["paddle"]
-        fields = dict(zip(self.names, self.inputs))
-        if self.kwargs:
-            fields.update({k: v for k, v in self.kwargs.items() if isinstance(v, paddle.Tensor)})
-        labels = self.labels
-        if len(labels) == 1:
+        names, keys, n_labels = batch[0]
+        n, k = len(names), len(keys)
+        fields = dict(zip(names, batch[1:1 + n]))
+        for key, value in zip(keys, batch[1 + n:1 + n + k]):
+            if isinstance(value, paddle.Tensor):
+                fields[key] = value
+        labels = batch[1 + n + k:]
+        if n_labels == 1:
             fields["label"] = labels[0]
         else:
             for i, label in enumerate(labels):
                 fields[f"label{i}"] = label
-        n = batch_rows(fields.values())
-        if n is not None:
-            if self._rows is None or int(self._rows.shape[0]) != n:  # (one arange per batch size: a tenth of
-                self._rows = paddle.arange(n, dtype="int64")  # a tiny step's time when made every step)
+        rows = batch_rows(fields.values())
+        if rows is not None:
+            if self._rows is None or int(self._rows.shape[0]) != rows:  # (one arange per batch size)
+                self._rows = paddle.arange(rows, dtype="int64")
             fields[ROW] = self._rows
-        return fields
+        return fields, dict
 
     def tape_step(self) -> None:
         """Before this step's check, which may leave it unread: what a replay of it needs (`_Taped`). Nothing
