@@ -47,6 +47,7 @@ class ModelWatch:
         self.output: Any = None
         self._grads: dict[int, Any] = {}  # output leaf index -> the gradient that came back to it
         self._retained: list[tuple[int, Any]] = []  # (index, output leaf) whose gradient is not yet in _grads
+        self._leaves: list[Any] = []  # the float tensors of the latest output (loss code written as functions)
         self.names: list[str] = []
         self._layout: tuple | None = None  # (input names, keyword input names, number of labels) of `batch()`
         self.checked = -1  # the session's backward count at this optimizer's last check
@@ -69,6 +70,7 @@ class ModelWatch:
         self.record(call.args, call.kwargs)
         self.call_site = getattr(call, "site", None)
         self.output, self.grads = call.output, call.grads
+        self._leaves = leaves(call.output)
         # defer_reads: most steps unread, a fault rolled back and replayed from the tape (the Doctor turns it
         # off under ranks and for skip_step, --keep-going, where every update must be checked before it lands)
         self.doctor = Doctor(self.model, self.optimizer, step_fn=self.replay, report_dir=report_dir,
@@ -115,16 +117,22 @@ class ModelWatch:
     def hook(self) -> None:
         """Record the model's and the loss layer's calls from now on (the class patch is gone or going)."""
         session = self.session
-
         doctor = self.doctor
+        get_rng_state = sys.modules["paddle"].get_rng_state
 
         def on_model(layer: Any, args: Any, kwargs: Any) -> None:
             if not session.busy and self.model.training:
-                self.record(args, kwargs)
-                self.call_site = call_site(sys._getframe(1))
+                # the call's own tuple and dict (the seam's *inputs, **kwargs): references, no copies
+                self.inputs, self.kwargs = args, kwargs
+                if len(self.names) != len(args):
+                    self.record(args, kwargs)
                 session.current = self
+                if doctor is None or doctor.step >= doctor._quiet_until:
+                    # a step that may be read: the line that called the model (a quiet step's is the same line
+                    # in a loop, and only the latest call's is ever reported: a frame walk of ~3 us left out)
+                    self.call_site = call_site(sys._getframe(1))
                 if doctor is not None and doctor.history is not None:
-                    self.rng = sys.modules["paddle"].get_rng_state()  # (~1 us: a replay's dropout masks)
+                    self.rng = get_rng_state()  # (~1 us: a replay's dropout masks)
             if doctor is not None:
                 doctor._pre_forward(layer, args)  # the doctor's own seam, after ours as when it was under it
 
@@ -138,7 +146,8 @@ class ModelWatch:
             self.output = out
             self._grads = {}
             if self.loss_layer is None:
-                self._retained = retain_grads(out)
+                self._leaves = leaves(out)
+                self._retained = retain_grads(self._leaves)
 
         def on_loss(_layer: Any, args: Any) -> None:
             if not session.busy:
@@ -240,11 +249,19 @@ class ModelWatch:
                 self.tape_bytes = 0
             return
         step = self.doctor.step
-        grads = self.grads if (self._loss_code if self._loss_code is not None else self._functional()) else None
+        loss_code = self._loss_code
+        if loss_code is None:
+            loss_code = self._functional()
+        grads = self.grads if loss_code else None
         if grads:
-            nbytes = 2 * sum(g._holder_size() for g in grads.values())  # (the outputs are as large as theirs)
+            nbytes = 0
+            for grad in grads.values():
+                nbytes += grad._holder_size()
             # detached: the outputs themselves would keep their step's autograd graph alive until dropped
-            outs = [t.detach() for t in leaves(self.output)]
+            outs = []
+            for out in self._leaves:
+                outs.append(out.detach())
+            nbytes *= 2  # (the outputs are as large as their gradients)
             self.tape[step] = _Taped(self.rng, outs, grads, self.session.last_loss.detach(), nbytes)
             self.tape_bytes += nbytes
         else:
@@ -253,9 +270,22 @@ class ModelWatch:
             history.off(f"the model's outputs and their gradients kept for a replay passed "
                         f"{TAPE_BYTES / 2**20:.0f} MB")
         if step % _PRUNE_EVERY == 0:
-            oldest = min(history.kept, default=step)  # (the ring's older snapshot: no replay starts before it)
-            for s in [s for s in self.tape if s < oldest]:
-                self.tape_bytes -= self.tape.pop(s).nbytes
+            self._prune(next(iter(history.kept), step))
+
+    def _prune(self, oldest: int) -> None:
+        """Drop the taped steps before `oldest`, the oldest kept batch (the ring's older snapshot: no replay
+        starts before it). The tape and the kept batches are both in step order (added as the steps run), so
+        only the oldest entries are looked at: a scan of the whole tape every 32 steps, and a min over every
+        kept batch, grew with the run (the ring may keep tens of thousands of tiny steps), ~40 lines of Python
+        a step on average by step 6,000 of a 0.3 ms step."""
+        tape = self.tape
+        drop = []
+        for step in tape:
+            if step >= oldest:
+                break
+            drop.append(step)
+        for step in drop:
+            self.tape_bytes -= tape.pop(step).nbytes
 
     def _functional(self) -> bool:
         """The loss is code written as functions (not a loss layer, not the model's own output): its replay
