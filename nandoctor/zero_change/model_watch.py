@@ -27,12 +27,18 @@ _PRUNE_EVERY = 32  # steps between drops of the taped steps the ring can no long
 
 
 class _Taped:
-    """What a replay of one unread step needs beyond its batch (see the module's docstring)."""
+    """What a replay of one unread step needs beyond its batch (see the module's docstring). The tape keeps
+    each step as a plain tuple `(rng, outputs, ((index, gradient), ...), loss, nbytes)`: the garbage
+    collector stops tracking a tuple of tensors, so thousands of taped steps add nothing to its passes (a
+    record object, a list and a dict a step did: collections and malloc's work were ~40 us of the ~100 us
+    that `nandoctor run` added to a 0.3 ms step). Made from the tuple when a replay reads a step."""
 
     __slots__ = ("rng", "output", "grads", "loss", "nbytes")
 
-    def __init__(self, rng: Any, output: Any, grads: dict[int, Any] | None, loss: Any, nbytes: int) -> None:
-        self.rng, self.output, self.grads, self.loss, self.nbytes = rng, output, grads, loss, nbytes
+    def __init__(self, rng: Any, output: Any, grads: tuple | None, loss: Any, nbytes: int) -> None:
+        self.rng = list(rng) if rng is not None else None
+        self.output, self.loss, self.nbytes = output, loss, nbytes
+        self.grads: dict[int, Any] | None = dict(grads) if grads is not None else None
 
 
 class ModelWatch:
@@ -57,7 +63,9 @@ class ModelWatch:
         self._model_raised: tuple = ()  # (type, message) of what the last replay's call of the model raised
         self.call_site: tuple[str, int, str] | None = None  # the user's line that called the model last
         self.rng: Any = None  # the RNG state before the model's latest forward (taped steps only)
-        self.tape: dict[int, _Taped] = {}  # step -> what its replay needs, while the doctor leaves steps unread
+        self.random = False  # a step drew random numbers between its forward and its update (dropout): seen at a read
+        self._reading = True  # the latest forward's step may be read (not a quiet one)
+        self.tape: dict[int, tuple] = {}  # step -> what its replay needs (`_Taped`), while steps go unread
         self.tape_bytes = 0
         self._loss_code: bool | None = None
 
@@ -127,12 +135,16 @@ class ModelWatch:
                 if len(self.names) != len(args):
                     self.record(args, kwargs)
                 session.current = self
-                if doctor is None or doctor.step >= doctor._quiet_until:
+                reading = self._reading = doctor is None or doctor.step >= doctor._quiet_until
+                if reading:
                     # a step that may be read: the line that called the model (a quiet step's is the same line
                     # in a loop, and only the latest call's is ever reported: a frame walk of ~3 us left out)
                     self.call_site = call_site(sys._getframe(1))
                 if doctor is not None and doctor.history is not None:
-                    self.rng = get_rng_state()  # (~1 us: a replay's dropout masks)
+                    # a replay's dropout masks: the state before the forward, once the step draws random numbers
+                    # (a read step takes it to find out: `_drew`); a tuple, which the garbage collector leaves
+                    # alone on the tape. On CPU it is the Mersenne twister's whole state, 5 KB a step kept
+                    self.rng = tuple(get_rng_state()) if self.random or reading else None
             if doctor is not None:
                 doctor._pre_forward(layer, args)  # the doctor's own seam, after ours as when it was under it
 
@@ -249,6 +261,8 @@ class ModelWatch:
                 self.tape_bytes = 0
             return
         step = self.doctor.step
+        if self._reading and not self.random and self.rng is not None:
+            self.random = _drew(self.rng)
         loss_code = self._loss_code
         if loss_code is None:
             loss_code = self._functional()
@@ -262,10 +276,10 @@ class ModelWatch:
             for out in self._leaves:
                 outs.append(out.detach())
             nbytes *= 2  # (the outputs are as large as their gradients)
-            self.tape[step] = _Taped(self.rng, outs, grads, self.session.last_loss.detach(), nbytes)
+            self.tape[step] = (self.rng, tuple(outs), tuple(grads.items()), self.session.last_loss.detach(), nbytes)
             self.tape_bytes += nbytes
         else:
-            self.tape[step] = _Taped(self.rng, None, None, None, 0)
+            self.tape[step] = (self.rng, None, None, None, 0)
         if self.tape_bytes > TAPE_BYTES:
             history.off(f"the model's outputs and their gradients kept for a replay passed "
                         f"{TAPE_BYTES / 2**20:.0f} MB")
@@ -285,7 +299,7 @@ class ModelWatch:
                 break
             drop.append(step)
         for step in drop:
-            self.tape_bytes -= tape.pop(step).nbytes
+            self.tape_bytes -= tape.pop(step)[4]
 
     def _functional(self) -> bool:
         """The loss is code written as functions (not a loss layer, not the model's own output): its replay
@@ -301,9 +315,14 @@ class ModelWatch:
             return None, False
         history = self.doctor.history
         if history is not None and history.replaying is not None:
-            return self.tape.get(history.replaying), True
+            return self.taped(history.replaying), True
         fault = self.doctor.fault
-        return (self.tape.get(fault.step) if fault is not None else None), False
+        return (self.taped(fault.step) if fault is not None else None), False
+
+    def taped(self, step: int) -> _Taped | None:
+        """What the tape holds of `step`, None when nothing."""
+        entry = self.tape.get(step)
+        return _Taped(*entry) if entry is not None else None
 
     def _own_loss(self, outs: list[Any]) -> int | None:
         """The position of the backpropagated loss among the model's outputs (a model that returns its loss)."""
@@ -407,7 +426,7 @@ class ModelWatch:
         """The model's outputs and the gradients that came back to them at `step` (a fault rolled back to an
         unread step: that step's, from the tape; else the latest), when the loss is code written as functions;
         None for a loss layer or a model that returns its own loss."""
-        taped = self.tape.get(step)
+        taped = self.taped(step)
         if taped is not None and taped.grads is not None:
             outs = leaves(taped.output)
             return (outs, taped.grads) if outs and self.loss_layer is None else None
@@ -457,6 +476,18 @@ def call_site(frame: Any) -> tuple[str, int, str] | None:
             return code.co_filename, frame.f_lineno, code.co_name
         frame = frame.f_back
     return None
+
+
+def _drew(before: Any) -> bool:
+    """Whether random numbers were drawn since the RNG state was `before` (the step's forward, loss and
+    backward: dropout, a random loss). Only a step that draws needs its state taped for a replay. Asked on
+    read steps until the first draw (~30 us a device on CPU: its state is the whole Mersenne twister); the
+    first 64 steps are all read, so a model with dropout is seen at its first watched step."""
+    after = sys.modules["paddle"].get_rng_state()
+    for was, now in zip(before, after):
+        if was.__getstate__() != now.__getstate__():
+            return True
+    return len(before) != len(after)
 
 
 def _through_grads(outs: list[Any], grads: dict[int, Any], rows: Any) -> Any:
