@@ -90,7 +90,7 @@ class ModelWatch:
         self.doctor.replayed_code = "your model and its loss layer" if self.loss_layer is not None else "your model"
         self.doctor.step = first_step
         self.doctor.open_step(call.rng)
-        self.rng = call.rng
+        self.rng = tuple(call.rng) if call.rng is not None else None
 
     @property
     def grads(self) -> dict[int, Any]:
@@ -263,6 +263,7 @@ class ModelWatch:
         step = self.doctor.step
         if self._reading and not self.random and self.rng is not None:
             self.random = _drew(self.rng)
+        rng = self.rng if self.random else None
         loss_code = self._loss_code
         if loss_code is None:
             loss_code = self._functional()
@@ -276,10 +277,10 @@ class ModelWatch:
             for out in self._leaves:
                 outs.append(out.detach())
             nbytes *= 2  # (the outputs are as large as their gradients)
-            self.tape[step] = (self.rng, tuple(outs), tuple(grads.items()), self.session.last_loss.detach(), nbytes)
+            self.tape[step] = (rng, tuple(outs), tuple(grads.items()), self.session.last_loss.detach(), nbytes)
             self.tape_bytes += nbytes
         else:
-            self.tape[step] = (self.rng, None, None, None, 0)
+            self.tape[step] = (rng, None, None, None, 0)
         if self.tape_bytes > TAPE_BYTES:
             history.off(f"the model's outputs and their gradients kept for a replay passed "
                         f"{TAPE_BYTES / 2**20:.0f} MB")
