@@ -24,6 +24,10 @@ from nandoctor.zero_change.capture import ROW, batch_rows, input_names, retain_g
 
 TAPE_BYTES = 64 * 2**20  # the outputs and gradients kept for replays, all together: above, every step is read
 _PRUNE_EVERY = 32  # steps between drops of the taped steps the ring can no longer replay
+# Read steps on which `_drew` asks whether the step drew random numbers: those whose index is a multiple of this
+# (step 0, and every read of a fast step, whose reads fall on multiples of 16; ~75 us on CPU, so a model read
+# every step pays it one step in 16)
+_DRAW_EVERY = 16
 
 
 class _Taped:
@@ -261,7 +265,7 @@ class ModelWatch:
                 self.tape_bytes = 0
             return
         step = self.doctor.step
-        if self._reading and not self.random and self.rng is not None:
+        if self._reading and not self.random and self.rng is not None and step % _DRAW_EVERY == 0:
             self.random = _drew(self.rng)
         rng = self.rng if self.random else None
         loss_code = self._loss_code
@@ -482,8 +486,8 @@ def call_site(frame: Any) -> tuple[str, int, str] | None:
 def _drew(before: Any) -> bool:
     """Whether random numbers were drawn since the RNG state was `before` (the step's forward, loss and
     backward: dropout, a random loss). Only a step that draws needs its state taped for a replay. Asked on
-    read steps until the first draw (~30 us a device on CPU: its state is the whole Mersenne twister); the
-    first 64 steps are all read, so a model with dropout is seen at its first watched step."""
+    read steps (`_DRAW_EVERY`) until the first draw (~75 us on CPU, whose state is the whole Mersenne
+    twister); step 0 is one, so a model with dropout is seen at its first watched step."""
     after = sys.modules["paddle"].get_rng_state()
     for was, now in zip(before, after):
         if was.__getstate__() != now.__getstate__():
