@@ -69,6 +69,7 @@ class ModelWatch:
         self.rng: Any = None  # the RNG state before the model's latest forward (taped steps only)
         self.random = False  # a step drew random numbers between its forward and its update (dropout): seen at a read
         self._reading = True  # the latest forward's step may be read (not a quiet one)
+        self._taped_step: int | None = None  # the step tape_step recorded last
         self.tape: dict[int, tuple] = {}  # step -> what its replay needs (`_Taped`), while steps go unread
         self.tape_bytes = 0
         self._loss_code: bool | None = None
@@ -260,13 +261,13 @@ class ModelWatch:
         while every step is read (no rollback can come)."""
         history = self.doctor.history
         if history is None or history.ring is None:
+            self._taped_step = None
             if self.tape:
                 self.tape.clear()
                 self.tape_bytes = 0
             return
         step = self.doctor.step
-        if self._reading and not self.random and self.rng is not None and step % _DRAW_EVERY == 0:
-            self.random = _drew(self.rng)
+        self._taped_step = step
         rng = self.rng if self.random else None
         loss_code = self._loss_code
         if loss_code is None:
@@ -290,6 +291,20 @@ class ModelWatch:
                         f"{TAPE_BYTES / 2**20:.0f} MB")
         if step % _PRUNE_EVERY == 0:
             self._prune(next(iter(history.kept), step))
+
+    def after_update(self) -> None:
+        """After the step's update, outside the step time the doctor measures (in it, this comparison's ~75 us
+        on the steps the stats schedule times as plain made stats look cheap, and every step was read):
+        whether the step drew random numbers, on a read step whose index is a multiple of _DRAW_EVERY, until
+        the first draw; that step's tape entry then gets its RNG state too."""
+        step = self._taped_step
+        if self.random or not self._reading or self.rng is None or step is None or step % _DRAW_EVERY:
+            return
+        if _drew(self.rng):
+            self.random = True
+            entry = self.tape.get(step)
+            if entry is not None:
+                self.tape[step] = (self.rng, *entry[1:])
 
     def _prune(self, oldest: int) -> None:
         """Drop the taped steps before `oldest`, the oldest kept batch (the ring's older snapshot: no replay
@@ -485,9 +500,9 @@ def call_site(frame: Any) -> tuple[str, int, str] | None:
 
 def _drew(before: Any) -> bool:
     """Whether random numbers were drawn since the RNG state was `before` (the step's forward, loss and
-    backward: dropout, a random loss). Only a step that draws needs its state taped for a replay. Asked on
-    read steps (`_DRAW_EVERY`) until the first draw (~75 us on CPU, whose state is the whole Mersenne
-    twister); step 0 is one, so a model with dropout is seen at its first watched step."""
+    backward: dropout, a random loss). Only a step that draws needs its state taped for a replay. Asked after
+    the update of read steps (`ModelWatch.after_update`) until the first draw (~75 us on CPU, whose state is
+    the whole Mersenne twister); step 0 is one, so a model with dropout is seen at its first watched step."""
     after = sys.modules["paddle"].get_rng_state()
     for was, now in zip(before, after):
         if was.__getstate__() != now.__getstate__():

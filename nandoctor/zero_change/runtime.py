@@ -175,6 +175,7 @@ class Session:
         watch = self._watch_of(optimizer)
         if watch is not None:
             watch.doctor.updated()
+            watch.after_update()
 
     def _missed(self, optimizer: Any) -> None:
         """An optimizer stepped whose model was not among the calls kept (a model trained after another
