@@ -109,3 +109,22 @@ def test_a_healthy_run_is_not_read_every_step(tmp_path: Path) -> None:
     assert data["verdict"] == "healthy"
     assert [p["step"] for p in data["timeline"]] == list(range(steps))
     assert all(p["loss"] is not None for p in data["timeline"])
+
+
+@pytest.mark.parametrize("kind", ["healthy", "drop_ok"])
+def test_the_rng_state_is_taped_only_where_a_step_draws_random_numbers(tmp_path: Path, kind: str) -> None:
+    """A replay needs a step's RNG state only when the step draws random numbers (dropout); on CPU the state is
+    the Mersenne twister's 5 KB, kept for every unread step. Truth: whether a plain Paddle step of the script's
+    model, loss and backward moves the generator's state."""
+    script = run_script(SCRIPT)
+    model, _, loss_layer = script.build(kind)
+    x, y = (paddle.to_tensor(a) for a in script.batch(kind, 0))
+    before = [state.__getstate__() for state in paddle.get_rng_state()]
+    script.loss_of(kind, model(x), y, loss_layer).backward()
+    draws = [state.__getstate__() for state in paddle.get_rng_state()] != before
+    assert draws == (kind == "drop_ok")
+    proc, data = _run(tmp_path, kind, str(READ_ALL_STEPS + 100))
+    assert proc.returncode == 0 and data["verdict"] == "healthy", proc.stderr[-3000:]
+    taped = json.loads((tmp_path / "taped.json").read_text(encoding="utf-8"))
+    assert taped["steps"] > 0
+    assert taped["with_rng"] == (taped["steps"] if draws else 0)

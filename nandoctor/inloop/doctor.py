@@ -61,7 +61,8 @@ class Doctor:
                  report_dir: str | Path | None = "nandoctor-report", on_fault: str = "stop", scaler: Any = None,
                  fields: list[str] | None = None, fp16: bool = False, sync: Any = None,
                  wrap_step: bool = True, defer_reads: bool = False, mode: Mode = Mode.WATCH,
-                 target: StepTarget | None = None) -> None:
+                 target: StepTarget | None = None,
+                 namer: Callable[[Any], tuple[dict[str, Any], Callable[[dict], Any]]] | None = None) -> None:
         import paddle
 
         if on_fault not in ON_FAULT:
@@ -83,7 +84,9 @@ class Doctor:
         self.report_dir = Path(report_dir) if report_dir is not None else None
         self.on_fault = on_fault
         self.names = fields
-        self._name_fields = FieldNamer(fields)
+        # the batch given to check() -> (named fields, rebuild); `nandoctor run` gives its own (its batch is a
+        # flat tuple of the model call's inputs and labels, named only when a read or a replay needs it)
+        self._name_fields = namer if namer is not None else FieldNamer(fields)
         # the latest checked batch's rebuild: a fault read after its step (at close(), as the user's code
         # raised) has its batch and the sample bisection's subsets put back in the user's shape by it
         self._last_rebuild: Callable[[dict], Any] = lambda fields: None

@@ -86,8 +86,8 @@ def leaves(value: Any, depth: int = 0) -> list[Any]:
     """The float tensors of a model's output, in a fixed order: a tensor, a tuple/list, a dict, or an
     output object (a dataclass or any object with attributes, as paddleformers' outputs are)."""
     paddle = sys.modules["paddle"]
-    if isinstance(value, paddle.Tensor):
-        return [value] if value.dtype in (paddle.float32, paddle.float16, paddle.bfloat16, paddle.float64) else []
+    if isinstance(value, paddle.Tensor):  # (every step under `nandoctor run`: the dtypes' tuple made once)
+        return [value] if value.dtype in (_FLOATS or float_dtypes()) else []
     if depth > 3 or value is None or isinstance(value, (str, bytes, int, float, bool)):
         return []
     if isinstance(value, (tuple, list)):

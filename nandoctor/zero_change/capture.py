@@ -23,11 +23,11 @@ def keep_grads(out: Any, into: dict[int, Any]) -> None:
             leaf.register_hook(keep)
 
 
-def retain_grads(out: Any) -> list[tuple[int, Any]]:
-    """Have Paddle keep the gradient that comes back to each output tensor that takes one (`.grad` after the
-    backward); the (index, tensor) pairs to read it from."""
+def retain_grads(outs: list[Any]) -> list[tuple[int, Any]]:
+    """Have Paddle keep the gradient that comes back to each output tensor (`leaves` of the output) that takes
+    one (`.grad` after the backward); the (index, tensor) pairs to read it from."""
     kept = []
-    for i, leaf in enumerate(leaves(out)):
+    for i, leaf in enumerate(outs):
         if not leaf.stop_gradient:
             leaf.retain_grads()
             kept.append((i, leaf))

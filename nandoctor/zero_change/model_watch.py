@@ -24,15 +24,25 @@ from nandoctor.zero_change.capture import ROW, batch_rows, input_names, retain_g
 
 TAPE_BYTES = 64 * 2**20  # the outputs and gradients kept for replays, all together: above, every step is read
 _PRUNE_EVERY = 32  # steps between drops of the taped steps the ring can no longer replay
+# Read steps on which `_drew` asks whether the step drew random numbers: those whose index is a multiple of this
+# (step 0, and every read of a fast step, whose reads fall on multiples of 16; ~75 us on CPU, so a model read
+# every step pays it one step in 16)
+_DRAW_EVERY = 16
 
 
 class _Taped:
-    """What a replay of one unread step needs beyond its batch (see the module's docstring)."""
+    """What a replay of one unread step needs beyond its batch (see the module's docstring). The tape keeps
+    each step as a plain tuple `(rng, outputs, ((index, gradient), ...), loss, nbytes)`: the garbage
+    collector stops tracking a tuple of tensors, so the thousands of steps a 0.3 ms step's ring keeps are not
+    walked by its full passes (a record object, a list and a dict a step were). Made from the tuple when a
+    replay reads a step."""
 
     __slots__ = ("rng", "output", "grads", "loss", "nbytes")
 
-    def __init__(self, rng: Any, output: Any, grads: dict[int, Any] | None, loss: Any, nbytes: int) -> None:
-        self.rng, self.output, self.grads, self.loss, self.nbytes = rng, output, grads, loss, nbytes
+    def __init__(self, rng: Any, output: Any, grads: tuple | None, loss: Any, nbytes: int) -> None:
+        self.rng = list(rng) if rng is not None else None
+        self.output, self.loss, self.nbytes = output, loss, nbytes
+        self.grads: dict[int, Any] | None = dict(grads) if grads is not None else None
 
 
 class ModelWatch:
@@ -47,7 +57,9 @@ class ModelWatch:
         self.output: Any = None
         self._grads: dict[int, Any] = {}  # output leaf index -> the gradient that came back to it
         self._retained: list[tuple[int, Any]] = []  # (index, output leaf) whose gradient is not yet in _grads
+        self._leaves: list[Any] = []  # the float tensors of the latest output (loss code written as functions)
         self.names: list[str] = []
+        self._layout: tuple | None = None  # (input names, keyword input names, number of labels) of `batch()`
         self.checked = -1  # the session's backward count at this optimizer's last check
         self.handles: list[Any] = []
         self.index = 0  # its position among the models the process watched
@@ -55,7 +67,10 @@ class ModelWatch:
         self._model_raised: tuple = ()  # (type, message) of what the last replay's call of the model raised
         self.call_site: tuple[str, int, str] | None = None  # the user's line that called the model last
         self.rng: Any = None  # the RNG state before the model's latest forward (taped steps only)
-        self.tape: dict[int, _Taped] = {}  # step -> what its replay needs, while the doctor leaves steps unread
+        self.random = False  # a step drew random numbers between its forward and its update (dropout): seen at a read
+        self._reading = True  # the latest forward's step may be read (not a quiet one)
+        self._taped_step: int | None = None  # the step tape_step recorded last
+        self.tape: dict[int, tuple] = {}  # step -> what its replay needs (`_Taped`), while steps go unread
         self.tape_bytes = 0
         self._loss_code: bool | None = None
 
@@ -68,17 +83,19 @@ class ModelWatch:
         self.record(call.args, call.kwargs)
         self.call_site = getattr(call, "site", None)
         self.output, self.grads = call.output, call.grads
+        self._leaves = leaves(call.output)
         # defer_reads: most steps unread, a fault rolled back and replayed from the tape (the Doctor turns it
         # off under ranks and for skip_step, --keep-going, where every update must be checked before it lands)
         self.doctor = Doctor(self.model, self.optimizer, step_fn=self.replay, report_dir=report_dir,
-                             on_fault=on_fault, wrap_step=False, sync=sync, mode=Mode.RUN, defer_reads=True)
+                             on_fault=on_fault, wrap_step=False, sync=sync, mode=Mode.RUN, defer_reads=True,
+                             namer=self.name_batch)
         self.doctor.loss_code_fault = self.loss_code_fault
         self.doctor.model_caller = self.model_caller
         self.doctor.replay_failure = self.replay_failed
         self.doctor.replayed_code = "your model and its loss layer" if self.loss_layer is not None else "your model"
         self.doctor.step = first_step
         self.doctor.open_step(call.rng)
-        self.rng = call.rng
+        self.rng = tuple(call.rng) if call.rng is not None else None
 
     @property
     def grads(self) -> dict[int, Any]:
@@ -108,20 +125,31 @@ class ModelWatch:
         self.kwargs = dict(kwargs or {})
         if len(self.names) != len(self.inputs):
             self.names = input_names(self.model, len(self.inputs), self.kwargs)
+            self._layout = None
 
     def hook(self) -> None:
         """Record the model's and the loss layer's calls from now on (the class patch is gone or going)."""
         session = self.session
-
         doctor = self.doctor
+        get_rng_state = sys.modules["paddle"].get_rng_state
 
         def on_model(layer: Any, args: Any, kwargs: Any) -> None:
             if not session.busy and self.model.training:
-                self.record(args, kwargs)
-                self.call_site = call_site(sys._getframe(1))
+                # the call's own tuple and dict (the seam's *inputs, **kwargs): references, no copies
+                self.inputs, self.kwargs = args, kwargs
+                if len(self.names) != len(args):
+                    self.record(args, kwargs)
                 session.current = self
+                reading = self._reading = doctor is None or doctor.step >= doctor._quiet_until
+                if reading:
+                    # a step that may be read: the line that called the model (a quiet step's is the same line
+                    # in a loop, and only the latest call's is ever reported: a frame walk of ~3 us left out)
+                    self.call_site = call_site(sys._getframe(1))
                 if doctor is not None and doctor.history is not None:
-                    self.rng = sys.modules["paddle"].get_rng_state()  # (~1 us: a replay's dropout masks)
+                    # a replay's dropout masks: the state before the forward, once the step draws random numbers
+                    # (a read step takes it to find out: `_drew`); a tuple, which the garbage collector leaves
+                    # alone on the tape. On CPU it is the Mersenne twister's whole state, 5 KB a step kept
+                    self.rng = tuple(get_rng_state()) if self.random or reading else None
             if doctor is not None:
                 doctor._pre_forward(layer, args)  # the doctor's own seam, after ours as when it was under it
 
@@ -135,7 +163,8 @@ class ModelWatch:
             self.output = out
             self._grads = {}
             if self.loss_layer is None:
-                self._retained = retain_grads(out)
+                self._leaves = leaves(out)
+                self._retained = retain_grads(self._leaves)
 
         def on_loss(_layer: Any, args: Any) -> None:
             if not session.busy:
@@ -187,50 +216,110 @@ class ModelWatch:
         return self.call_site
 
     def fields(self) -> dict[str, Any]:
-        """The step's batch as named fields (every step: nothing made that the step does not need)."""
+        """The step's batch as named fields (a crash's report)."""
+        return self.name_batch(self.batch())[0]
+
+    def batch(self) -> tuple:
+        """The step's batch as the doctor keeps it: a flat tuple of references, `(layout, *inputs, *keyword
+        inputs, *labels)`, named (`name_batch`) only when a read or a replay needs it, not every step (a
+        dict, the batch size, the sample positions); a tuple is kept as it came (history.keep_quiet), and its
+        values are the step's own (a new dict per call for the keywords)."""
+        kwargs, labels = self.kwargs, self.labels
+        layout = self._layout
+        if layout is None or len(labels) != layout[2] or (kwargs or layout[1]) and tuple(kwargs) != layout[1]:
+            layout = self._layout = (tuple(self.names), tuple(kwargs), len(labels))
+        if kwargs:
+            return (layout, *self.inputs, *kwargs.values(), *labels)
+        return (layout, *self.inputs, *labels)
+
+    def name_batch(self, batch: tuple) -> tuple[dict[str, Any], Any]:
+        """A `batch()` as named fields and their rebuild (the doctor's namer): positional inputs named after
+        forward's parameters, tensor keyword inputs by keyword, the labels `label` (or `label0`, ...), and
+        the sample positions (`ROW`) when every tensor shares one leading dimension."""
         paddle = sys.modules["paddle"]
-        fields = dict(zip(self.names, self.inputs))
-        if self.kwargs:
-            fields.update({k: v for k, v in self.kwargs.items() if isinstance(v, paddle.Tensor)})
-        labels = self.labels
-        if len(labels) == 1:
+        names, keys, n_labels = batch[0]
+        n, k = len(names), len(keys)
+        fields = dict(zip(names, batch[1:1 + n]))
+        for key, value in zip(keys, batch[1 + n:1 + n + k]):
+            if isinstance(value, paddle.Tensor):
+                fields[key] = value
+        labels = batch[1 + n + k:]
+        if n_labels == 1:
             fields["label"] = labels[0]
         else:
             for i, label in enumerate(labels):
                 fields[f"label{i}"] = label
-        n = batch_rows(fields.values())
-        if n is not None:
-            if self._rows is None or int(self._rows.shape[0]) != n:  # (one arange per batch size: a tenth of
-                self._rows = paddle.arange(n, dtype="int64")  # a tiny step's time when made every step)
+        rows = batch_rows(fields.values())
+        if rows is not None:
+            if self._rows is None or int(self._rows.shape[0]) != rows:  # (one arange per batch size)
+                self._rows = paddle.arange(rows, dtype="int64")
             fields[ROW] = self._rows
-        return fields
+        return fields, dict
 
     def tape_step(self) -> None:
         """Before this step's check, which may leave it unread: what a replay of it needs (`_Taped`). Nothing
         while every step is read (no rollback can come)."""
         history = self.doctor.history
         if history is None or history.ring is None:
+            self._taped_step = None
             if self.tape:
                 self.tape.clear()
                 self.tape_bytes = 0
             return
         step = self.doctor.step
-        grads = self.grads if (self._loss_code if self._loss_code is not None else self._functional()) else None
+        self._taped_step = step
+        rng = self.rng if self.random else None
+        loss_code = self._loss_code
+        if loss_code is None:
+            loss_code = self._functional()
+        grads = self.grads if loss_code else None
         if grads:
-            nbytes = 2 * sum(g._holder_size() for g in grads.values())  # (the outputs are as large as theirs)
+            nbytes = 0
+            for grad in grads.values():
+                nbytes += grad._holder_size()
             # detached: the outputs themselves would keep their step's autograd graph alive until dropped
-            outs = [t.detach() for t in leaves(self.output)]
-            self.tape[step] = _Taped(self.rng, outs, grads, self.session.last_loss.detach(), nbytes)
+            outs = []
+            for out in self._leaves:
+                outs.append(out.detach())
+            nbytes *= 2  # (the outputs are as large as their gradients)
+            self.tape[step] = (rng, tuple(outs), tuple(grads.items()), self.session.last_loss.detach(), nbytes)
             self.tape_bytes += nbytes
         else:
-            self.tape[step] = _Taped(self.rng, None, None, None, 0)
+            self.tape[step] = (rng, None, None, None, 0)
         if self.tape_bytes > TAPE_BYTES:
             history.off(f"the model's outputs and their gradients kept for a replay passed "
                         f"{TAPE_BYTES / 2**20:.0f} MB")
         if step % _PRUNE_EVERY == 0:
-            oldest = min(history.kept, default=step)  # (the ring's older snapshot: no replay starts before it)
-            for s in [s for s in self.tape if s < oldest]:
-                self.tape_bytes -= self.tape.pop(s).nbytes
+            self._prune(next(iter(history.kept), step))
+
+    def after_update(self) -> None:
+        """After the step's update, outside the step time the doctor measures (in it, this comparison's ~75 us
+        on the steps the stats schedule times as plain made stats look cheap, and every step was read):
+        whether the step drew random numbers, on a read step whose index is a multiple of _DRAW_EVERY, until
+        the first draw; that step's tape entry then gets its RNG state too."""
+        step = self._taped_step
+        if self.random or not self._reading or self.rng is None or step is None or step % _DRAW_EVERY:
+            return
+        if _drew(self.rng):
+            self.random = True
+            entry = self.tape.get(step)
+            if entry is not None:
+                self.tape[step] = (self.rng, *entry[1:])
+
+    def _prune(self, oldest: int) -> None:
+        """Drop the taped steps before `oldest`, the oldest kept batch (the ring's older snapshot: no replay
+        starts before it). The tape and the kept batches are both in step order (added as the steps run), so
+        only the oldest entries are looked at: a scan of the whole tape every 32 steps, and a min over every
+        kept batch, grew with the run (the ring may keep tens of thousands of tiny steps): ~40 lines of Python
+        a step by step 2,300 of a 0.3 ms step, ~600 by step 20,000."""
+        tape = self.tape
+        drop = []
+        for step in tape:
+            if step >= oldest:
+                break
+            drop.append(step)
+        for step in drop:
+            self.tape_bytes -= tape.pop(step)[4]
 
     def _functional(self) -> bool:
         """The loss is code written as functions (not a loss layer, not the model's own output): its replay
@@ -246,9 +335,14 @@ class ModelWatch:
             return None, False
         history = self.doctor.history
         if history is not None and history.replaying is not None:
-            return self.tape.get(history.replaying), True
+            return self.taped(history.replaying), True
         fault = self.doctor.fault
-        return (self.tape.get(fault.step) if fault is not None else None), False
+        return (self.taped(fault.step) if fault is not None else None), False
+
+    def taped(self, step: int) -> _Taped | None:
+        """What the tape holds of `step`, None when nothing."""
+        entry = self.tape.get(step)
+        return _Taped(*entry) if entry is not None else None
 
     def _own_loss(self, outs: list[Any]) -> int | None:
         """The position of the backpropagated loss among the model's outputs (a model that returns its loss)."""
@@ -352,7 +446,7 @@ class ModelWatch:
         """The model's outputs and the gradients that came back to them at `step` (a fault rolled back to an
         unread step: that step's, from the tape; else the latest), when the loss is code written as functions;
         None for a loss layer or a model that returns its own loss."""
-        taped = self.tape.get(step)
+        taped = self.taped(step)
         if taped is not None and taped.grads is not None:
             outs = leaves(taped.output)
             return (outs, taped.grads) if outs and self.loss_layer is None else None
@@ -402,6 +496,18 @@ def call_site(frame: Any) -> tuple[str, int, str] | None:
             return code.co_filename, frame.f_lineno, code.co_name
         frame = frame.f_back
     return None
+
+
+def _drew(before: Any) -> bool:
+    """Whether random numbers were drawn since the RNG state was `before` (the step's forward, loss and
+    backward: dropout, a random loss). Only a step that draws needs its state taped for a replay. Asked after
+    the update of read steps (`ModelWatch.after_update`) until the first draw (~75 us on CPU, whose state is
+    the whole Mersenne twister); step 0 is one, so a model with dropout is seen at its first watched step."""
+    after = sys.modules["paddle"].get_rng_state()
+    for was, now in zip(before, after):
+        if was.__getstate__() != now.__getstate__():
+            return True
+    return len(before) != len(after)
 
 
 def _through_grads(outs: list[Any], grads: dict[int, Any], rows: Any) -> Any:

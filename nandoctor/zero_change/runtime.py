@@ -162,7 +162,7 @@ class Session:
             recheck.not_reproduced(f"the checked pass saw no NaN/Inf op after the model's forward at step "
                                    f"{recheck.step} (the script may not run the same twice)")
         watch.tape_step()
-        ok = watch.doctor.check(self.last_loss, watch.fields())
+        ok = watch.doctor.check(self.last_loss, watch.batch())
         if ok:
             return True
         if not self.done:  # the first fault; later ones (--keep-going) are counted and their updates dropped
@@ -175,6 +175,7 @@ class Session:
         watch = self._watch_of(optimizer)
         if watch is not None:
             watch.doctor.updated()
+            watch.after_update()
 
     def _missed(self, optimizer: Any) -> None:
         """An optimizer stepped whose model was not among the calls kept (a model trained after another

@@ -12,6 +12,7 @@ KIND: dist     row 2 of step FAULT is all zeros and the model's Dist layer takes
       log      loss code: log(1 - sigmoid(z)) is -inf for rows 1 and 4 of step FAULT (a NaN loss)
       sqrt     loss code: sqrt of a distance exactly 0 for row 2 of step FAULT (an inf gradient)
       healthy  no fault
+      drop_ok  dropout and a random draw between steps, no fault
 
 Under `nandoctor run` (NANDOCTOR_RUN set) the reads are spaced as far apart as the snapshot ring allows (as
 tests/test_fast_steps.py pins them for the probe, so the fault's step is surely unread), and the host reads
@@ -69,7 +70,7 @@ class Plain(nn.Layer):
 def build(kind: str) -> tuple[nn.Layer, paddle.optimizer.Optimizer, nn.Layer | None]:
     """(model, optimizer, loss layer or None for loss code written as functions)."""
     paddle.seed(0)
-    model = Net(kind == "dropout") if kind in ("dist", "dist_fn", "dropout") else Plain()
+    model = Net(kind in ("dropout", "drop_ok")) if kind in ("dist", "dist_fn", "dropout", "drop_ok") else Plain()
     opt = paddle.optimizer.Adam(learning_rate=0.01, parameters=model.parameters())
     return model, opt, nn.CrossEntropyLoss() if kind == "dist" else None
 
@@ -93,7 +94,7 @@ def batch(kind: str, step: int) -> tuple[np.ndarray, np.ndarray]:
 
 def between_steps(kind: str) -> None:
     """What a script may do between steps that moves Paddle's RNG (a random augmentation, a sampled noise)."""
-    if kind == "dropout":
+    if kind in ("dropout", "drop_ok"):
         paddle.randn([3])
 
 
@@ -125,6 +126,17 @@ def _watched() -> list[int]:
     return reads
 
 
+def _taped() -> None:
+    """Under `nandoctor run`: how many steps the tape holds, and how many with an RNG state (taped.json)."""
+    import json
+
+    from nandoctor.zero_change import runtime
+
+    tape = runtime.SESSION.watches[0].tape
+    with open("taped.json", "w") as out:
+        json.dump({"steps": len(tape), "with_rng": sum(1 for entry in tape.values() if entry[0] is not None)}, out)
+
+
 def main(kind: str, steps: int) -> None:
     reads = _watched() if os.environ.get("NANDOCTOR_RUN") else None
     model, opt, loss_layer = build(kind)
@@ -138,6 +150,7 @@ def main(kind: str, steps: int) -> None:
     if reads is not None:
         with open("reads.txt", "w") as out:
             out.write(str(reads[0]))
+        _taped()
     print(f"trained {steps} steps", flush=True)
 
 
