@@ -91,8 +91,12 @@ class StepHistory:
         ring.on_batch(step, 0, step)
         if ring.saves != saves and len(ring.ring) == ring.ring.maxlen:
             oldest = ring.ring[0].step  # the older ring snapshot: a rollback replays from it at the earliest
-            for s in [s for s in self.kept if s < oldest]:
-                self.kept_bytes -= self.kept.pop(s)[2]
+            kept = self.kept  # in step order (`keep`, `keep_quiet`): pruned from its oldest end, not scanned whole
+            while kept:
+                first = next(iter(kept))
+                if first >= oldest:
+                    break
+                self.kept_bytes -= kept.pop(first)[2]
 
     def room(self) -> int:
         """Bytes of batches that may still be kept before the watch goes back to reading every step."""
