@@ -201,3 +201,34 @@ def test_run_says_when_the_script_was_killed(tmp_path: Path) -> None:
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 137, err[-3000:]
     assert "killed by SIGKILL" in err and "out-of-memory" in err
+
+
+def test_run_stopped_after_its_script_ended_still_leaves_nothing_in_tmpdir(tmp_path: Path, monkeypatch) -> None:
+    """A SIGTERM that reaches `nandoctor run` after its script ended, while the script's report is merged and
+    shown (a benchmark's or a CI's cancel), outside the supervisor's forwarding: exit 143 and no temporary
+    folder left behind. The default action used to kill the process there, folder and all."""
+    import os
+    import tempfile
+
+    from in_process import run_cli
+
+    from nandoctor.zero_change import runner
+
+    script = tmp_path / "train.py"
+    script.write_text("import paddle\nm = paddle.nn.Linear(4, 1)\nopt = paddle.optimizer.SGD(0.1, parameters="
+                      "m.parameters())\nfor _ in range(3):\n    m(paddle.randn([8, 4])).mean().backward()\n"
+                      "    opt.step()\n    opt.clear_grad()\n", encoding="utf-8")
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    merge = runner.merge_children
+
+    def merge_then_sigterm(result: Path) -> None:
+        assert result.is_file()  # the script ended and wrote its report
+        os.kill(os.getpid(), signal.SIGTERM)
+        merge(result)
+
+    monkeypatch.setattr(runner, "merge_children", merge_then_sigterm)
+    ran = run_cli(["run", "--json", "r.json", "--", sys.executable, str(script)], tmp_path)
+    assert ran.returncode == 143, ran.stderr
+    assert "SIGTERM" in ran.stderr
+    assert list((tmp_path / "tmp").iterdir()) == []

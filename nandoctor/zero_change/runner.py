@@ -53,10 +53,13 @@ def run_script(command: list[str], console: Callable[[], Console], *, json_path:
                quiet: bool = False, force: bool = False) -> int:
     """Run `command` watched; the exit status `nandoctor run` returns. `console()`: where the report for
     people goes (made only when one is shown: a healthy run's verdict line goes to standard error)."""
+    from nandoctor.engine import interrupt
     from nandoctor.report.writer import is_stdout
 
     _check_before(command, json_path, markdown_path, bundle, force)
-    with tempfile.TemporaryDirectory(prefix="nandoctor-run-") as tmp:
+    # SIGINT/SIGTERM outside the supervisor's forwarding (the script has ended; its report is being merged
+    # and shown) raise, so the temporary folder still goes, instead of the default action killing this process
+    with interrupt.handled(), tempfile.TemporaryDirectory(prefix="nandoctor-run-") as tmp:
         result = Path(tmp) / "report.json"
         # the ranks of a launch in the command each keep their position there (rank_progress.py)
         ranks = RankWatch(Path(tmp) / "progress", whole_loop=False)
