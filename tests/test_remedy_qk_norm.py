@@ -162,13 +162,13 @@ def _found(model: paddle.nn.Layer, growth_layers: list[str]):
     from types import SimpleNamespace
 
     from nandoctor.findings import Code, Finding, Location, Report, Severity
-    from nandoctor.remedies.candidates import _Found
+    from nandoctor.remedies.candidates import _ModelChanges
 
     growth = Finding(Code.ATTENTION_LOGIT_GROWTH, Severity.WARNING, "", Location(step=5, layer=growth_layers[0]),
                      {"layers": [{"layer": n} for n in growth_layers]}, [])
     report = Report(command="probe", findings=[growth])
-    fault = SimpleNamespace(step=20)
-    return _Found(report, fault, SimpleNamespace(model=model), None, None, growth, None, None, "before-growth")
+    # the warnings up to the fault's step 20, the change from the growth's step 5 and the state before it
+    return _ModelChanges(report, SimpleNamespace(model=model), 20, 5, "before-growth", None)
 
 
 def test_an_attention_growth_offers_qk_norm_on_every_attention_layer_from_where_it_began() -> None:

@@ -73,7 +73,7 @@ def candidates_for(report: Report, fault: Any, workload: Any, ring: SnapshotRing
     drop = _drop_samples(found)
     drop.nan_weights = frozenset(name for c in repairs for name in c.change.reinit_rows)
     out = [_op_guard(found), *repairs, drop, *_reinit(found), _grad_clip(found), _lower_lr(found), _warmup(found),
-           *_qk_norm(found), *_z_loss(found)]
+           *_model_changes(_ModelChanges.after(found))]
     if amp:  # (on a GPU, try_remedies has returned with a note before getting here)
         out += _amp_remedies()
     for c in out:
@@ -87,12 +87,7 @@ def model_change_candidates(report: Report, workload: Any, ring: SnapshotRing, s
     """qk-layernorm where the attention logits grew, z-loss where the head's log Z diverged, for a run without a
     fault (remedies/divergence.py): changed from `start` (before the earliest warning began), the same candidates
     as after a fault, their warnings read up to `end_step`."""
-    from types import SimpleNamespace
-
-    growth = SimpleNamespace(location=SimpleNamespace(step=start))  # (only its step: where the changes begin)
-    found = _Found(report, SimpleNamespace(step=end_step), workload, ring, None, growth, None, ring.first,
-                   ring.latest(start))
-    return [*_qk_norm(found), *_z_loss(found)]
+    return _model_changes(_ModelChanges(report, workload, end_step, start, ring.latest(start), None))
 
 
 def _found(report: Report, fault: Any, workload: Any, ring: SnapshotRing, here: Snapshot | None) -> _Found:
@@ -241,39 +236,59 @@ def _warmup(found: _Found) -> Candidate:
                      if fault.step < 2 else (None if first is not None else "no snapshot of the first step"))
 
 
-def _before_fault(found: _Found, code: Code) -> Any:
-    """The precursor warning `code` whose growth began before the fault (None: none)."""
-    return next((f for f in found.report.findings if f.code == code and f.location.step is not None
-                 and f.location.step <= found.fault.step), None)
+@dataclass
+class _ModelChanges:
+    """What the model changes (qk-layernorm, z-loss) follow from, after a fault or without one: the warnings
+    up to step `up_to`, the step the change starts at and the snapshot before it, the faulting layer if any."""
+
+    report: Report
+    workload: Any
+    up_to: int
+    from_step: int | None
+    start: Snapshot | None
+    symptom_layer: str | None
+
+    @classmethod
+    def after(cls, found: _Found) -> _ModelChanges:
+        symptom = found.symptom.location.layer if found.symptom is not None else None
+        return cls(found.report, found.workload, found.fault.step, found.growth_step, found.diverge_start, symptom)
+
+    def warning(self, code: Code) -> Any:
+        """The precursor warning `code` whose growth began by step `up_to` (None: none)."""
+        return next((f for f in self.report.findings if f.code == code and f.location.step is not None
+                     and f.location.step <= self.up_to), None)
 
 
-def _z_loss(found: _Found) -> list[Candidate]:
+def _model_changes(at: _ModelChanges) -> list[Candidate]:
+    return [*_qk_norm(at), *_z_loss(at)]
+
+
+def _z_loss(at: _ModelChanges) -> list[Candidate]:
     """A z-loss on the head whose log Z diverged before the fault (output.logit_divergence), from before the
     growth began; none without that warning."""
-    growth = _before_fault(found, Code.OUTPUT_LOGIT_DIVERGENCE)
+    growth = at.warning(Code.OUTPUT_LOGIT_DIVERGENCE)
     head = growth.location.layer if growth is not None else None
     if head is None:
         return []
-    text, edit = rt.z_loss_change(found.workload.spec, head, Z_LOSS_COEF)
-    if head not in dict(found.workload.model.named_sublayers()):
+    text, edit = rt.z_loss_change(at.workload.spec, head, Z_LOSS_COEF)
+    if head not in dict(at.workload.model.named_sublayers()):
         return [Candidate("z_loss", text, Change(), None, why_not=f"the head {head} is no sublayer of the model")]
-    return [Candidate("z_loss", text, Change(z_loss=(head, Z_LOSS_COEF), from_step=found.growth_step),
-                      found.diverge_start, extra={"z_loss": {"layer": head, "coef": Z_LOSS_COEF},
-                                                  **({"spec_change": edit} if edit else {})})]
+    return [Candidate("z_loss", text, Change(z_loss=(head, Z_LOSS_COEF), from_step=at.from_step),
+                      at.start, extra={"z_loss": {"layer": head, "coef": Z_LOSS_COEF},
+                                       **({"spec_change": edit} if edit else {})})]
 
 
-def _qk_norm(found: _Found) -> list[Candidate]:
+def _qk_norm(at: _ModelChanges) -> list[Candidate]:
     """qk-layernorm on every attention layer's query and key projections, where the attention logits grew
     before the fault (attention.logit_growth) or the fault is inside an attention layer; from before the growth
     began. Not applicable, with the code change to make, where the projections cannot be identified."""
-    model = found.workload.model
-    growth = _before_fault(found, Code.ATTENTION_LOGIT_GROWTH)
+    model = at.workload.model
+    growth = at.warning(Code.ATTENTION_LOGIT_GROWTH)
     if growth is not None:
         named = [growth.location.layer, *[o.get("layer") for o in growth.evidence.get("layers", [])]]
         wanted = [n for n in dict.fromkeys(named) if n]
     else:
-        layer = found.symptom.location.layer if found.symptom is not None else None
-        inside = attention_layer_of(model, layer)
+        inside = attention_layer_of(model, at.symptom_layer)
         if inside is None:
             return []
         wanted = [inside]
@@ -286,7 +301,7 @@ def _qk_norm(found: _Found) -> list[Candidate]:
     classes = [type(layers[a]).__name__ for a in sites.layers]
     shown = [(p.layer, p.heads, p.head_dim) for p in sites.projections]
     return [Candidate("qk_norm", qk_norm_text(sites.layers, classes, shown, sites.fused),
-                      Change(qk_norm=tuple(sites.projections), from_step=found.growth_step), found.diverge_start,
+                      Change(qk_norm=tuple(sites.projections), from_step=at.from_step), at.start,
                       extra={"qk_norm": {"layers": sites.layers, "projections": [
                           {"layer": p.layer, "heads": p.heads, "parts": [list(r) for r in p.parts]}
                           for p in sites.projections]}})]
