@@ -103,7 +103,7 @@ def _found(report: Report, fault: Any, workload: Any, ring: SnapshotRing, here: 
 
 # Warnings whose step is where a growth toward the fault began: the gradient norm's first, else the loss's
 # divergence and the transformer precursors' (issue 35), the earliest of them
-_GROWTHS = (Code.LOSS_DIVERGENCE, Code.ATTENTION_LOGIT_GROWTH, Code.OUTPUT_LOGIT_DIVERGENCE,
+GROWTHS = (Code.LOSS_DIVERGENCE, Code.ATTENTION_LOGIT_GROWTH, Code.OUTPUT_LOGIT_DIVERGENCE,
             Code.ACTIVATION_NORM_GROWTH)
 
 
@@ -113,7 +113,7 @@ def _growth_before(report: Report, fault_step: int) -> Any:
     explosion = next((f for f in before if f.code == Code.GRAD_EXPLOSION), None)
     if explosion is not None:
         return explosion
-    growths = [f for f in before if f.code in _GROWTHS and f.location.step is not None]
+    growths = [f for f in before if f.code in GROWTHS and f.location.step is not None]
     return min(growths, key=lambda f: f.location.step, default=None)
 
 

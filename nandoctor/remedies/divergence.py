@@ -27,11 +27,15 @@ from nandoctor.findings import Code, Finding, Report
 from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.remedies import changes as rt
 from nandoctor.remedies import trial as bounds  # trial's bounds, read when a probe runs (where tests patch them)
-from nandoctor.remedies.candidates import Candidate, clip_from_norms, conclusive_norms, model_change_candidates
+from nandoctor.remedies.candidates import (
+    GROWTHS,
+    Candidate,
+    clip_from_norms,
+    conclusive_norms,
+    model_change_candidates,
+)
 from nandoctor.remedies.judging import (
-    FIXED,
     NOT_APPLICABLE,
-    NOT_FIXED,
     baseline_loss,
     divergence_of,
     healthy_span,
@@ -39,11 +43,15 @@ from nandoctor.remedies.judging import (
     judge_precursors,
     still_warned,
 )
-from nandoctor.remedies.trial import _row, _Trial, safety_note, safety_seconds, time_budget  # (one row, one count)
+from nandoctor.remedies.trial import (  # (one row, one count)
+    _row,
+    _Trial,
+    safety_note,
+    time_budget,
+    verdict_lines,
+    verified_first,
+)
 
-# The warnings whose step is where a growth began: the loss's divergence and the transformer precursors before it
-_GROWTHS = (Code.LOSS_DIVERGENCE, Code.ATTENTION_LOGIT_GROWTH, Code.ACTIVATION_NORM_GROWTH,
-            Code.OUTPUT_LOGIT_DIVERGENCE)
 MIN_PEAK_STEPS = 30  # a longer warmup is judged only with this many replayed steps at the peak after it
 PRECURSORS = (Code.ATTENTION_LOGIT_GROWTH, Code.ACTIVATION_NORM_GROWTH, Code.OUTPUT_LOGIT_DIVERGENCE)
 # A change that begins at a spike's first step cannot change that step's loss (its forward ran before the change's
@@ -90,7 +98,7 @@ def growth_step(report: Report, divergence: Finding) -> int:
     """Where the growth began: the loss's rise, or an earlier precursor's start (attention logits, a linear
     layer's output RMS, log Z) when one came before it."""
     last = divergence.location.step or 0
-    steps = [f.location.step for f in report.findings if f.code in _GROWTHS and f.location.step is not None
+    steps = [f.location.step for f in report.findings if f.code in GROWTHS and f.location.step is not None
              and f.location.step <= last]
     return min(steps, default=last)
 
@@ -274,25 +282,15 @@ def _record(trial: _Trial, rows: list[dict[str, Any]], control: Replay | None, r
     """The rows in the report, verified first; what the replays were in its details; the advice of the findings
     they answer marked (the warnings the control raised again)."""
     report = trial.report
-    order = {FIXED: 0, NOT_FIXED: 1, NOT_APPLICABLE: 2}
-    rows.sort(key=lambda r: order[r["outcome"]])  # stable: the practitioner's order within each outcome
-    report.remedies = rows
-    report.details["remedies"] = {
-        "of": aim.findings[0].code.value, "growth_step": start,
-        "seconds": round(time.perf_counter() - trial.t0, 3), "budget_seconds": round(trial.budget, 1),
-        "safety_seconds": round(safety_seconds(trial.budget), 1), "time_limit_hit": trial.time_limit_hit,
-        "replayed_steps": trial.steps_budget - trial.steps_left, "step_budget": trial.steps_budget,
-        "probe_seconds": round(probe_seconds, 3), "end_step": trial.end_step,
-        "control": None if control is None else {"start_step": control.start_step, "reproduced": reproduced,
-                                                 "failed_at": control.failed_at}}
+    report.remedies = verified_first(rows)
+    report.details["remedies"] = {"of": aim.findings[0].code.value, "growth_step": start,
+                                  **trial.details(control, reproduced, probe_seconds)}
     if aim.divergence is None:
         report.details["remedies"]["warnings"] = [
             {"code": f.code.value, "layer": f.location.layer, "start_step": f.location.step,
              "reproduced": f in aim.reproduced} for f in aim.warnings]
     report.details["snapshots"] = trial.ring.summary()
-    lines = [f"Verified by replay ({r['remedy']}): {r['change']}" for r in rows if r["outcome"] == FIXED]
-    lines += [f"Tried by replay, did not help ({r['remedy']}): {r['change']}" for r in rows
-              if r["outcome"] == NOT_FIXED]
+    lines = verdict_lines(rows)
     if not lines:
         return
     for finding in aim.findings if aim.divergence is not None else aim.reproduced:

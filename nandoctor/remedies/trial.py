@@ -164,6 +164,15 @@ class _Trial:
             self.time_limit_hit = True
         return self.time_limit_hit
 
+    def details(self, control: Replay | None, reproduced: bool | None, probe_seconds: float) -> dict[str, Any]:
+        """What the replays were, for the report's details: time and step budgets spent, and the control."""
+        return {"seconds": round(time.perf_counter() - self.t0, 3), "budget_seconds": round(self.budget, 1),
+                "safety_seconds": round(safety_seconds(self.budget), 1), "time_limit_hit": self.time_limit_hit,
+                "replayed_steps": self.steps_budget - self.steps_left, "step_budget": self.steps_budget,
+                "probe_seconds": round(probe_seconds, 3), "end_step": self.end_step,
+                "control": None if control is None else {"start_step": control.start_step, "reproduced": reproduced,
+                                                         "failed_at": control.failed_at}}
+
     def charge(self, start: Snapshot, end_step: int) -> str | None:
         """Take a replay from `start` to `end_step` out of the step budget; why not when it does not fit."""
         planned = max(0, end_step - start.step)
@@ -321,20 +330,25 @@ def _record(trial: _Trial, rows: list[dict[str, Any]], control: Replay | None, r
             probe_seconds: float, fix_steps: int) -> None:
     """The rows in the report, verified first; what the replays were in its details; the advice marked."""
     report, ring = trial.report, trial.ring
-    order = {FIXED: 0, NOT_FIXED: 1, NOT_APPLICABLE: 2}
-    rows.sort(key=lambda r: order[r["outcome"]])  # stable: the practitioner's order within each outcome
-    report.remedies = rows
-    seconds = time.perf_counter() - trial.t0
-    report.details["remedies"] = {
-        "seconds": round(seconds, 3), "budget_seconds": round(trial.budget, 1),
-        "safety_seconds": round(safety_seconds(trial.budget), 1), "time_limit_hit": trial.time_limit_hit,
-        "replayed_steps": trial.steps_budget - trial.steps_left, "step_budget": trial.steps_budget,
-        "probe_seconds": round(probe_seconds, 3), "fix_steps": fix_steps, "end_step": trial.end_step,
-        "data": _data_note(ring),
-        "control": None if control is None else {"start_step": control.start_step, "reproduced": reproduced,
-                                                 "failed_at": control.failed_at}}
+    report.remedies = verified_first(rows)
+    report.details["remedies"] = {**trial.details(control, reproduced, probe_seconds), "fix_steps": fix_steps,
+                                  "data": _data_note(ring)}
     report.details["snapshots"] = ring.summary()  # now with the fault-time snapshot's epoch kept
     _mark_advice(report, rows, trial.fault.step)
+
+
+def verified_first(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows sorted in place, verified first (stable: the practitioner's order within each outcome)."""
+    order = {FIXED: 0, NOT_FIXED: 1, NOT_APPLICABLE: 2}
+    rows.sort(key=lambda r: order[r["outcome"]])
+    return rows
+
+
+def verdict_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The advice lines a finding gets from the replays of its remedies: which fixed it, which did not help."""
+    lines = [f"Verified by replay ({r['remedy']}): {r['change']}" for r in rows if r["outcome"] == FIXED]
+    return lines + [f"Tried by replay, did not help ({r['remedy']}): {r['change']}" for r in rows
+                    if r["outcome"] == NOT_FIXED]
 
 
 def safety_note(budget: float) -> str:
@@ -481,9 +495,7 @@ def _mark_advice(report: Report, rows: list[dict[str, Any]], fault_step: int) ->
             mine = rows
         else:
             mine = [r for r in rows if _CAUSE_OF.get(r["remedy"]) == finding.code]
-        lines = [f"Verified by replay ({r['remedy']}): {r['change']}" for r in mine if r["outcome"] == FIXED]
-        lines += [f"Tried by replay, did not help ({r['remedy']}): {r['change']}" for r in mine
-                  if r["outcome"] == NOT_FIXED]
+        lines = verdict_lines(mine)
         if not lines:
             continue
         kept = [a for a in finding.advice if not a.startswith(("Verified by", "Tried by"))]
