@@ -86,8 +86,8 @@ def test_gradient_accumulation_switches_the_spaced_reads_off(tmp_path, no_stats_
     assert not doctor.watcher.unread and doctor.history.ring is None
 
 
-def test_a_healthy_deep_loop_reads_one_step_in_four_and_keeps_only_the_batches_a_replay_needs(tmp_path, no_stats_steps,
-                                                                                             monkeypatch):
+def test_a_healthy_deep_loop_reads_on_the_gradients_stride_and_keeps_only_the_batches_a_replay_needs(
+        tmp_path, no_stats_steps, monkeypatch):
     import nandoctor.inloop.history as history
 
     size = 8 * 6 * 4 + 8 * 8  # one batch of pm.loader: x float32 (8, 6) and the int64 labels
@@ -95,7 +95,10 @@ def test_a_healthy_deep_loop_reads_one_step_in_four_and_keeps_only_the_batches_a
     doctor, _ = _loop(tmp_path, batches=pm.loader(batches=80))
     assert doctor.report is None
     unread = doctor.watcher.unread
-    assert len(unread) >= 50 and not unread & {0, 1, 2} and not any(s % 4 == 0 for s in unread)
+    # a many-tensor model's gradients are read one step in four: a read falls on such a step (a multiple of
+    # four, as far apart as the read's cost allows), so it reads the gradients too
+    read = set(range(80)) - unread
+    assert len(unread) >= 50 and not unread & {0, 1, 2} and all(s % 4 == 0 for s in read - {0, 1, 2})
     ring = doctor.history.ring
     assert ring.every <= history.MIN_INTERVAL and len(ring.ring) == 2
     assert min(doctor.history.kept) == ring.ring[0].step  # nothing older than the older snapshot

@@ -80,7 +80,7 @@ def update_fault(report: Report, fault: Fault, optimizer: Any) -> None:
     norm = f" (gradient norm {fault.grad_norm:.3g}, finite)" if fault.grad_norm is not None else ""
     if fault.unread:  # the rollback could not replay them (its note is in details.rollback)
         unread = ", ".join(str(s) for s in fault.unread[:8])
-        why = (f"; the gradients of step(s) {unread} were not read (a deep model's are read one step in four) "
+        why = (f"; the gradients of step(s) {unread} were not read (a deep model's are read one step in four at most) "
                "and could not be replayed, so a NaN gradient there may have done it: run `nandoctor probe "
                "--no-try-fixes` to check every step's gradients")
     else:
