@@ -115,3 +115,21 @@ def test_table_judges_targets_both_ways() -> None:
     assert [r.status for r in rows] == ["MISS", "pass", "n/a", "info"]
     text = render(rows, "head")
     assert "1 pass, 1 miss, 1 not measured, 1 info" in text
+
+
+def test_pairs_alone_keep_each_result_with_its_command_whatever_ran_first(tmp_path: Path) -> None:
+    """`procs.run_alone` runs A and B one after the other, B first on every other pair: each pair's `a` is
+    still A's run and `b` B's, `{run}` names the pair (runs on two cores write apart), and B on a pair
+    where it ran first ended before A began."""
+    from harness import procs
+
+    def command(side: str) -> list[str]:
+        return [sys.executable, "-c", "import sys, time; open(sys.argv[1], 'w').write(repr(time.time())); "
+                f"print('{side}')", str(tmp_path / f"{side}_{{run}}.txt")]
+
+    paired = procs.run_alone(command("A"), command("B"), 4, tag="t")
+    assert [r.stdout.strip() for r in paired.a] == ["A"] * 4 and [r.stdout.strip() for r in paired.b] == ["B"] * 4
+    assert all(r.returncode == 0 and r.cpu_seconds > 0 for r in paired.a + paired.b)
+    ended = {(side, i): float((tmp_path / f"{side}_t{i}.txt").read_text()) for side in "AB" for i in range(4)}
+    assert all(ended[("A", i)] < ended[("B", i)] for i in (0, 2))  # A first on even pairs
+    assert all(ended[("B", i)] < ended[("A", i)] for i in (1, 3))  # B first on odd ones
