@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 
 @dataclass
@@ -142,16 +143,7 @@ def run_paired(a: list[str], b: list[str], runs: int, *, timeout: float = 1200.0
     there are cores. `{run}` in an argument becomes the pair's number, so that pairs running side by
     side write different files."""
     slots = cores()
-
-    def one(i: int) -> tuple[ProcResult, ProcResult]:
-        return run_on_one_core(a, b, slots[i % len(slots)], str(i), timeout=timeout)
-
-    paired = Paired()
-    with ThreadPoolExecutor(max_workers=len(slots)) as pool:
-        for ra, rb in pool.map(one, range(runs)):
-            paired.a.append(ra)
-            paired.b.append(rb)
-    return paired
+    return _pairs(lambda i: run_on_one_core(a, b, slots[i % len(slots)], str(i), timeout=timeout), runs, slots)
 
 
 def run_alone(a: list[str], b: list[str], runs: int, *, timeout: float = 1200.0, tag: str = "") -> Paired:
@@ -161,8 +153,8 @@ def run_alone(a: list[str], b: list[str], runs: int, *, timeout: float = 1200.0,
     The shared core of `run_paired` cancels slow spells, but it is not free: each process's caches are
     cold again after every time slice of the other, which adds CPU time to both sides alike and so pulls
     their ratio towards 1. On fast_mlp (20,000 steps of 0.4 ms, 5 December) the plain script took 8.8-9.0 s
-    of CPU alone and 13.9 s beside `nandoctor run`; `run` was 1.22x the script alone and 1.15x on a shared
-    core. This is the user's view; its pairs are noisier (spells hit one side), so both are reported.
+    of CPU alone and 11.2-13.9 s beside `nandoctor run`; `run` was 1.22-1.30x the script alone and 1.13-1.17x
+    on a shared core. This is the user's view; its pairs are noisier (spells hit one side), so both are reported.
     `{run}` becomes `tag` and the pair's number."""
     slots = cores()
 
@@ -173,6 +165,11 @@ def run_alone(a: list[str], b: list[str], runs: int, *, timeout: float = 1200.0,
         r2 = run_timed(_tagged(second, f"{tag}{i}"), timeout=timeout, core=core)
         return (r1, r2) if i % 2 == 0 else (r2, r1)
 
+    return _pairs(one, runs, slots)
+
+
+def _pairs(one: Callable[[int], tuple[ProcResult, ProcResult]], runs: int, slots: list[int | None]) -> Paired:
+    """`one(i)` for each pair, as many at a time as there are cores, collected in pair order."""
     paired = Paired()
     with ThreadPoolExecutor(max_workers=len(slots)) as pool:
         for ra, rb in pool.map(one, range(runs)):
