@@ -189,7 +189,7 @@ def fmt(values: list[float]) -> str:
 
 
 def worker(mode: str, w: workloads.Workload, s: Setting, steps: int) -> dict:
-    per_step_row = mode in ("steps", "inloop")
+    per_step_row = mode in ("steps", "inloop", "run")
     runs = s.step_runs if per_step_row else s.runs
     warmup = steady_from(w, s) if per_step_row else s.warmup
     return procs.run_worker([PY, str(WORKER), mode, str(w.config), str(w.plain), "--steps", str(steps),
@@ -239,6 +239,28 @@ def inloop(s: Setting, scratch: Path) -> list[Row]:
             continue
         rows.append(Row("7 in-loop per step", name, setting, median(res["ratios"]), "x", "<= 1.05",
                         f"watched {median(res['inloop_ms']):.1f} ms / plain {median(res['plain_ms']):.1f} ms, "
+                        f"pairs {fmt(res['ratios'])}; cpu {median(res['cpu_ratios']):.2f}x{steady(w, s, res)}"))
+    return rows
+
+
+def run_per_step(s: Setting, scratch: Path) -> list[Row]:
+    """Row 10: `nandoctor run`'s steps against the plain script's in one process (worker.py `run`): its
+    seams and engine a step, to the precision of rows 2 and 7, without row 9's process start and end.
+    One worker per pair: a second model in one process is found as a script's second model is."""
+    rows = []
+    for name in s.workloads:
+        w = workloads.load(name, s.quick, scratch)
+        steps = s.step_steps if s.quick else (w.step_steps or s.step_steps)  # as rows 2 and 7
+        say(f"row 10: {name}: `nandoctor run` vs plain steps in one process, {s.step_runs} pair(s) of {steps} steps")
+        results = [worker("run", w, s, steps) for _ in range(s.step_runs)]
+        setting = f"{w.describe}, steady state"
+        failed = next((r for r in results if "error" in r), None)
+        if failed is not None:
+            rows.append(Row("10 run per step", name, setting, None, "x", "", failed["error"][:100]))
+            continue
+        res = {key: [v for r in results for v in r[key]] for key in results[0]}
+        rows.append(Row("10 run per step", name, setting, median(res["ratios"]), "x", "",
+                        f"run {median(res['run_ms']):.1f} ms / plain {median(res['plain_ms']):.1f} ms, "
                         f"pairs {fmt(res['ratios'])}; cpu {median(res['cpu_ratios']):.2f}x{steady(w, s, res)}"))
     return rows
 
@@ -316,11 +338,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="tiny models and few steps: checks that every "
                         "row runs, in well under a minute (numbers meaningless)")
     parser.add_argument("--runs", type=int, default=None,
-                        help="pairs per row (default 4, and 6 in rows 2 and 7; 1 with --quick)")
-    parser.add_argument("--rows", default="1,2,3,4,5,6,7,9",
+                        help="pairs per row (default 4, and 6 in rows 2, 7 and 10; 1 with --quick)")
+    parser.add_argument("--rows", default="1,2,3,4,5,6,7,9,10",
                         help="comma-separated rows to run (6 comes with 1 and 5, 8 with 1)")
-    parser.add_argument("--workloads", default=None, help="comma-separated training workloads for rows 1, 2, 6, 7 "
-                        f"(default: all of {','.join(workloads.TRAINING)})")
+    parser.add_argument("--workloads", default=None, help="comma-separated training workloads for rows 1, 2, 6, "
+                        f"7, 9, 10 (default: all of {','.join(workloads.TRAINING)})")
     args = parser.parse_args()
     s = Setting.make(args.quick, args.runs)
     if args.workloads:
@@ -354,12 +376,13 @@ def main() -> int:
         if "7" in wanted:
             inloop_rows = inloop(s, scratch)
         run_rows = zero_change(s, scratch) if "9" in wanted else []
+        run_rows += run_per_step(s, scratch) if "10" in wanted else []
     rows += rss
     if "7" in wanted:
         rows += inloop_rows
     rows += long_rows + run_rows
     mode = "QUICK (tiny settings; numbers are not meaningful)" if s.quick else "full"
-    header = (f"nandoctor benchmarks, {mode}: {s.runs} pair(s) per row ({s.step_runs} in rows 2 and 7), "
+    header = (f"nandoctor benchmarks, {mode}: {s.runs} pair(s) per row ({s.step_runs} in rows 2, 7 and 10), "
               f"median of paired ratios (probe/plain etc.), {time.perf_counter() - started:.0f} s in all\n"
               f"machine: {state}")
     print(render(rows, header), flush=True)

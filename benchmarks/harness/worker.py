@@ -9,6 +9,8 @@ Modes (each prints one `BENCH_RESULT {json}` line at the end):
 - `scan`: `run_scan` over the whole loader vs a bare iteration over the same loader (samples per second).
 - `inloop`: the plain loop vs the same loop with `nandoctor.watch` and `doctor.check(loss, batch)` after
   backward (the in-loop API), alternating whole short runs in one process.
+- `run`: the plain loop under `nandoctor run`'s seams (its sitecustomize's session, installed here) vs the
+  same loop with Paddle's own methods put back around each of its steps, steps taken in turn.
 """
 
 from __future__ import annotations
@@ -326,9 +328,86 @@ def mode_inloop(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+class Unwatched(Interleaved):
+    """`Interleaved` whose plain steps run with Paddle's own methods, not `nandoctor run`'s seams (put back
+    outside the step's timing): the plain side is the script alone, in the same process."""
+
+    def __init__(self, trainer: Any, session: Any) -> None:
+        super().__init__(trainer)
+        self.session = session
+
+    def _plain_step(self) -> None:
+        with unpatched(self.session):
+            super()._plain_step()
+
+
+class unpatched:  # noqa: N801 - a context manager used as a function
+    """Paddle's own `Layer.__call__`, `Tensor.backward` and optimizer steps while inside (the seams after)."""
+
+    def __init__(self, session: Any) -> None:
+        import paddle
+
+        orig = session.orig
+        self.slots = [(paddle.nn.Layer, "__call__", orig["call"]), (paddle.Tensor, "backward", orig["backward"]),
+                      (paddle.optimizer.Optimizer, "step", orig["step"])]
+        self.slots += [(cls, "step", own) for cls, own in orig.get("steps", {}).items()]
+
+    def __enter__(self) -> None:
+        self.seams = [(cls, name, cls.__dict__[name]) for cls, name, _ in self.slots]
+        for cls, name, own in self.slots:
+            setattr(cls, name, own)
+
+    def __exit__(self, *exc: Any) -> None:
+        for cls, name, seam in self.seams:
+            setattr(cls, name, seam)
+
+
+def mode_run(args: argparse.Namespace) -> dict[str, Any]:
+    """`nandoctor run`'s steps against the same script's plain steps, in turn in one process: the session
+    the run's sitecustomize installs, installed here, watches one trainer; the other steps with Paddle's own
+    methods put back (`unpatched`). The seams' and the run's engine's cost per step, without the process
+    start and end that row 9 also pays. One run a process (`--runs` is ignored; run.py starts one per pair): a
+    second model in the same process is found the way a script's second model is, with hooks on the layers
+    no watch has yet, and ran its steps ~1.5x slower than the first."""
+    import atexit
+    import os
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="nandoctor-bench-run-")
+    atexit.register(shutil.rmtree, folder, True)  # first, so it runs after the session's own exit report
+    from plain_loop import PlainTrainer, read_settings
+
+    os.environ["NANDOCTOR_RUN"] = json.dumps({"result": str(Path(folder) / "report.json"), "report_dir": None,
+                                              "keep_going": False})
+    os.environ["NANDOCTOR_RANK_PROGRESS"] = folder
+    from nandoctor.zero_change import runtime
+
+    runtime.install()
+    session = runtime.SESSION
+    plain = load_plain(args.plain)
+    settings = read_settings(args.config)
+
+    def trainer() -> Any:
+        return PlainTrainer(settings, plain.build_model, plain.build_loader, plain.loss_fn, 0)
+
+    watched = trainer()
+    with unpatched(session):
+        steps = Unwatched(trainer(), session)  # built from seed 0 again: the same RNG as the watched side
+    losses = [steps.pair(watched.step) for _ in range(args.steps)]
+    if session.done or any(w.doctor is not None and w.doctor.fault is not None for w in session.watches):
+        return {"error": "nandoctor run found a fault on a healthy workload"}
+    if not session.watches:
+        return {"error": "nandoctor run found no model in the plain loop"}
+    if losses != steps.plain_loss:
+        return {"error": "the loop under nandoctor run trained differently from the plain one"}
+    keys = ("run_ms", "plain_ms", "ratios", "cpu_ratios", "startup_ms")
+    return {key: [value] for key, value in zip(keys, steps.ratios(args.warmup))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["steps", "checker", "localize", "scan", "inloop"])
+    parser.add_argument("mode", choices=["steps", "checker", "localize", "scan", "inloop", "run"])
     parser.add_argument("config", type=Path)
     parser.add_argument("plain", type=Path)
     parser.add_argument("--steps", type=int, default=30)
@@ -337,7 +416,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     modes = {"steps": mode_steps, "checker": mode_checker, "localize": mode_localize, "scan": mode_scan,
-             "inloop": mode_inloop}
+             "inloop": mode_inloop, "run": mode_run}
     result = modes[args.mode](args)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
