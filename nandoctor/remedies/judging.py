@@ -217,13 +217,17 @@ def unverified_note(control: Replay | None, reproduced: bool | None, ring: Snaps
     return f"{said} on the same batches ({seen}; a nondeterministic run)" + tail
 
 
+def _with_replay(r: Replay, before: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """(step, loss) of the run up to where the replay began, then the replay's: what each loss rule reads again."""
+    return [(s, v) for s, v in before if s < r.start_step] + [(r.start_step + i, v) for i, v in enumerate(r.losses)]
+
+
 def divergence_of(r: Replay, before: list[tuple[int, float]]) -> Any:
     """loss_trend's divergence (the one rule) on the run's losses with the replay's in place of the run's from
     where it began (diagnosis/loss_trend.Divergence), or None: the loss no longer diverges."""
     from nandoctor.diagnosis.loss_trend import find_divergence
 
-    series = [(s, v) for s, v in before if s < r.start_step]
-    series += [(r.start_step + i, v) for i, v in enumerate(r.losses)]
+    series = _with_replay(r, before)
     return find_divergence([s for s, _ in series], [v for _, v in series])
 
 
@@ -249,7 +253,7 @@ def judge_divergence(r: Replay, c: Candidate, before: list[tuple[int, float]], e
         return NOT_FIXED, broke
     from nandoctor.diagnosis.loss_trend import DIVERGE_RATIO, final_rise
 
-    rise = final_rise([v for s, v in before if s < r.start_step] + r.losses)
+    rise = final_rise([v for _, v in _with_replay(r, before)])
     if rise is None or rise[1] <= 0:
         return FIXED, f"no divergence through step {last}"
     level, lowest = rise
@@ -280,8 +284,7 @@ def replayed_spikes(r: Replay, before: list[tuple[int, float]]) -> list[Any]:
 
     from nandoctor.diagnosis.loss_trend import find_spikes
 
-    series = [(s, v) for s, v in before if s < r.start_step] + [(r.start_step + i, v) for i, v in enumerate(r.losses)]
-    spikes = find_spikes([SimpleNamespace(step=s, loss=v) for s, v in series])
+    spikes = find_spikes([SimpleNamespace(step=s, loss=v) for s, v in _with_replay(r, before)])
     return [s for s in spikes if s.end_step >= r.start_step]
 
 
