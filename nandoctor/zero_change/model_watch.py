@@ -289,8 +289,11 @@ class ModelWatch:
         if self.tape_bytes > TAPE_BYTES:
             history.off(f"the model's outputs and their gradients kept for a replay passed "
                         f"{TAPE_BYTES / 2**20:.0f} MB")
-        if step % _PRUNE_EVERY == 0:
-            self._prune(next(iter(history.kept), step))
+        if step % _PRUNE_EVERY == 0:  # the steps before the oldest kept batch (the ring's older snapshot: no replay
+            # starts before it); the tape is in step order, as the kept batches are
+            from nandoctor.inloop.history import drop_before  # (loaded with the doctor; not at the script's start)
+
+            self.tape_bytes -= drop_before(self.tape, next(iter(history.kept), step), 4)
 
     def after_update(self) -> None:
         """After the step's update, outside the step time the doctor measures (in it, this comparison's ~75 us
@@ -305,21 +308,6 @@ class ModelWatch:
             entry = self.tape.get(step)
             if entry is not None:
                 self.tape[step] = (self.rng, *entry[1:])
-
-    def _prune(self, oldest: int) -> None:
-        """Drop the taped steps before `oldest`, the oldest kept batch (the ring's older snapshot: no replay
-        starts before it). The tape and the kept batches are both in step order (added as the steps run), so
-        only the oldest entries are looked at: a scan of the whole tape every 32 steps, and a min over every
-        kept batch, grew with the run (the ring may keep tens of thousands of tiny steps): ~40 lines of Python
-        a step by step 2,300 of a 0.3 ms step, ~600 by step 20,000."""
-        tape = self.tape
-        drop = []
-        for step in tape:
-            if step >= oldest:
-                break
-            drop.append(step)
-        for step in drop:
-            self.tape_bytes -= tape.pop(step)[4]
 
     def _functional(self) -> bool:
         """The loss is code written as functions (not a loss layer, not the model's own output): its replay
