@@ -70,11 +70,11 @@ def verdict_line(report: Report) -> tuple[Verdict, str]:
     lead = _lead_finding(report)
     if report.first_fault is not None:
         where = lead.location if lead is not None else report.first_fault.as_location()
-        code = f"{_code_of(lead)} " if lead is not None else ""
+        code = f"{code_text(lead)} " if lead is not None else ""
         rest += f"; first fault: {code}at {where.describe()}"
     elif report.findings:
         first = report.sorted_findings()[0]
-        rest += f"; first: {_code_of(first)} at {first.location.describe()}"
+        rest += f"; first: {code_text(first)} at {first.location.describe()}"
     if report.partial:
         rest += " (partial: interrupted)"
     return report.verdict, rest
@@ -103,7 +103,8 @@ def _lead_finding(report: Report) -> Finding | None:
     return None
 
 
-def _code_of(finding: Finding) -> str:
+def code_text(finding: Finding) -> str:
+    """The finding's code as written in every report ('nan.forward'; a plain string code as it is)."""
     return getattr(finding.code, "value", str(finding.code))
 
 

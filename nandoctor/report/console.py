@@ -24,6 +24,7 @@ from nandoctor.report.common import (
     VERDICT_TEXT,
     as_float,
     change_parts,
+    code_text,
     field_table,
     finding_advice,
     fmt_value,
@@ -93,10 +94,6 @@ def render_environment(env: dict[str, Any], console: Console) -> None:
     console.print(table)
 
 
-def _code(finding: Finding) -> str:
-    return getattr(finding.code, "value", str(finding.code))
-
-
 def _headline(report: Report) -> Text:
     text = Text()
     text.append(f"{report.title}: ", style="bold")
@@ -155,7 +152,7 @@ def _finding(index: int, finding: Finding, remedies: list[dict[str, Any]]) -> Gr
     head = Text(f"{index}. ")
     head.append(finding.severity.value.upper(), style=SEVERITY_STYLE[finding.severity])
     head.append(" ")
-    head.append(_code(finding), style="bold")
+    head.append(code_text(finding), style="bold")
     head.append("  " + finding.location.describe(), style="dim")
     lines: list[Any] = [Text(""), head, Text("   " + finding.message)]
     for advice in finding_advice(finding.advice, remedies):

@@ -21,12 +21,13 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import quote
 
-from nandoctor.findings import Finding, Report
+from nandoctor.findings import Report
 from nandoctor.report.common import (
     OVERFLOW_NOTE,
     VERDICT_TEXT,
     as_float,
     change_parts,
+    code_text,
     downsample,
     fault_step,
     field_table,
@@ -170,13 +171,9 @@ def _findings(report: Report) -> list[str]:
     findings = report.sorted_findings()
     if not findings:
         return ["## Findings", "", "No findings: nothing non-finite, nothing at risk.", ""]
-    rows = [(str(i), f.severity.value, cell(_code(f), code_span=True), cell(f.location.describe()),
+    rows = [(str(i), f.severity.value, cell(code_text(f), code_span=True), cell(f.location.describe()),
              cell(f.message)) for i, f in enumerate(findings, 1)]
     return ["## Findings", ""] + table(("#", "severity", "code", "where", "message"), rows)
-
-
-def _code(f: Finding) -> str:
-    return getattr(f.code, "value", str(f.code))
 
 
 def _advice(report: Report) -> list[str]:
@@ -187,7 +184,7 @@ def _advice(report: Report) -> list[str]:
     for i, f in enumerate(findings, 1):
         if not (f.advice or f.evidence):
             continue
-        out += [f"### {i}. {code(_code(f))} ({f.severity.value}): {text(f.location.describe())}", ""]
+        out += [f"### {i}. {code(code_text(f))} ({f.severity.value}): {text(f.location.describe())}", ""]
         out += [f"- {prose(line)}" for line in finding_advice(f.advice, report.remedies)]
         if f.evidence:
             evidence = "; ".join(f"{text(k)}: {text(fmt_value(v))}" for k, v in f.evidence.items())
