@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from nandoctor.advice import advice_for
 from nandoctor.diagnosis.crash import first_line
-from nandoctor.engine.loop import Fault
+from nandoctor.engine.watcher import Fault
 from nandoctor.findings import Code, Finding, FirstFault, Location, Phase, Report, Severity
 
 if TYPE_CHECKING:  # localize.py and its tracing modules load only when a fault needs them (5 ms at start)

@@ -44,8 +44,8 @@ from nandoctor.remedies.judging import (
     still_warned,
 )
 from nandoctor.remedies.trial import (  # (one row, one count)
-    _row,
-    _Trial,
+    Trial,
+    remedy_row,
     safety_note,
     time_budget,
     verdict_lines,
@@ -124,7 +124,7 @@ def try_divergence_remedies(report: Report, res: Any, workload: Any, optimizer: 
     entry = ring.take(end_step, last.epoch or 0, (last.batch_index or 0) + 1)  # to put back afterwards
     start = growth_step(report, aim.divergence) if aim.divergence is not None else _warnings_start(aim.warnings)
     sampler = None if aim.monitor is None else (lambda: type(aim.monitor).resumed(aim.monitor))
-    trial = _Trial(report, None, workload, optimizer, ring, end_step, time.perf_counter(),
+    trial = Trial(report, None, workload, optimizer, ring, end_step, time.perf_counter(),
                    time_budget(probe_seconds), span=healthy_span(report, start),
                    steps_left=bounds.REPLAY_STEPS_FACTOR * end_step, sampler=sampler)
     before = [(r.step, float(r.loss)) for r in records if r.step < end_step and r.loss is not None]
@@ -204,7 +204,7 @@ def _lr(report: Report, step: int) -> float | None:
     return next((p.lr for p in report.timeline if p.step == step and p.lr is not None), None)
 
 
-def _control(trial: _Trial, cands: list[Candidate], progress: ProgressFn, aim: _Aim) -> Replay | None:
+def _control(trial: Trial, cands: list[Candidate], progress: ProgressFn, aim: _Aim) -> Replay | None:
     """The replay without any change from the earliest state a candidate restarts from to the probe's last
     step: does the loss diverge again (are the warnings raised again)?"""
     starts = [c.start for c in cands if c.start is not None and c.why_not is None]
@@ -220,14 +220,14 @@ def _control(trial: _Trial, cands: list[Candidate], progress: ProgressFn, aim: _
     return r
 
 
-def _try_one(trial: _Trial, c: Candidate, before: list[tuple[int, float]], k: int,
+def _try_one(trial: Trial, c: Candidate, before: list[tuple[int, float]], k: int,
              progress: ProgressFn, aim: _Aim) -> dict[str, Any]:
     """A candidate's row: its replay judged by the divergence rule (or the warnings' own rules), or why it was
     not tried."""
     if c.why_not is None and trial.past_deadline():
         c.why_not = safety_note(trial.budget)
     if c.why_not is not None or c.start is None:
-        return _row(c, NOT_APPLICABLE, None, note=c.why_not or "no state to restart from")
+        return remedy_row(c, NOT_APPLICABLE, None, note=c.why_not or "no state to restart from")
     against = "the divergence" if aim.divergence is not None else "the warnings"
     progress(k + 1, None, f"trying remedy {k + 1}: {c.remedy} (against {against})")
     r = trial.run_from(c.start, c.change)
@@ -236,7 +236,7 @@ def _try_one(trial: _Trial, c: Candidate, before: list[tuple[int, float]], k: in
     else:  # (judged against the warnings the control raised again; none: every row is made not applicable)
         outcome, note = judge_precursors(r, c, before, trial.end_step, trial.span, aim.reproduced or aim.warnings,
                                          aim.monitor.series if aim.monitor is not None else {})
-    return _row(c, outcome, r, note=note, before=baseline_loss(trial.report, r.start_step))
+    return remedy_row(c, outcome, r, note=note, before=baseline_loss(trial.report, r.start_step))
 
 
 def _reproduced(control: Replay | None, before: list[tuple[int, float]], end_step: int, aim: _Aim) -> bool | None:
@@ -277,7 +277,7 @@ def _named(f: Finding) -> str:
     return f"{f.code.value}{at} from step {f.location.step}"
 
 
-def _record(trial: _Trial, rows: list[dict[str, Any]], control: Replay | None, reproduced: bool | None,
+def _record(trial: Trial, rows: list[dict[str, Any]], control: Replay | None, reproduced: bool | None,
             start: int, probe_seconds: float, aim: _Aim) -> None:
     """The rows in the report, verified first; what the replays were in its details; the advice of the findings
     they answer marked (the warnings the control raised again)."""

@@ -103,7 +103,7 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
     entry = ring.take(fault.step, fault.epoch, fault.batch_index or 0)  # to put back afterwards
     here = _fault_snapshot(fault, ring, entry)
     end_step = fault.step + max(1, fix_steps)
-    trial = _Trial(report, fault, workload, optimizer, ring, end_step, t0, time_budget(probe_seconds),
+    trial = Trial(report, fault, workload, optimizer, ring, end_step, t0, time_budget(probe_seconds),
                    _fault_batch(fault, workload, ring), span=healthy_span(report, fault.step),
                    steps_left=REPLAY_STEPS_FACTOR * end_step)
     records = getattr(res, "records", None)
@@ -129,7 +129,7 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
 
 
 @dataclass
-class _Trial:
+class Trial:
     """What every replay of one fault shares: the probe's report and fault, the run to replay, the step a
     replay must reach, and the time all of them may take from `t0`."""
 
@@ -206,7 +206,7 @@ def _at_the_fault(change: Change, start: Snapshot, fault_step: int) -> Change:
     return dataclasses.replace(change, from_step=fault_step)
 
 
-def _control(trial: _Trial, cands: list[Candidate], progress: ProgressFn) -> Replay | None:
+def _control(trial: Trial, cands: list[Candidate], progress: ProgressFn) -> Replay | None:
     """The replay without any change, from the earliest state a candidate restarts from to just past the
     fault: does the fault come back? None: no candidate has a state to restart from."""
     fault = trial.fault
@@ -232,7 +232,7 @@ def _fault_batch(fault: Any, workload: Any, ring: SnapshotRing) -> tuple[int, st
     return None if found is None else (fault.step, found)
 
 
-def _try_all(trial: _Trial, cands: list[Candidate], control: Replay | None,
+def _try_all(trial: Trial, cands: list[Candidate], control: Replay | None,
              progress: ProgressFn) -> list[dict[str, Any]]:
     """One row per candidate, in the candidates' order, each replayed in turn while the budget lasts; after a
     clamp that did not help, the clamp where the value is made."""
@@ -251,23 +251,23 @@ def _try_all(trial: _Trial, cands: list[Candidate], control: Replay | None,
     return rows
 
 
-def _try_one(trial: _Trial, c: Candidate, healthy: float | None) -> dict[str, Any]:
+def _try_one(trial: Trial, c: Candidate, healthy: float | None) -> dict[str, Any]:
     """A candidate's row: not applicable without a replay (no state to restart from, the step budget spent, or
     the safety net reached), else its replay judged, the note saying what a guard's search did."""
     if c.why_not is None and trial.past_deadline():
         c.why_not = safety_note(trial.budget)
     if c.why_not is not None or c.start is None:
-        return _row(c, NOT_APPLICABLE, None, note=c.why_not or "no state to restart from")
+        return remedy_row(c, NOT_APPLICABLE, None, note=c.why_not or "no state to restart from")
     r, searched = _replay_candidate(trial, c, c.start, healthy)
     before = baseline_loss(trial.report, r.start_step)
     outcome, note = _judge(r, trial.fault.step, trial.end_step, c, before, trial.span)
     widened = scope_note(c.change, r)
     # widened scope; then the threshold search; then the verdict's own note
     note = "; ".join(n for n in (widened, searched, note) if n) or None
-    return _row(c, outcome, r, note=note, before=before)
+    return remedy_row(c, outcome, r, note=note, before=before)
 
 
-def _replay_candidate(trial: _Trial, c: Candidate, start: Snapshot,
+def _replay_candidate(trial: Trial, c: Candidate, start: Snapshot,
                       healthy: float | None) -> tuple[Replay, str | None]:
     """The candidate's replay, and what a threshold search tried. A guard's scope is widened past the
     reported line while it never fired, its clamp tightened while it does not verify: the candidate's change
@@ -285,7 +285,7 @@ def _replay_candidate(trial: _Trial, c: Candidate, start: Snapshot,
     return r, searched
 
 
-def _at_the_source(trial: _Trial, c: Candidate, row: dict[str, Any], control: Replay) -> list[dict[str, Any]]:
+def _at_the_source(trial: Trial, c: Candidate, row: dict[str, Any], control: Replay) -> list[dict[str, Any]]:
     """A clamp at the reported line that did not help, because the value also overflows the op at another
     call: the row says so, and the layer output that feeds them is clamped where it is made, its bound
     searched as the guard's (a `source_clamp` row), when the watch found that layer."""
@@ -312,7 +312,7 @@ def _at_the_source(trial: _Trial, c: Candidate, row: dict[str, Any], control: Re
         tried.append(f"clipped at {limit:g}: {note}")
     cand.change_text = source_clamp_text(guard.op, layer, limit, c.change.source, control.overflows)
     note = "; ".join(n for n in ("; ".join(tried), note) if n) or None
-    row = _row(cand, outcome, r, note=note, before=before)
+    row = remedy_row(cand, outcome, r, note=note, before=before)
     row["clamp"] = {"layer": layer, "max": limit}  # what reproduce.py --with-remedy source_clamp applies
     return [row]
 
@@ -326,7 +326,7 @@ def _unverify(rows: list[dict[str, Any]], why: str) -> None:
             row.pop("failed_at", None)  # (where a replay of unverified data failed is no evidence either)
 
 
-def _record(trial: _Trial, rows: list[dict[str, Any]], control: Replay | None, reproduced: bool | None,
+def _record(trial: Trial, rows: list[dict[str, Any]], control: Replay | None, reproduced: bool | None,
             probe_seconds: float, fix_steps: int) -> None:
     """The rows in the report, verified first; what the replays were in its details; the advice marked."""
     report, ring = trial.report, trial.ring
@@ -448,7 +448,7 @@ def _fault_snapshot(fault: Any, ring: SnapshotRing, entry: Snapshot) -> Snapshot
     return dataclasses.replace(entry, rng=RngState(fault.rng, entry.rng.numpy, entry.rng.python))
 
 
-def _row(c: Candidate, outcome: str, r: Replay | None, note: str | None,
+def remedy_row(c: Candidate, outcome: str, r: Replay | None, note: str | None,
          before: float | None = None) -> dict[str, Any]:
     """One contract row; `loss_before` is the probe's own loss where the replay started (else the replay's
     first), `loss_after` the replay's mean over its last 3 steps."""
