@@ -1,7 +1,8 @@
 """parallel/supervisor.py on real processes (a `python -c` that sleeps, with a child of its own in its process
 group): a hang seen by the watch, or the time limit, kills the command and its group; its exit status comes
 back; SIGTERM is passed on with the grace period, and the group is killed when the grace runs out; Ctrl-C
-where signals are not passed on kills everything and goes on; a real RankWatch names a rank that stands still."""
+where signals are not passed on kills everything and goes on; a real RankWatch names a rank that stands still;
+the looks space out while no rank has shown itself."""
 
 from __future__ import annotations
 
@@ -202,3 +203,36 @@ def test_a_real_rank_watch_names_the_rank_that_stands_still(tmp_path: Path, clea
     assert sup.hung and watch.ending.hung and not watch.ending.died
     assert watch.ending.positions[0].step == 0
     assert _gone(_child(tmp_path))
+
+
+class TimedWatch(FakeWatch):
+    """A FakeWatch that notes when each look came, and shows a rank from look `rank_at` on (None: never)."""
+
+    def __init__(self, rank_at: int | None) -> None:
+        super().__init__()
+        self.rank_at = rank_at
+        self.times: list[float] = []
+
+    def look(self) -> bool:
+        self.times.append(time.monotonic())
+        if self.rank_at is not None and len(self.times) >= self.rank_at:
+            self.ending.seen = True
+        return False
+
+
+@pytest.mark.parametrize("rank_at", [None, 4])
+def test_looks_space_out_until_a_rank_shows_itself(tmp_path: Path, cleanup, rank_at: int | None) -> None:
+    """A single process (no rank ever seen): the looks space out to QUIET_LOOK_SECONDS, a few in 2 s where
+    LOOK_SECONDS would make 40; once a rank shows itself they are LOOK_SECONDS apart again."""
+    from nandoctor.parallel.supervisor import LOOK_SECONDS, QUIET_LOOK_SECONDS
+
+    watch = TimedWatch(rank_at)
+    sup = Supervisor(_command(tmp_path, end="time.sleep(2)"), watch, kill_at_end=True)
+    cleanup(sup)
+    assert sup.wait() == (0, None)
+    gaps = [b - a for a, b in zip(watch.times, watch.times[1:])]
+    if rank_at is None:
+        assert len(watch.times) <= 12 and max(gaps) >= QUIET_LOOK_SECONDS * 0.9
+    else:
+        later = gaps[rank_at:]
+        assert len(later) >= 10 and sorted(later)[len(later) // 2] < 2 * LOOK_SECONDS

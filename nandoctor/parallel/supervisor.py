@@ -2,12 +2,13 @@
 
 The command starts in a session of its own (its own process group: a signal to nandoctor reaches it only
 when passed on). While it runs, the parent looks at every rank of a launch it may start (RankWatch) every
-LOOK_SECONDS: a rank gone without a word is noted; when none has moved for the hang limit, or the command
-passed its time limit, the command's process group and every rank (each in a session of its own) are
-killed. SIGINT and SIGTERM are passed on to the command where asked, which then has the grace period
-(`NANDOCTOR_GRACE_SECONDS`) before its group is killed; where not asked, they end the wait as
-KeyboardInterrupt does, and everything is killed first. Nothing the command started is left running as an
-orphan: every rank when the launch ends, and everything when the wait ends on an exception.
+LOOK_SECONDS (up to QUIET_LOOK_SECONDS apart while no rank has shown itself): a rank gone without a word
+is noted; when none has moved for the hang limit, or the command passed its time limit, the command's
+process group and every rank (each in a session of its own) are killed. SIGINT and SIGTERM are passed on
+to the command where asked, which then has the grace period (`NANDOCTOR_GRACE_SECONDS`) before its group
+is killed; where not asked, they end the wait as KeyboardInterrupt does, and everything is killed first.
+Nothing the command started is left running as an orphan: every rank when the launch ends, and everything
+when the wait ends on an exception.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ from nandoctor.parallel.rank_progress import LOOK_SECONDS, RankWatch
 # before its process group is killed: `NANDOCTOR_GRACE_SECONDS` overrides it.
 GRACE_SECONDS = 30.0
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
+# While no rank of a launch has shown itself (a single-process script, most of `nandoctor run`), the looks
+# space out, doubling up to this: each wakes the parent and preempts the script on a shared core, and 20
+# looks a second cost the parent ~6.5 ms of CPU a second. A rank writes its file at its start (a second
+# or more before its first step), so one is still seen within this long and looked at every LOOK_SECONDS
+# from then on; the command's end wakes the wait at once (a pidfd) whatever the spacing.
+QUIET_LOOK_SECONDS = 0.4
 
 
 def grace_seconds() -> float:
@@ -57,6 +64,7 @@ class Supervisor:
         self.hung = False  # stopped for a hang or the time limit (after that, ranks gone are ours: no more looks)
         self.proc = subprocess.Popen(command, start_new_session=True, **popen)
         self._pidfd: int | None = None  # opened at the first look (-1: none to be had)
+        self._spacing = LOOK_SECONDS  # until the next look (QUIET_LOOK_SECONDS)
 
     def wait(self) -> tuple[int, int | None]:
         """(the command's exit status, the signal passed on to it or None), once it ended; on an exception
@@ -90,13 +98,22 @@ class Supervisor:
                     self.watch.look()  # a rank that died right before the launcher ended
                 return code
             stalled = self.signal is None and not self.hung and self.watch.look()
+            self._space_out()
             if stalled or (self.time_limit is not None and time.monotonic() - started > self.time_limit):
                 self.hung = True
                 self.watch.stopped()
                 self.stop()
 
+    def _space_out(self) -> None:
+        """The next look's distance: LOOK_SECONDS once a rank was seen (or without a pidfd, where the command's
+        end is seen only at a look), else twice the last, up to QUIET_LOOK_SECONDS."""
+        if self.watch.ending.seen or self._pidfd is None or self._pidfd < 0:
+            self._spacing = LOOK_SECONDS
+        else:
+            self._spacing = min(2 * self._spacing, QUIET_LOOK_SECONDS)
+
     def _wait_a_look(self) -> int | None:
-        """The exit status once the command ended; None after LOOK_SECONDS. Asleep until one or the other
+        """The exit status once the command ended; None after a look's spacing. Asleep until one or the other
         (`_sleep_a_look`), not `Popen.wait(timeout)`, which polls seven times a look: over a run of the
         fast_mlp benchmark that was ~20 ms of the parent's CPU a second, 2% of the watched script's."""
         try:
@@ -109,7 +126,7 @@ class Supervisor:
             return None
 
     def _sleep_a_look(self) -> None:
-        """Until the command ends or LOOK_SECONDS pass: on a pidfd of the command's process (woken by its
+        """Until the command ends or the spacing passes: on a pidfd of the command's process (woken by its
         end), else a plain sleep (its end then seen up to LOOK_SECONDS late)."""
         if self._pidfd is None:
             try:
@@ -119,7 +136,7 @@ class Supervisor:
         if self._pidfd < 0:
             time.sleep(LOOK_SECONDS)
         else:
-            select.select([self._pidfd], [], [], LOOK_SECONDS)
+            select.select([self._pidfd], [], [], self._spacing)
 
     def _ended(self) -> None:
         """What the command left behind (after a hang, stopped again: what is gone is not found)."""
