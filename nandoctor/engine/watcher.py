@@ -61,9 +61,11 @@ READ_ALL_STEPS = 64
 DETECT_SPAN = 256  # the steps the reads' mean cost is taken over (StatsSchedule.detect): MAX_UNREAD
 # The same report on every run (issue 35): how often a step is read follows measured timings, so what is
 # concluded from gradient norms may only read steps that every stride reads: the first READ_ALL_STEPS steps and
-# every NORM_GRID-th step after them (read whatever the stride: ~0.4% of a 0.3 ms step), and of those, on a
-# model whose gradients are read one step in MIN_EVERY (defer_grads), the multiples of MIN_EVERY. Other steps'
-# norms are shown in the timeline, and nothing is concluded from them (StepRecord.conclusive).
+# every NORM_GRID-th step after them (read whatever the stride, and a stats step too: on a 0.3 ms step each
+# costs ~0.9 ms more than a quiet one, ~3% of the step, the largest part of the watch's cost there; the read
+# alone ~0.7 ms), and of those, on a model whose gradients are read one step in MIN_EVERY (defer_grads), the
+# multiples of MIN_EVERY. Other steps' norms are shown in the timeline, and nothing is concluded from them
+# (StepRecord.conclusive).
 NORM_GRID = 64
 # Tests only: the read stride forced (an integer), so a test can run one probe at two strides
 READ_EVERY_ENV = "NANDOCTOR_READ_EVERY"
