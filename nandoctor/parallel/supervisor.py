@@ -127,14 +127,14 @@ class Supervisor:
 
     def _sleep_a_look(self) -> None:
         """Until the command ends or the spacing passes: on a pidfd of the command's process (woken by its
-        end), else a plain sleep (its end then seen up to LOOK_SECONDS late)."""
+        end), else a plain sleep (its end then seen up to a look late: `_space_out` keeps those LOOK_SECONDS)."""
         if self._pidfd is None:
             try:
                 self._pidfd = os.pidfd_open(self.proc.pid)
             except (AttributeError, OSError):  # before Linux 5.3, or not Linux: no pidfd
                 self._pidfd = -1
         if self._pidfd < 0:
-            time.sleep(LOOK_SECONDS)
+            time.sleep(self._spacing)
         else:
             select.select([self._pidfd], [], [], self._spacing)
 
