@@ -104,7 +104,7 @@ def _found(report: Report, fault: Any, workload: Any, ring: SnapshotRing, here: 
 # Warnings whose step is where a growth toward the fault began: the gradient norm's first, else the loss's
 # divergence and the transformer precursors' (issue 35), the earliest of them
 GROWTHS = (Code.LOSS_DIVERGENCE, Code.ATTENTION_LOGIT_GROWTH, Code.OUTPUT_LOGIT_DIVERGENCE,
-            Code.ACTIVATION_NORM_GROWTH)
+           Code.ACTIVATION_NORM_GROWTH)
 
 
 def _growth_before(report: Report, fault_step: int) -> Any:

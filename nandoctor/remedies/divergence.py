@@ -125,8 +125,8 @@ def try_divergence_remedies(report: Report, res: Any, workload: Any, optimizer: 
     start = growth_step(report, aim.divergence) if aim.divergence is not None else _warnings_start(aim.warnings)
     sampler = None if aim.monitor is None else (lambda: type(aim.monitor).resumed(aim.monitor))
     trial = Trial(report, None, workload, optimizer, ring, end_step, time.perf_counter(),
-                   time_budget(probe_seconds), span=healthy_span(report, start),
-                   steps_left=bounds.REPLAY_STEPS_FACTOR * end_step, sampler=sampler)
+                  time_budget(probe_seconds), span=healthy_span(report, start),
+                  steps_left=bounds.REPLAY_STEPS_FACTOR * end_step, sampler=sampler)
     before = [(r.step, float(r.loss)) for r in records if r.step < end_step and r.loss is not None]
     cands = _candidates(report, workload, ring, start, end_step, conclusive_norms(records))
     cands += model_change_candidates(report, workload, ring, start, end_step)  # (none without their precursors)

@@ -104,8 +104,8 @@ def try_remedies(report: Report, res: Any, workload: Any, optimizer: Any, ring: 
     here = _fault_snapshot(fault, ring, entry)
     end_step = fault.step + max(1, fix_steps)
     trial = Trial(report, fault, workload, optimizer, ring, end_step, t0, time_budget(probe_seconds),
-                   _fault_batch(fault, workload, ring), span=healthy_span(report, fault.step),
-                   steps_left=REPLAY_STEPS_FACTOR * end_step)
+                  _fault_batch(fault, workload, ring), span=healthy_span(report, fault.step),
+                  steps_left=REPLAY_STEPS_FACTOR * end_step)
     records = getattr(res, "records", None)
     cands = candidates_for(report, fault, workload, ring, here, amp,
                            norms=conclusive_norms(records) if records else None)
@@ -449,7 +449,7 @@ def _fault_snapshot(fault: Any, ring: SnapshotRing, entry: Snapshot) -> Snapshot
 
 
 def remedy_row(c: Candidate, outcome: str, r: Replay | None, note: str | None,
-         before: float | None = None) -> dict[str, Any]:
+               before: float | None = None) -> dict[str, Any]:
     """One contract row; `loss_before` is the probe's own loss where the replay started (else the replay's
     first), `loss_after` the replay's mean over its last 3 steps."""
     if r is not None and before is None:
