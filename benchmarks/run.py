@@ -85,7 +85,7 @@ def whole_process(s: Setting, scratch: Path) -> tuple[list[Row], list[Row], list
         alone = alone_note(probe, plain, s.runs, report) if ok and not s.quick else ""  # (quick: a smoke run)
         time_rows.append(cpu_row("1 whole process", "probe", w, steps, paired, ok, note, "<= 1.10", wall=True,
                                  alone=alone))
-        rss = [a.max_rss_mb / b.max_rss_mb for a, b in zip(paired.a, paired.b)]
+        rss = paired.ratios("max_rss_mb")
         ra, rb = median([r.max_rss_mb for r in paired.a]), median([r.max_rss_mb for r in paired.b])
         rss_rows.append(Row("6 peak RSS probe", name, f"{w.describe}, {steps} steps",
                             median(rss) if ok else None, "x", "<= 1.15",
@@ -124,7 +124,7 @@ def alone_note(a: list[str], b: list[str], runs: int, report: str) -> str:
     ok, note = check_runs(alone, runs_of(report.replace("{run}", "alone{run}"), runs))
     if not ok:
         return f"; alone: not measured ({note.strip('; ')})"
-    ratios = [x.cpu_seconds / y.cpu_seconds for x, y in zip(alone.a, alone.b)]
+    ratios = alone.ratios("cpu_seconds")
     return f"; alone {median(ratios):.2f}x (pairs {fmt(ratios)})"
 
 
@@ -146,8 +146,8 @@ def cpu_row(row: str, side: str, w: workloads.Workload, steps: int, paired: proc
     run`: its script runs in a session of its own, which the kernel schedules as a group of its own
     (autogroup), so its share of the core, and its wall time, differ from a plain process's."""
     ta, tb = median([r.cpu_seconds for r in paired.a]), median([r.cpu_seconds for r in paired.b])
-    ratios = [a.cpu_seconds / b.cpu_seconds for a, b in zip(paired.a, paired.b)]
-    walls = f"; wall {median([a.seconds / b.seconds for a, b in zip(paired.a, paired.b)]):.2f}x" if wall else ""
+    ratios = paired.ratios("cpu_seconds")
+    walls = f"; wall {median(paired.ratios('seconds')):.2f}x" if wall else ""
     return Row(row, w.name, f"{w.describe}, {steps} steps", median(ratios) if ok else None, "x", target,
                f"{note}{side} {ta:.1f} s / plain {tb:.1f} s CPU on a shared core, pairs {fmt(ratios)}{walls}{alone}"
                if ok else note)
@@ -317,7 +317,7 @@ def scan(s: Setting, scratch: Path) -> list[Row]:
     paired = procs.run_paired([PY, "-m", "nandoctor", "scan", str(w.config)],
                               [PY, str(w.plain), str(w.config), "--steps", str(epoch)], s.runs)
     bad = [r for r in paired.a + paired.b if r.returncode != 0]
-    ratio = median([a.max_rss_mb / b.max_rss_mb for a, b in zip(paired.a, paired.b)])
+    ratio = median(paired.ratios("max_rss_mb"))
     ra, rb = median([r.max_rss_mb for r in paired.a]), median([r.max_rss_mb for r in paired.b])
     note = (f"exit {bad[0].returncode}: {first_line(bad[0].stderr_tail)}" if bad
             else f"scan {ra:.0f} MB / plain epoch {rb:.0f} MB")

@@ -44,6 +44,10 @@ class Paired:
     a: list[ProcResult] = field(default_factory=list)
     b: list[ProcResult] = field(default_factory=list)
 
+    def ratios(self, measure: str) -> list[float]:
+        """A over B of `measure` (a ProcResult field: cpu_seconds, seconds, max_rss_mb), one ratio per pair."""
+        return [getattr(x, measure) / getattr(y, measure) for x, y in zip(self.a, self.b)]
+
 
 class _Child:
     """A child (pinned to one core when `core` is given), its output in temporary files, reaped by pid
