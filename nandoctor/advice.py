@@ -13,8 +13,6 @@ import inspect
 import math
 from typing import Any
 
-import yaml
-
 from nandoctor.findings import Code, Mode, Report
 
 # Starting points for ClipGradByGlobalNorm that practitioners use per architecture.
@@ -121,6 +119,8 @@ def num3(x: float) -> float:
 
 def flow_yaml(value: Any) -> str:
     """A value as one line of YAML (flow style), keys in their own order."""
+    import yaml  # (here: only a spec's advice is YAML; a watched script's start need not load PyYAML)
+
     text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6)
     return text.strip().removesuffix("...").strip()  # a bare scalar ends its document with "..."
 

@@ -74,3 +74,29 @@ def test_a_plain_run_command_line_is_read_as_typer_reads_it() -> None:
             read_here += 1
             assert mine == params, args
     assert read_here == 6  # the first six lines: every option, `--` or not, `-` as a value and as the command
+
+
+# A script that trains and never imports PyYAML itself; after its run it prints the modules it ended with
+_NO_YAML_SCRIPT = """
+import sys
+import paddle
+model = paddle.nn.Sequential(paddle.nn.Linear(4, 8), paddle.nn.ReLU(), paddle.nn.Linear(8, 2))
+opt = paddle.optimizer.SGD(0.1, parameters=model.parameters())
+for _ in range(8):
+    loss = paddle.nn.functional.cross_entropy(model(paddle.randn([8, 4])), paddle.randint(0, 2, [8, 1]))
+    loss.backward()
+    opt.step()
+    opt.clear_grad()
+print("watched:", "nandoctor.inloop.doctor" in sys.modules, "yaml:", "yaml" in sys.modules)
+"""
+
+
+def test_a_watched_script_does_not_load_pyyaml(tmp_path: Path) -> None:
+    """The watch reads no spec: PyYAML (~13 ms to import) stays out of a script that does not import it. It
+    came in through the advice's YAML formatting and the spec package's file reader."""
+    script = tmp_path / "train.py"
+    script.write_text(_NO_YAML_SCRIPT)
+    done = subprocess.run([sys.executable, "-m", "nandoctor", "run", "--json", str(tmp_path / "r.json"), "--",
+                           sys.executable, str(script)], capture_output=True, text=True, timeout=180, check=False,
+                          cwd=tmp_path)
+    assert "watched: True yaml: False" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]

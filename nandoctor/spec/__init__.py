@@ -15,7 +15,6 @@ from typing import Any
 
 from nandoctor.errors import SpecError
 from nandoctor.spec.checks import Validator, did_you_mean, short
-from nandoctor.spec.yaml_file import not_yaml_hint, read_yaml
 
 BUILTIN_LOSSES = ("cross_entropy", "mse", "l1", "bce_with_logits")
 AMP_DTYPES = ("float16", "bfloat16")
@@ -179,6 +178,10 @@ class Spec:
 
 def load_spec(path: str | Path) -> Spec:
     """Read and validate a spec file; raise `SpecError` naming the file and key on any problem."""
+    # here, not at the top: the in-loop watch imports this package for its types and never reads a file, and
+    # PyYAML was ~10 ms of every watched script's start that did not import it itself
+    from nandoctor.spec.yaml_file import not_yaml_hint, read_yaml
+
     path = Path(path)
     raw = read_yaml(path)
     try:
