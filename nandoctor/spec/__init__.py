@@ -179,7 +179,7 @@ class Spec:
 def load_spec(path: str | Path) -> Spec:
     """Read and validate a spec file; raise `SpecError` naming the file and key on any problem."""
     # here, not at the top: the in-loop watch imports this package for its types and never reads a file, and
-    # PyYAML was ~10 ms of every watched script's start that did not import it itself
+    # PyYAML was ~13 ms of every watched script's start that did not import it itself
     from nandoctor.spec.yaml_file import not_yaml_hint, read_yaml
 
     path = Path(path)
