@@ -208,20 +208,33 @@ def steady(w: workloads.Workload, s: Setting, res: dict) -> str:
     return f"; steps {n}+ (start-up, steps 0-{n - 1}: {median(res['startup_ms']):+.0f} ms)"
 
 
+def step_steps(w: workloads.Workload, s: Setting) -> int:
+    """Steps of a per-step row's runs (rows 2, 7 and 10): the workload's own, if it has one."""
+    return s.step_steps if s.quick else (w.step_steps or s.step_steps)
+
+
+def per_step_row(row: str, name: str, w: workloads.Workload, s: Setting, res: dict, side: tuple[str, str],
+                 target: str) -> Row:
+    """A per-step row from its worker's result: the median ratio, and in the notes `side` (its label and the
+    result's key of its step times) against the plain loop, the pairs, the CPU ratio and the start-up; the
+    worker's error instead when it failed."""
+    setting = f"{w.describe}, steady state"
+    if "error" in res:
+        return Row(row, name, setting, None, "x", target, res["error"][:100])
+    label, key = side
+    return Row(row, name, setting, median(res["ratios"]), "x", target,
+               f"{label} {median(res[key]):.1f} ms / plain {median(res['plain_ms']):.1f} ms, "
+               f"pairs {fmt(res['ratios'])}; cpu {median(res['cpu_ratios']):.2f}x{steady(w, s, res)}")
+
+
 def per_step(s: Setting, scratch: Path) -> list[Row]:
     rows = []
     for name in s.workloads:
         w = workloads.load(name, s.quick, scratch)
-        steps = s.step_steps if s.quick else (w.step_steps or s.step_steps)
+        steps = step_steps(w, s)
         say(f"row 2: {name}: probe vs plain steps in one process, {s.step_runs} pair(s) of {steps} steps")
-        res = worker("steps", w, s, steps)
-        setting = f"{w.describe}, steady state"
-        if "error" in res:
-            rows.append(Row("2 per step", name, setting, None, "x", "<= 1.05", res["error"][:100]))
-            continue
-        rows.append(Row("2 per step", name, setting, median(res["ratios"]), "x", "<= 1.05",
-                        f"probe {median(res['probe_ms']):.1f} ms / plain {median(res['plain_ms']):.1f} ms, "
-                        f"pairs {fmt(res['ratios'])}; cpu {median(res['cpu_ratios']):.2f}x{steady(w, s, res)}"))
+        rows.append(per_step_row("2 per step", name, w, s, worker("steps", w, s, steps), ("probe", "probe_ms"),
+                                 "<= 1.05"))
     return rows
 
 
@@ -230,16 +243,10 @@ def inloop(s: Setting, scratch: Path) -> list[Row]:
     rows = []
     for name in s.workloads:
         w = workloads.load(name, s.quick, scratch)
-        steps = s.step_steps if s.quick else (w.step_steps or s.step_steps)  # as row 2
+        steps = step_steps(w, s)
         say(f"row 7: {name}: watched vs plain loop in one process, {s.step_runs} pair(s) of {steps} steps")
-        res = worker("inloop", w, s, steps)
-        setting = f"{w.describe}, steady state"
-        if "error" in res:
-            rows.append(Row("7 in-loop per step", name, setting, None, "x", "<= 1.05", res["error"][:100]))
-            continue
-        rows.append(Row("7 in-loop per step", name, setting, median(res["ratios"]), "x", "<= 1.05",
-                        f"watched {median(res['inloop_ms']):.1f} ms / plain {median(res['plain_ms']):.1f} ms, "
-                        f"pairs {fmt(res['ratios'])}; cpu {median(res['cpu_ratios']):.2f}x{steady(w, s, res)}"))
+        rows.append(per_step_row("7 in-loop per step", name, w, s, worker("inloop", w, s, steps),
+                                 ("watched", "inloop_ms"), "<= 1.05"))
     return rows
 
 
@@ -250,18 +257,12 @@ def run_per_step(s: Setting, scratch: Path) -> list[Row]:
     rows = []
     for name in s.workloads:
         w = workloads.load(name, s.quick, scratch)
-        steps = s.step_steps if s.quick else (w.step_steps or s.step_steps)  # as rows 2 and 7
+        steps = step_steps(w, s)
         say(f"row 10: {name}: `nandoctor run` vs plain steps in one process, {s.step_runs} pair(s) of {steps} steps")
         results = [worker("run", w, s, steps) for _ in range(s.step_runs)]
-        setting = f"{w.describe}, steady state"
         failed = next((r for r in results if "error" in r), None)
-        if failed is not None:
-            rows.append(Row("10 run per step", name, setting, None, "x", "", failed["error"][:100]))
-            continue
-        res = {key: [v for r in results for v in r[key]] for key in results[0]}
-        rows.append(Row("10 run per step", name, setting, median(res["ratios"]), "x", "",
-                        f"run {median(res['run_ms']):.1f} ms / plain {median(res['plain_ms']):.1f} ms, "
-                        f"pairs {fmt(res['ratios'])}; cpu {median(res['cpu_ratios']):.2f}x{steady(w, s, res)}"))
+        res = failed or {key: [v for r in results for v in r[key]] for key in results[0]}
+        rows.append(per_step_row("10 run per step", name, w, s, res, ("run", "run_ms"), ""))
     return rows
 
 
