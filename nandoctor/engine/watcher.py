@@ -708,16 +708,20 @@ class StepWatcher:
             return
         self._ring.note_steps([q[5] for q in steps])
         self._pending += steps
-        self.unread.update(q[0] for q in steps)
+        self.unread.update([q[0] for q in steps])
         last = steps[-1]
         done = steps if last[6] is not None else steps[:-1]
         history = self.history
-        keep = self.keep_update_batches
-        if done and keep and len(history) > 1:  # only the first and the newest entries keep their batch
-            s, b, e, n, _ = history[-1]
-            history[-1] = (s, b, e, n, None)
-        for q, f in zip(done, fields):
-            history.append((q[0], q[1], q[2], None, f if keep and (not history or q is done[-1]) else None))
+        if done:
+            entries = [(q[0], q[1], q[2], None, None) for q in done]
+            if self.keep_update_batches:  # only the first and the newest entries keep their batch
+                if len(history) > 1:
+                    s, b, e, n, _ = history[-1]
+                    history[-1] = (s, b, e, n, None)
+                if not history:
+                    entries[0] = (*entries[0][:4], fields[0])
+                entries[-1] = (*entries[-1][:4], fields[len(done) - 1])
+            history += entries
         self.schedule.record_plain([q[6] - q[5] for q in done])
         self._step, self._batch_index, self._epoch, self._fields = last[0], last[1], last[2], fields[-1]
         self._stats_step = self._read = self._read_grads = False
