@@ -136,6 +136,9 @@ class Doctor:
         self._waiting: tuple | None = None
         self._loss_only = False  # a check's gradient half found no update to wait for (said once in the log)
         self._busy = False  # a replay is running: the pre-hook must not open steps
+        # told True when the replays begin and False when they end (`nandoctor run`'s session: its seams ask
+        # every step whether a replay is running, a flag instead of asking each watch's doctor)
+        self.on_busy: Callable[[bool], None] | None = None
         self._closed = False
         self._inputs: Any = ()
         self._warned: set[Any] = set()
@@ -529,7 +532,7 @@ class Doctor:
         report = new_report(device, self.mode)
         peer = fault is not None and fault.evidence.get("peer")
         was_training = self.model.training
-        self._busy = True
+        self._set_busy(True)
         try:
             with _no_sync(self.wrapper):  # a replay on one rank must not wait for the others' gradients
                 rolled, changed = None, []
@@ -556,11 +559,16 @@ class Doctor:
                     report.details["replay_calls"] = {"count": self.replay_calls, "code": self.replayed_code}
                 note_replay_writes(report, changed, "the rollback's replay of the unread steps")
         finally:
-            self._busy = False
+            self._set_busy(False)
             if not was_training:
                 self.model.eval()
             disable_checker()
         return report
+
+    def _set_busy(self, busy: bool) -> None:
+        self._busy = busy
+        if self.on_busy is not None:
+            self.on_busy(busy)
 
     def _publish(self, report: Report, *, write: bool) -> None:
         """The report logged (an error when it holds one), and written to report_dir when this rank writes."""

@@ -90,6 +90,7 @@ class ModelWatch:
                              on_fault=on_fault, wrap_step=False, sync=sync, mode=Mode.RUN, defer_reads=True,
                              namer=self.name_batch)
         self.doctor.loss_code_fault = self.loss_code_fault
+        self.doctor.on_busy = self.session.replaying
         self.doctor.model_caller = self.model_caller
         self.doctor.replay_failure = self.replay_failed
         self.doctor.replayed_code = "your model and its loss layer" if self.loss_layer is not None else "your model"

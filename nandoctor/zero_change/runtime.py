@@ -81,6 +81,10 @@ class Session:
         self.failed: ModelWatch | None = None  # the watch of the first fault
         self.orig: dict[str, Any] = {}
         self.started = time.monotonic()
+        # a doctor is replaying: its model's calls, backward and updates are its own, not the script's. Asked
+        # several times a step by the seams, so a flag the doctors set (`replaying`), not a walk of the watches
+        self.busy = False
+        self._replays = 0
         self.process: dict[str, Any] | None = None  # a child process of the script's (processes.py), else None
         # The checked pass (recheck.py): this process re-runs the command to name a loss-code op
         self.recheck: Any = None
@@ -89,15 +93,10 @@ class Session:
 
             self.recheck = CheckedPass(config)
 
-    @property
-    def busy(self) -> bool:
-        """A doctor is replaying (its model's calls, backward and updates are its own, not the script's).
-        Asked a few times every step: a loop, not any() over a generator."""
-        for watch in self.watches:
-            doctor = watch.doctor
-            if doctor is not None and doctor._busy:
-                return True
-        return False
+    def replaying(self, busy: bool) -> None:
+        """A watch's doctor began (True) or ended (False) its replays (`Doctor.on_busy`): `busy` follows."""
+        self._replays += 1 if busy else -1
+        self.busy = self._replays > 0
 
     # ---- seams ----------------------------------------------------------------------------------------
     def layer_call(self, layer: Any, args: tuple, kwargs: dict) -> Any:
@@ -326,7 +325,8 @@ class Session:
         self.models, self.model_ids = [], []
         self.current = self.failed = self.last_loss = None
         self.backwards = self.depth = 0
-        self.done = False
+        self.done = self.busy = False
+        self._replays = 0
         self.started = time.monotonic()
         self.process = process
         if "patched_call" in self.orig and not self.patched:
