@@ -86,7 +86,7 @@ def whole_process(s: Setting, scratch: Path) -> tuple[list[Row], list[Row], list
         time_rows.append(cpu_row("1 whole process", "probe", w, steps, paired, ok, note, "<= 1.10", wall=True,
                                  alone=alone))
         rss = paired.ratios("max_rss_mb")
-        ra, rb = median([r.max_rss_mb for r in paired.a]), median([r.max_rss_mb for r in paired.b])
+        ra, rb = paired.medians("max_rss_mb")
         rss_rows.append(Row("6 peak RSS probe", name, f"{w.describe}, {steps} steps",
                             median(rss) if ok else None, "x", "<= 1.15",
                             f"{note}probe {ra:.0f} MB / plain {rb:.0f} MB" if ok else note))
@@ -145,7 +145,7 @@ def cpu_row(row: str, side: str, w: workloads.Workload, steps: int, paired: proc
     and (`wall`) the wall ratio, ~1.00x by construction when the pair shares a core. Not for `nandoctor
     run`: its script runs in a session of its own, which the kernel schedules as a group of its own
     (autogroup), so its share of the core, and its wall time, differ from a plain process's."""
-    ta, tb = median([r.cpu_seconds for r in paired.a]), median([r.cpu_seconds for r in paired.b])
+    ta, tb = paired.medians("cpu_seconds")
     ratios = paired.ratios("cpu_seconds")
     walls = f"; wall {median(paired.ratios('seconds')):.2f}x" if wall else ""
     return Row(row, w.name, f"{w.describe}, {steps} steps", median(ratios) if ok else None, "x", target,
@@ -319,7 +319,7 @@ def scan(s: Setting, scratch: Path) -> list[Row]:
                               [PY, str(w.plain), str(w.config), "--steps", str(epoch)], s.runs)
     bad = [r for r in paired.a + paired.b if r.returncode != 0]
     ratio = median(paired.ratios("max_rss_mb"))
-    ra, rb = median([r.max_rss_mb for r in paired.a]), median([r.max_rss_mb for r in paired.b])
+    ra, rb = paired.medians("max_rss_mb")
     note = (f"exit {bad[0].returncode}: {first_line(bad[0].stderr_tail)}" if bad
             else f"scan {ra:.0f} MB / plain epoch {rb:.0f} MB")
     rows.append(Row("6 peak RSS scan", "scan_data", f"{w.describe}, 1 epoch", None if bad else ratio, "x",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import tempfile
 import threading
@@ -47,6 +48,11 @@ class Paired:
     def ratios(self, measure: str) -> list[float]:
         """A over B of `measure` (a ProcResult field: cpu_seconds, seconds, max_rss_mb), one ratio per pair."""
         return [getattr(x, measure) / getattr(y, measure) for x, y in zip(self.a, self.b)]
+
+    def medians(self, measure: str) -> tuple[float, float]:
+        """The median of `measure` on each side (A's, B's), over the pairs."""
+        return (statistics.median(getattr(x, measure) for x in self.a),
+                statistics.median(getattr(y, measure) for y in self.b))
 
 
 class _Child:
