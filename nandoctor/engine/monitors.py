@@ -319,12 +319,12 @@ class StepMonitor:
             if per_param:
                 # a NaN gradient's norm is non-finite, not absent: inf (as _act_maxima does), or the report's
                 # matrix and its plot showed the faulting step's NaN gradients as "not recorded"
-                g = np.where(np.isnan(g), np.inf, g)
+                shown = np.where(np.isnan(g), np.inf, g)
                 if present is self._all_idx:  # every parameter, in order (the usual case: no scatter)
-                    g_full = g
+                    g_full = shown
                 else:
                     g_full = np.full(len(self.params), np.nan)  # NaN: no gradient this step
-                    g_full[present] = g
+                    g_full[present] = shown
             g_norm = float(np.sqrt(g.sum()))
         if late_sq is not None:  # the unfrozen parameters' share of the global norm
             g_norm = float(np.sqrt((g_norm or 0.0) ** 2 + vec[pos]))
