@@ -62,9 +62,10 @@ DETECT_SPAN = 256  # the steps the reads' mean cost is taken over (StatsSchedule
 # The same report on every run (issue 35): how often a step is read follows measured timings, so what is
 # concluded from gradient norms may only read steps that every stride reads: the first READ_ALL_STEPS steps and
 # every NORM_GRID-th step after them (read whatever the stride, and a stats step too: on a 0.3 ms step each
-# costs ~0.9 ms more than a quiet one, ~3% of the step, the largest part of the watch's cost there; the read
-# alone ~0.7 ms), and of those, on a model whose gradients are read one step in MIN_EVERY (defer_grads), the
-# multiples of MIN_EVERY. Other steps' norms are shown in the timeline, and nothing is concluded from them
+# costs ~0.75 ms more than a quiet one and the end of the quiet window before it ~0.25-0.3 ms, most of what the
+# watch costs there; the read itself ~0.22 ms, the stats little: benchmarks/README.md, "Row 7 on fast_mlp"),
+# and of those, on a model whose gradients are read one step in MIN_EVERY (defer_grads), the multiples of
+# MIN_EVERY. Other steps' norms are shown in the timeline, and nothing is concluded from them
 # (StepRecord.conclusive).
 NORM_GRID = 64
 # Tests only: the read stride forced (an integer), so a test can run one probe at two strides
