@@ -26,6 +26,20 @@ def test_the_parent_imports_neither_paddle_nor_numpy_nor_the_report_stack() -> N
     assert sorted(m for m in NOT_IN_PARENT if m in imported) == []
 
 
+
+# Loaded in the script's process only once it imports Paddle (which brings numpy itself)
+NOT_BEFORE_PADDLE = ("numpy", "nandoctor.zero_change.model_watch", "nandoctor.zero_change.capture", "nandoctor.inloop")
+
+
+def test_a_watched_process_that_never_imports_paddle_loads_neither_numpy_nor_the_watch() -> None:
+    """The launcher's helpers, pip, a tool the script starts: the watch waits for Paddle's import. Its models'
+    seams and numpy (~60 ms of a short process) came with the sitecustomize before."""
+    probe = f"import sys; print(sorted(m for m in {NOT_BEFORE_PADDLE!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-m", "nandoctor", "run", "--", sys.executable, "-c", probe],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert "nothing was watched" in done.stderr, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+
 # Command lines of `nandoctor run`: entry.py reads the plain ones itself (no typer in the parent), leaves the others
 RUN_LINES = [
     ["--", "python", "train.py", "--lr", "3e-4"],

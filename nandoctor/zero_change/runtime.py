@@ -37,11 +37,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nandoctor.zero_change.capture import keep_grads
-from nandoctor.zero_change.model_watch import ModelWatch, call_site
 from nandoctor.zero_change.processes import OWN_ERROR, in_pool_worker
+
+if TYPE_CHECKING:  # (loaded once Paddle is: numpy comes with them, ~60 ms a Python process that never trains)
+    from nandoctor.zero_change.model_watch import ModelWatch
 
 ENV = "NANDOCTOR_RUN"
 _MAX_ROOTS = 16
@@ -107,6 +108,8 @@ class Session:
         # The RNG state before the call (a replay of step 0 needs its dropout masks): until the model is known
         root = _Call(layer, args, kwargs, sys.modules["paddle"].get_rng_state()) if training else None
         if root is not None:
+            from nandoctor.zero_change.model_watch import call_site
+
             root.site = call_site(sys._getframe(1))  # the line that called it: a library model's caller
         self.depth += 1
         try:
@@ -122,6 +125,8 @@ class Session:
         return out
 
     def _keep_root(self, root: _Call, out: Any) -> None:
+        from nandoctor.zero_change.capture import keep_grads
+
         root.output = out
         keep_grads(out, root.grads)
         self.roots.append(root)
@@ -243,6 +248,8 @@ class Session:
                sync: Any) -> ModelWatch:
         if len(self.watches) >= _MAX_WATCHES:  # models trained one after another (a sweep): memory stays bounded
             self._retire(min((w for w in self.watches if w is not self.failed), key=lambda w: w.checked))
+        from nandoctor.zero_change.model_watch import ModelWatch
+
         watch = ModelWatch(self, best.layer, optimizer, loss_layer, labels)
         if id(best.layer) in self.model_ids:  # one model, several optimizers (parameter groups): one model
             watch.index = self.model_ids.index(id(best.layer))
