@@ -60,7 +60,7 @@ def _first_fault_line(stdout: str) -> str:
 def _sqrt_report() -> tuple[Report, object]:
     import paddle
 
-    from nandoctor.workload import build_workload
+    from nandoctor.workload.build import build_workload
 
     spec = load_spec(SAMPLES / "sqrt_at_zero" / "config.yaml")
     workload = build_workload(spec)
@@ -119,7 +119,7 @@ def test_batch_is_saved_losslessly_with_field_names(sqrt_bundle: Path):
 
 
 def test_state_loads_without_pickle_and_fits_the_model(sqrt_bundle: Path):
-    from nandoctor.workload import build_workload
+    from nandoctor.workload.build import build_workload
 
     report, spec = _sqrt_report()
     with np.load(sqrt_bundle / "state.npz", allow_pickle=False) as saved:
@@ -170,7 +170,7 @@ FRESH_STATE_FAULTS = {
 
 @pytest.mark.parametrize("sample", sorted(FRESH_STATE_FAULTS))
 def test_reproduce_names_phase_op_and_layer(sample: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]):
-    from nandoctor.workload import build_workload
+    from nandoctor.workload.build import build_workload
 
     batch_index, expected = FRESH_STATE_FAULTS[sample]
     spec = load_spec(SAMPLES / sample / "config.yaml")

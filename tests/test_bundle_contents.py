@@ -123,7 +123,7 @@ class _Exploit:
 
 
 def _scan_bundle(tmp_path: Path) -> Path:
-    from nandoctor.workload import build_workload
+    from nandoctor.workload.build import build_workload
 
     spec = load_spec(SAMPLES / "nan_in_data" / "config.yaml")
     workload = build_workload(spec)

@@ -186,7 +186,7 @@ def test_builtin_losses_compute_what_the_probe_computes(script: dict[str, Any]):
     import paddle
 
     from nandoctor.spec import BUILTIN_LOSSES
-    from nandoctor.workload import builtin_loss
+    from nandoctor.workload.build import builtin_loss
 
     assert set(script["BUILTIN_LOSSES"]) == set(BUILTIN_LOSSES)
     rng = np.random.default_rng(0)
@@ -300,7 +300,7 @@ def test_scheduler_is_the_one_the_probe_builds(case: str, tmp_path: Path):
     import yaml
 
     from nandoctor.spec import load_spec
-    from nandoctor.workload import build_optimizer
+    from nandoctor.workload.build import build_optimizer
     from nandoctor.workload.schedulers import build_scheduler
 
     bundle = tmp_path / "b"

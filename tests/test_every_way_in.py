@@ -30,7 +30,7 @@ STEPS = 4
 
 def _model_and_data() -> tuple[Any, list[tuple[np.ndarray, np.ndarray]], Any]:
     from nandoctor.spec import load_spec
-    from nandoctor.workload import build_optimizer, build_workload
+    from nandoctor.workload.build import build_optimizer, build_workload
 
     spec = load_spec(CONFIG)
     workload = build_workload(spec)

@@ -16,7 +16,7 @@ from nandoctor.diagnosis.localize import Replayer, localize
 from nandoctor.diagnosis.origin import INF, NAN, OpLine, pick
 from nandoctor.probe import ProbeOptions, run_probe
 from nandoctor.spec import load_spec
-from nandoctor.workload import build_workload
+from nandoctor.workload.build import build_workload
 
 # The root's own forward divides each row by its sum: an all-zero row (sample 5 of batch 3) is 0/0.
 # Ground truth (plain loop + CHECK_NAN_INF log, no nandoctor): step 3, first NaN op `divide`, in

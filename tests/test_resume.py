@@ -156,7 +156,7 @@ def test_without_the_optimizer_state_the_run_differs(plain: dict[str, Any]) -> N
 
 
 def test_resume_at_skips_across_epochs_without_loading_the_skipped_batches(plain: dict[str, Any]) -> None:
-    from nandoctor.workload import build_workload
+    from nandoctor.workload.build import build_workload
 
     spec = load_spec(_spec(plain["folder"], RESUME))
     w = build_workload(spec)
@@ -174,7 +174,7 @@ def test_resume_at_skips_across_epochs_without_loading_the_skipped_batches(plain
 
 
 def test_a_loader_without_length_is_skipped_by_iterating(plain: dict[str, Any]) -> None:
-    from nandoctor.workload import build_workload
+    from nandoctor.workload.build import build_workload
 
     w = build_workload(load_spec(_spec(plain["folder"], RESUME, data="build_generator")))
     epochs: list[int] = []

@@ -83,7 +83,7 @@ def test_no_warmup_overflows_at_step_2(probe):
 def test_warmup_scheduler_from_the_spec_reproduces_the_plain_loop():
     """The spec's scheduler, stepped as the plain loop steps it, trains the model to the same loss."""
     from nandoctor.spec import load_spec
-    from nandoctor.workload import build_optimizer, build_workload, lr_scheduler
+    from nandoctor.workload.build import build_optimizer, build_workload, lr_scheduler
 
     spec = load_spec(SAMPLES / "warmup_needed" / "config.yaml")
     w = build_workload(spec)

@@ -14,7 +14,7 @@ import pytest
 
 from nandoctor.errors import SpecError
 from nandoctor.spec import load_spec
-from nandoctor.workload import build_optimizer, build_workload, lr_scheduler
+from nandoctor.workload.build import build_optimizer, build_workload, lr_scheduler
 
 BASE = """\
 version: 1

@@ -20,7 +20,7 @@ from nandoctor.engine.step import StepEngine
 from nandoctor.errors import SpecError
 from nandoctor.findings import Phase
 from nandoctor.spec import load_spec
-from nandoctor.workload import build_optimizer, build_workload
+from nandoctor.workload.build import build_optimizer, build_workload
 
 MODELS = '''\
 import paddle

@@ -7,10 +7,12 @@ optimizer stepping nothing, and an optimizer over no parameter trains nothing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nandoctor.findings import Code, Finding, Location, Phase, Severity
-from nandoctor.spec import Spec
+
+if TYPE_CHECKING:  # (annotations only: a watched process does not load the spec's parser)
+    from nandoctor.spec import Spec
 
 
 def loss_source(spec: Spec, uses_step: bool) -> str:

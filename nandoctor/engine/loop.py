@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nandoctor.engine.batch_source import BatchSource, UserRaised, user_call
 from nandoctor.engine.interrupt import reassert
@@ -20,7 +20,9 @@ from nandoctor.engine.snapshots import MIN_EVERY
 from nandoctor.engine.step import StepEngine
 from nandoctor.engine.watcher import Fault, FaultKind, StatsSchedule, StepRecord, StepWatcher, current_lr
 from nandoctor.findings import Phase
-from nandoctor.workload import Workload
+
+if TYPE_CHECKING:  # (annotations only: a watched process does not load the spec's parser)
+    from nandoctor.workload.build import Workload
 
 __all__ = ["Fault", "FaultKind", "LoopResult", "ProbeLoop", "StatsSchedule", "StepRecord", "UserRaised", "user_call"]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from nandoctor.findings import Phase
-from nandoctor.workload import StepPlan
+from nandoctor.workload.plan import StepPlan
 from nandoctor.workload.schedulers import lr_scheduler
 
 __all__ = ["StepEngine", "StepPlan"]

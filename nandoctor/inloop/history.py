@@ -29,7 +29,7 @@ import numpy as np
 from nandoctor.engine.loop import DEFER_EVERY, LoopResult
 from nandoctor.engine.snapshots import MIN_EVERY, SnapshotRing, tensor_nbytes
 from nandoctor.engine.watcher import Fault, StepWatcher
-from nandoctor.workload import StepPlan
+from nandoctor.workload.plan import StepPlan
 from nandoctor.workload.schedulers import lr_scheduler
 
 log = logging.getLogger("nandoctor")

@@ -32,7 +32,7 @@ from nandoctor.findings import Code, Finding, Location, Phase, Report, Severity
 from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.spec import Spec
 from nandoctor.tensors.device import resolve_device, use_device
-from nandoctor.workload import build_optimizer, build_workload
+from nandoctor.workload.build import build_optimizer, build_workload
 from nandoctor.workload.resume import resume_probe
 
 __all__ = ["ProbeOptions", "run_probe"]

@@ -101,7 +101,7 @@ def rank_main(config: Path, steps: int, seed: int, out: Path, device: str = "aut
     from nandoctor.parallel.rank_progress import RankProgress, launched_rank
     from nandoctor.spec import load_spec
     from nandoctor.tensors.device import resolve_device, use_device
-    from nandoctor.workload import build_optimizer, build_workload
+    from nandoctor.workload.build import build_optimizer, build_workload
 
     device = resolve_device(device)
     if device == "cpu":  # a GPU rank keeps the device the launcher gave it

@@ -25,8 +25,8 @@ from nandoctor.progress import ProgressFn, no_progress
 from nandoctor.scan.model_facts import eval_outputs, first_rows, num_classes_from, position_tables, target_check
 from nandoctor.spec import Spec
 from nandoctor.tensors.sizes import batch_size
-from nandoctor.workload import build_workload, loader_factory, scan_outputs
 from nandoctor.workload.batches import BatchLayout
+from nandoctor.workload.build import build_workload, loader_factory, scan_outputs
 from nandoctor.workload.entrypoints import call_user, library_origin, user_import_path, user_origin
 
 if TYPE_CHECKING:  # the data checks load when a scan runs, not when the probe imports scan.params (5 ms)

@@ -294,7 +294,7 @@ BUILTIN_LOSSES = ("cross_entropy", "mse", "l1", "bce_with_logits")  # nandoctor.
 
 
 def builtin_loss(name: str) -> Any:
-    """The four builtin losses, as nandoctor.workload.builtin_loss computes them (inlined: nandoctor need
+    """The four builtin losses, as nandoctor.workload.build.builtin_loss computes them (inlined: nandoctor need
     not be installed; nandoctor's tests hold both equal on the same inputs)."""
     import paddle
     import paddle.nn.functional as F

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nandoctor.errors import SpecError
-from nandoctor.spec import DataSpec
 from nandoctor.tensors.convert import not_a_tensor
+
+if TYPE_CHECKING:  # (annotations only: a watched process does not load the spec's parser)
+    from nandoctor.spec import DataSpec
 
 
 def default_field_names(n: int) -> list[str]:

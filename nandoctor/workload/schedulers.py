@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nandoctor.errors import SpecError
-from nandoctor.spec import SchedulerSpec, Spec
 from nandoctor.workload.entrypoints import call_user, load_entry, user_import_path
+
+if TYPE_CHECKING:
+    from nandoctor.spec import SchedulerSpec, Spec
 
 _KEY = "optimizer.lr_scheduler"
 

@@ -8,7 +8,7 @@ imported, so what `run` sees is an ordinary user script) and in `--watch` mode (
 compares the first fault each names with the probe's on the same config. So it must train exactly as the
 probe does, step for step, and it must know nothing of nandoctor's internals: it reads the YAML itself and
 repeats the spec's contract (docs/spec.md) with plain Paddle calls. The order of work is the
-probe's (nandoctor/probe/__init__.py, nandoctor/workload/__init__.py, nandoctor/engine/loop.py):
+probe's (nandoctor/probe/__init__.py, nandoctor/workload/build.py, nandoctor/engine/loop.py):
 
 1. device cpu, then paddle.seed / np.random.seed / random.seed, before anything of the user's runs;
 2. import the data entry's file, then the loss's (or step's), then the model's; call the model factory;
