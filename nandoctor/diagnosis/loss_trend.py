@@ -92,8 +92,9 @@ def _percentile(values: np.ndarray, q: float, axis: int | None = None) -> Any:
     a = np.take(s, lo, axis=axis)
     if t == 0.0:
         return a
-    diff = np.take(s, lo + 1, axis=axis) - a
-    return a + diff * t if t < 0.5 else np.take(s, lo + 1, axis=axis) - diff * (1.0 - t)
+    b = np.take(s, lo + 1, axis=axis)
+    diff = b - a
+    return a + diff * t if t < 0.5 else b - diff * (1.0 - t)
 
 
 def _sorted(values: np.ndarray, axis: int | None) -> tuple[np.ndarray, int]:
