@@ -250,7 +250,21 @@ def test_attention_that_cannot_be_seen_is_said() -> None:
     mon.end()
     found = [f for f in mon.findings(None) if f.code.value == "attention.unseen"]
     assert len(found) == 1 and found[0].severity == Severity.INFO and found[0].location.layer == "0"
-    assert mon.every == pc.EVERY_PLAIN
+    # nothing more is sampled: the head's log Z alone, one step in 64, could never fire its rule
+    assert mon.every is None and not any(mon.due(s) for s in range(1, 300)) and mon.next_due(1) > 10**9
+
+
+def test_log_z_sampled_one_step_in_64_could_never_warn() -> None:
+    """Why a model without attention is no longer sampled after its first step: a head whose log Z doubles every
+    8 steps up to overflow, seen one step in 64, gives the log-Z rule nothing to fire on (no two samples within
+    LOGZ_DOUBLING_STEPS); seen one step in 4, it warns."""
+    from nandoctor.engine.precursor_rules import LOG_Z, judge
+
+    def warned(every: int) -> bool:
+        series = {(LOG_Z, "head"): [(s, 2.0 * 2 ** (s / 8)) for s in range(every, 400, every)]}
+        return any(f.code.value == "output.logit_divergence" for f in judge(series, None, {}, every))
+
+    assert warned(pc.EVERY_ATTENTION) and not warned(64)
 
 
 def test_watch_in_the_users_loop_gives_the_probes_warning(attention_run: tuple, tmp_path: Path) -> None:

@@ -1,8 +1,7 @@
 """Transformer instability precursors (issue 35), sampled at fixed steps on the device, judged after the run.
 
-Three quantities, measured in the forward of every `every`-th step (a constant: 4 for a model whose
-attention is seen, 64 for one without, where only the output head is watched), so a report never depends
-on how fast the machine ran:
+Three quantities, measured in the forward of every 4th step (a constant, so a report never depends on how
+fast the machine ran) of a model whose attention is seen:
 
 - per attention layer, the largest attention logit (the softmax's input) and the attention entropy
   (Dehghani et al. 2023; Zhai et al. 2023): Paddle's softmax kernel (under whatever name the model calls it)
@@ -32,7 +31,9 @@ from nandoctor.findings import Code, Finding, Location, Phase, Severity
 from nandoctor.tensors.convert import float_dtypes
 
 EVERY_ATTENTION = 4  # sampled steps of a model whose attention is seen
-EVERY_PLAIN = 64  # ... of one without (the output head's log Z only)
+# A model whose attention is not seen is sampled at its first step only: after it, only its head's log Z would be
+# measured, and log Z's rule needs a sample within LOGZ_DOUBLING_STEPS of another, which one step in 64 (as it
+# was sampled before) never gave: ~0.6% of a 0.3 ms step for no warning that could fire
 READ_EVERY = 64  # sampled steps between host reads of the kept values
 ENTROPY_ROWS = 4  # the attention entropy is the mean over the rows of the batch's first sequences
 MAX_SAMPLES = 4096  # per quantity: beyond it the middle of the series is thinned (the early ones stay)
@@ -60,7 +61,7 @@ class PrecursorMonitor:
         self._looks_attention = [name for name, layer in model.named_sublayers()
                                  if isinstance(layer, paddle.nn.MultiHeadAttention)
                                  or any(w in type(layer).__name__.lower() for w in _ATTENTION_NAMES)]
-        self.every = EVERY_ATTENTION  # until the first sample says whether attention is seen
+        self.every: int | None = EVERY_ATTENTION  # until the first sample says whether attention is seen
         self.attention: list[str] = []  # layers seen computing attention, in order of first sight
         self._discovered = False
         self._tracked: list[tuple[str, Any]] = self._linears  # the first sample looks at every linear layer
@@ -91,15 +92,17 @@ class PrecursorMonitor:
 
     # ---- the schedule ----------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        return self.broken is None and (step % self.every == 0 or not self._discovered)
+        every = self.every
+        return self.broken is None and (not self._discovered or every is not None and step % every == 0)
 
     def next_due(self, step: int) -> int:
         """The first step from `step` on that is sampled (a driver's quiet window ends before it)."""
-        if self.broken is not None:
+        every = self.every
+        if self.broken is not None or every is None:
             return 2**62
         if not self._discovered:
             return step
-        return -(-step // self.every) * self.every
+        return -(-step // every) * every
 
     # ---- a sampled step -------------------------------------------------------------------------
     def begin(self, step: int) -> None:
@@ -161,10 +164,10 @@ class PrecursorMonitor:
         self._intercepting = False
 
     def _discover(self) -> None:
-        """After the first sample: the stride, and the linear layers worth tracking (those of the blocks that
-        hold an attention layer; none when no attention is seen)."""
+        """After the first sample: the stride (None, no more samples, when no attention is seen), and the linear
+        layers worth tracking (those of the blocks that hold an attention layer)."""
         self._discovered = True
-        self.every = EVERY_ATTENTION if self.attention else EVERY_PLAIN
+        self.every = EVERY_ATTENTION if self.attention else None
         parents = {name.rsplit(".", 1)[0] + "." if "." in name else "" for name in self.attention}
         self._tracked = [(n, layer) for n, layer in self._linears
                          if any(p and n.startswith(p) for p in parents)]
@@ -290,7 +293,7 @@ class PrecursorMonitor:
         have taken, are left out); `lrs`: the learning rate by step, for the advice's numbers."""
         self.end()
         self.read()
-        out = judge(self.series, fault_step, lrs or {}, self.every)
+        out = judge(self.series, fault_step, lrs or {}, self.every) if self.every is not None else []
         for f in out:
             if f.code == Code.ATTENTION_LOGIT_GROWTH:
                 f.evidence["measured"] = self.measured.get(f.evidence["layer"])
