@@ -61,13 +61,37 @@ READ_ALL_STEPS = 64
 DETECT_SPAN = 256  # the steps the reads' mean cost is taken over (StatsSchedule.detect): MAX_UNREAD
 # The same report on every run (issue 35): how often a step is read follows measured timings, so what is
 # concluded from gradient norms may only read steps that every stride reads: the first READ_ALL_STEPS steps and
-# every NORM_GRID-th step after them (read whatever the stride, and a stats step too: on a 0.3 ms step each
-# costs ~0.75 ms more than a quiet one and the end of the quiet window before it ~0.25-0.3 ms, most of what the
-# watch costs there; the read itself ~0.22 ms, the stats little: benchmarks/README.md, "Row 7 on fast_mlp"),
+# the grid's steps after them (read whatever the stride, and a stats step too: on a 0.3 ms step each costs
+# ~1.2 ms more than a quiet one, most of what the watch costs there: benchmarks/README.md, "Row 7 on fast_mlp"),
 # and of those, on a model whose gradients are read one step in MIN_EVERY (defer_grads), the multiples of
 # MIN_EVERY. Other steps' norms are shown in the timeline, and nothing is concluded from them
-# (StepRecord.conclusive).
+# (StepRecord.conclusive). The grid's spacing is at most a quarter of the step number, so a growth is still
+# placed within a quarter of the run so far: every NORM_GRID-th step to step 511, every 128th to step 1,023,
+# every NORM_GRID_MAX-th after (a fixed function of the step: every stride and every replay of a step agree).
 NORM_GRID = 64
+NORM_GRID_MAX = 256
+
+
+def grid_spacing(step: int) -> int:
+    """The norm grid's spacing around `step`: NORM_GRID doubled while 8 times it is no further than `step`,
+    up to NORM_GRID_MAX (each spacing's first step is a multiple of the next one's)."""
+    spacing = NORM_GRID
+    while spacing < NORM_GRID_MAX and 8 * spacing <= step:
+        spacing *= 2
+    return spacing
+
+
+def on_grid(step: int) -> bool:
+    """Whether `step` is one of the grid's: its gradient norm and stats are taken whatever the read stride."""
+    return not step % NORM_GRID and not step % grid_spacing(step)
+
+
+def next_grid(step: int) -> int:
+    """The first grid step from `step` on."""
+    spacing = grid_spacing(step)
+    return -(-step // spacing) * spacing
+
+
 # Tests only: the read stride forced (an integer), so a test can run one probe at two strides
 READ_EVERY_ENV = "NANDOCTOR_READ_EVERY"
 
@@ -151,7 +175,7 @@ class StatsSchedule:
             return True
         if step == 1:  # one plain step to measure against
             return False
-        if step == 2 or step % NORM_GRID == 0:  # and one stats step that is not the first (warm-up) step; and the
+        if step == 2 or on_grid(step):  # and one stats step that is not the first (warm-up) step; and the
             return True  # grid's, taken whatever the measured cost (StepWatcher.stats_fixed: the same report)
         # k == 1 (stats every step) would leave no plain step to measure against, so a plain step
         # measured slow once (a first-call cost, a load spike) would keep it at 1: measure one in 16, and
@@ -276,15 +300,15 @@ class StepWatcher:
         # (a driver's quiet steps are taken as they are: lists beginning with these five, `quiet_steps`)
         self._pending: list[Any] = []
         self._forced = forced_read_every()
-        # the gradient norms kept are those of steps on this spacing (see NORM_GRID): a model whose gradients a
+        # the gradient norms kept are those of steps on this spacing (see on_grid): a model whose gradients a
         # rolling-back driver would read one step in MIN_EVERY keeps that spacing whoever drives it
         self._grad_grid = 1 if self.monitor.small or scaler is not None else MIN_EVERY
 
     def conclusive(self, step: int) -> bool:
-        """Whether step `step`'s gradient norm is read whatever the read stride (NORM_GRID): the only norms
+        """Whether step `step`'s gradient norm is read whatever the read stride (on_grid): the only norms
         warnings and causes read, so that every run concludes the same."""
         first = self._first_step if self._first_step is not None else step
-        if step - first >= READ_ALL_STEPS and step % NORM_GRID:
+        if step - first >= READ_ALL_STEPS and not on_grid(step):
             return False
         return self._grad_grid == 1 or step < 3 or step % self._grad_grid == 0
 
@@ -327,7 +351,7 @@ class StepWatcher:
         """Whether step `step` is read on the host (always, unless defer_reads). On multiples of read_every: no
         more than read_every steps go unread in a row, whenever read_every changes."""
         return (self._ring is None or stats or self.schedule.alert or step - self._first_step < READ_ALL_STEPS
-                or step % self.read_every == 0 or step % NORM_GRID == 0)
+                or step % self.read_every == 0 or on_grid(step))
 
     # ---- the stages of a step ----------------------------------------------------------------------
     def begin_step(self, step: int, fields: dict[str, Any], *, batch_index: int | None = None,
@@ -347,7 +371,7 @@ class StepWatcher:
             read = self._next_read
         self._stats_step, self._read, self._next_stats = stats, read, None
         # a stats step every run takes, whatever the measured cost: its per-layer values may be concluded from
-        self._stats_fixed = stats and (step in (0, 2) or self.schedule.alert or step % NORM_GRID == 0)
+        self._stats_fixed = stats and (step in (0, 2) or self.schedule.alert or on_grid(step))
         # `rng`: the state from before a forward that already ran (`nandoctor run` attaches after step 0's).
         # An unread step needs none: a fault found later is replayed from the ring with its own RNG state.
         if read:
@@ -696,7 +720,7 @@ class StepWatcher:
         # the step before is over: its batch is not held through the window (issue 22; `quiet_steps` sets the
         # newest quiet step's)
         self._fields = None
-        return min(-(-(step + 1) // every) * every, -(-step // NORM_GRID) * NORM_GRID, schedule.next_stats(step),
+        return min(-(-(step + 1) // every) * every, next_grid(step), schedule.next_stats(step),
                    self._ring.next_due(), self.precursors.next_due(step))
 
     def quiet_steps(self, steps: list[list[Any]], fields: list[Any]) -> None:
