@@ -65,18 +65,18 @@ DETECT_SPAN = 256  # the steps the reads' mean cost is taken over (StatsSchedule
 # ~1.2 ms more than a quiet one, most of what the watch costs there: benchmarks/README.md, "Row 7 on fast_mlp"),
 # and of those, on a model whose gradients are read one step in MIN_EVERY (defer_grads), the multiples of
 # MIN_EVERY. Other steps' norms are shown in the timeline, and nothing is concluded from them
-# (StepRecord.conclusive). The grid's spacing is at most a quarter of the step number, so a growth is still
-# placed within a quarter of the run so far: every NORM_GRID-th step to step 511, every 128th to step 1,023,
-# every NORM_GRID_MAX-th after (a fixed function of the step: every stride and every replay of a step agree).
+# (StepRecord.conclusive). The grid's spacing is at most half the step number, doubling as the run goes on:
+# every NORM_GRID-th step to step 255, every 128th to step 511, every NORM_GRID_MAX-th after (a fixed function
+# of the step: every stride and every replay of a step agree).
 NORM_GRID = 64
 NORM_GRID_MAX = 256
 
 
 def grid_spacing(step: int) -> int:
-    """The norm grid's spacing around `step`: NORM_GRID doubled while 8 times it is no further than `step`,
+    """The norm grid's spacing around `step`: NORM_GRID doubled while 4 times it is no further than `step`,
     up to NORM_GRID_MAX (each spacing's first step is a multiple of the next one's)."""
     spacing = NORM_GRID
-    while spacing < NORM_GRID_MAX and 8 * spacing <= step:
+    while spacing < NORM_GRID_MAX and 4 * spacing <= step:
         spacing *= 2
     return spacing
 
