@@ -1,0 +1,125 @@
+"""The floor under `nandoctor run`'s cost (issue 36): the least any watch that replays unread steps exactly
+must add to the user's process, measured on a workload's plain script, beside what `run` adds.
+
+`run` leaves most steps unread and, on a fault, replays them from what it kept. Whatever its bookkeeping,
+each step it must pass through three seams (the model's forward, `loss.backward`, the optimizer's step)
+and keep, until a later read, the step's inputs, its loss and the gradient that came back to the model's
+outputs (what a replay of a loss written as functions needs). This script puts exactly that, and nothing
+else, around the plain script (`--child`), and times it against the script alone, each process alone on
+a core (`procs.run_alone`, CPU seconds):
+
+    .venv/bin/python benchmarks/floor.py                   # fast_mlp, 20,000 steps, 3 pairs each
+    .venv/bin/python benchmarks/floor.py cnn --steps 60 --runs 4
+
+Printed: the seams alone, the seams with the smallest tape, and `nandoctor run` itself. Their gap is what
+`run`'s own bookkeeping costs above the floor (benchmarks/README.md, "The floor under run").
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import runpy
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+KEEP_STEPS = 512  # steps kept alive at once (run's ring keeps a few hundred on a 0.3 ms step)
+
+
+def _child(mode: str, script: str, argv: list[str]) -> None:
+    """Run the plain script with the floor's seams (`seams`), and its smallest tape (`tape`)."""
+    sys.argv = [script, *argv]
+    sys.path[:0] = [str(Path(script).resolve().parent), str(HERE / "workloads")]
+    import paddle
+    import plain_loop
+
+    kept: collections.deque = collections.deque(maxlen=KEEP_STEPS)
+    last: dict[str, Any] = {}
+    init = plain_loop.PlainTrainer.__init__
+
+    def trainer_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        model = self.model
+        forward = model.forward
+
+        def seam(*inputs: Any, **kw: Any) -> Any:  # an instance seam on the model only, as `run` has
+            out = forward(*inputs, **kw)
+            if model.training:
+                last["inputs"] = inputs
+                if isinstance(out, paddle.Tensor) and not out.stop_gradient:
+                    out.retain_grads()
+                last["out"] = out
+            return out
+
+        model.forward = seam
+
+    backward, step = paddle.Tensor.backward, paddle.optimizer.Optimizer.step
+
+    def loss_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = backward(self, *args, **kwargs)
+        last["loss"] = self
+        return out
+
+    def optimizer_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if mode == "tape":
+            out = last.get("out")
+            grad = out.grad if isinstance(out, paddle.Tensor) else None
+            kept.append((last.get("inputs"), last["loss"].detach(), grad))
+        return step(self, *args, **kwargs)
+
+    plain_loop.PlainTrainer.__init__ = trainer_init
+    paddle.Tensor.backward = loss_backward
+    paddle.optimizer.Optimizer.step = optimizer_step
+    runpy.run_path(script, run_name="__main__")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("workload", nargs="?", default="fast_mlp")
+    parser.add_argument("--steps", type=int, default=None, help="default: the config's probe.steps")
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    from harness import workloads
+
+    scratch = Path(tempfile.mkdtemp(prefix="nandoctor-floor-"))
+    w = workloads.load(args.workload, False, scratch)
+    steps = str(args.steps or w.steps)
+    py = sys.executable
+    plain = [py, str(w.plain), str(w.config), "--steps", steps]
+    sides = {
+        "seams (forward, backward, step)": [py, __file__, "--child", "seams", *plain[1:]],
+        "seams and the smallest tape": [py, __file__, "--child", "tape", *plain[1:]],
+        "nandoctor run": [py, "-m", "nandoctor", "run", "--json", str(scratch / "run{run}.json"), "--", *plain],
+    }
+    print(f"{args.workload}, {steps} steps, {args.runs} pair(s) each, each process alone on a core (CPU seconds)")
+    try:
+        for name, command in sides.items():
+            _measure(name, command, plain, args.runs)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _measure(name: str, command: list[str], plain: list[str], runs: int) -> None:
+    """`command` against the plain script, `runs` pairs alone on a core: the median ratio and each pair's."""
+    from harness import procs
+    from harness.table import median
+
+    paired = procs.run_alone(command, plain, runs)
+    failed = [r for r in paired.a + paired.b if r.returncode != 0]
+    if failed:
+        sys.exit(f"{name}: a run exited with {failed[0].returncode}: {failed[0].stderr_tail}")
+    ratios = paired.ratios("cpu_seconds")
+    print(f"  {name:34s} {median(ratios):.3f}x  (pairs {' '.join(f'{r:.3f}' for r in ratios)})", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 3 and sys.argv[1] == "--child":
+        _child(sys.argv[2], sys.argv[3], sys.argv[4:])
+    else:
+        main()
