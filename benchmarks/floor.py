@@ -77,6 +77,7 @@ def _child(mode: str, script: str, argv: list[str]) -> None:
     paddle.Tensor.backward = loss_backward
     paddle.optimizer.Optimizer.step = optimizer_step
     runpy.run_path(script, run_name="__main__")
+    print(f"floor: {len(kept)} step(s) kept", file=sys.stderr)  # (what tests/test_benchmarks.py checks)
 
 
 def main() -> None:

@@ -96,6 +96,23 @@ def test_probe_and_plain_loop_train_the_same_thing(tmp_path: Path) -> None:
     assert probe == pytest.approx(plain, rel=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["seams", "tape"])
+def test_the_floor_trains_what_the_plain_script_trains_and_keeps_its_steps(tmp_path: Path, mode: str) -> None:
+    """benchmarks/floor.py's seams leave the training as it was (same losses step for step), and its tape keeps
+    every step's inputs, loss and output gradient: a floor that trained differently would measure nothing."""
+    import json
+
+    w = workloads.load("fast_mlp", True, tmp_path)
+    args = [str(w.config), "--steps", "7", "--json"]
+    subprocess.run([sys.executable, str(w.plain), *args, str(tmp_path / "plain.json")], check=True,
+                   capture_output=True, timeout=120)
+    floor = subprocess.run([sys.executable, str(BENCH / "floor.py"), "--child", mode, str(w.plain), *args,
+                            str(tmp_path / "floor.json")], check=True, capture_output=True, text=True, timeout=120)
+    assert f"floor: {7 if mode == 'tape' else 0} step(s) kept" in floor.stderr
+    plain = json.loads((tmp_path / "plain.json").read_text())["loss"]
+    assert json.loads((tmp_path / "floor.json").read_text())["loss"] == pytest.approx(plain, rel=1e-6)
+
+
 def test_quick_configs_point_at_the_committed_code(tmp_path: Path) -> None:
     for name in (*workloads.TRAINING, "scan_data"):
         w = workloads.load(name, True, tmp_path)
