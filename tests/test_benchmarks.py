@@ -96,20 +96,33 @@ def test_probe_and_plain_loop_train_the_same_thing(tmp_path: Path) -> None:
     assert probe == pytest.approx(plain, rel=1e-5)
 
 
+FLOOR_STEPS = 7
+
+
+@pytest.fixture(scope="module")
+def plain_fast_mlp(tmp_path_factory: pytest.TempPathFactory) -> tuple[workloads.Workload, list[float]]:
+    """fast_mlp's quick config and the plain script's losses over FLOOR_STEPS steps (one run for both floors)."""
+    import json
+
+    folder = tmp_path_factory.mktemp("floor")
+    w = workloads.load("fast_mlp", True, folder)
+    subprocess.run([sys.executable, str(w.plain), str(w.config), "--steps", str(FLOOR_STEPS), "--json",
+                    str(folder / "plain.json")], check=True, capture_output=True, timeout=120)
+    return w, json.loads((folder / "plain.json").read_text())["loss"]
+
+
 @pytest.mark.parametrize("mode", ["seams", "tape"])
-def test_the_floor_trains_what_the_plain_script_trains_and_keeps_its_steps(tmp_path: Path, mode: str) -> None:
+def test_the_floor_trains_what_the_plain_script_trains_and_keeps_its_steps(
+        plain_fast_mlp: tuple[workloads.Workload, list[float]], tmp_path: Path, mode: str) -> None:
     """benchmarks/floor.py's seams leave the training as it was (same losses step for step), and its tape keeps
     every step's inputs, loss and output gradient: a floor that trained differently would measure nothing."""
     import json
 
-    w = workloads.load("fast_mlp", True, tmp_path)
-    args = [str(w.config), "--steps", "7", "--json"]
-    subprocess.run([sys.executable, str(w.plain), *args, str(tmp_path / "plain.json")], check=True,
-                   capture_output=True, timeout=120)
-    floor = subprocess.run([sys.executable, str(BENCH / "floor.py"), "--child", mode, str(w.plain), *args,
-                            str(tmp_path / "floor.json")], check=True, capture_output=True, text=True, timeout=120)
-    assert f"floor: {7 if mode == 'tape' else 0} step(s) kept" in floor.stderr
-    plain = json.loads((tmp_path / "plain.json").read_text())["loss"]
+    w, plain = plain_fast_mlp
+    floor = subprocess.run([sys.executable, str(BENCH / "floor.py"), "--child", mode, str(w.plain), str(w.config),
+                            "--steps", str(FLOOR_STEPS), "--json", str(tmp_path / "floor.json")], check=True,
+                           capture_output=True, text=True, timeout=120)
+    assert f"floor: {FLOOR_STEPS if mode == 'tape' else 0} step(s) kept" in floor.stderr
     assert json.loads((tmp_path / "floor.json").read_text())["loss"] == pytest.approx(plain, rel=1e-6)
 
 
