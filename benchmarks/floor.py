@@ -11,8 +11,11 @@ a core (`procs.run_alone`, CPU seconds):
     .venv/bin/python benchmarks/floor.py                   # fast_mlp, 20,000 steps, 3 pairs each
     .venv/bin/python benchmarks/floor.py cnn --steps 60 --runs 4
 
-Printed: the seams alone, the seams with the smallest tape, and `nandoctor run` itself. Their gap is what
-`run`'s own bookkeeping costs above the floor (benchmarks/README.md, "The floor under run").
+Printed: the seams alone, the seams with the smallest tape, `nandoctor run` with that tape in place of its
+own bookkeeping (`--child bare`, under `run`: its seams, reads and snapshots as they are, but a quiet step
+keeps the tape's tuple and nothing else; not a working watch, as its reads see no unread steps), and
+`nandoctor run` itself. The gaps say what `run`'s machinery and what its bookkeeping cost above the floor
+(benchmarks/README.md, "The floor under run").
 """
 
 from __future__ import annotations
@@ -33,13 +36,19 @@ KEEP_STEPS = 512  # steps kept alive at once (run's ring keeps a few hundred on 
 
 
 def _child(mode: str, script: str, argv: list[str]) -> None:
-    """Run the plain script with the floor's seams (`seams`), and its smallest tape (`tape`)."""
+    """Run the plain script with the floor's seams (`seams`), and its smallest tape (`tape`); or, under
+    `nandoctor run`, with run's seams keeping that tape instead of run's bookkeeping (`bare`)."""
     sys.argv = [script, *argv]
     sys.path[:0] = [str(Path(script).resolve().parent), str(HERE / "workloads")]
+    kept: collections.deque = collections.deque(maxlen=KEEP_STEPS)
+    if mode == "bare":
+        _bare_run(kept)
+        runpy.run_path(script, run_name="__main__")
+        print(f"floor: {len(kept)} step(s) kept", file=sys.stderr)
+        return
     import paddle
     import plain_loop
 
-    kept: collections.deque = collections.deque(maxlen=KEEP_STEPS)
     last: dict[str, Any] = {}
     init = plain_loop.PlainTrainer.__init__
 
@@ -80,6 +89,37 @@ def _child(mode: str, script: str, argv: list[str]) -> None:
     print(f"floor: {len(kept)} step(s) kept", file=sys.stderr)  # (what tests/test_benchmarks.py checks)
 
 
+def _bare_run(kept: collections.deque) -> None:
+    """`nandoctor run`'s session, with a quiet step's bookkeeping (the doctor's note, the replay tape, the
+    update's close) replaced by the floor's tuple: what its seams, reads and snapshots cost without it."""
+    from time import perf_counter
+
+    from nandoctor.zero_change.runtime import Session
+
+    before, after = Session.before_step, Session.after_step
+    bare: dict[str, bool] = {}
+
+    def before_step(self: Any, optimizer: Any) -> bool:
+        bare["step"] = False
+        for watch in self.watches:
+            doctor = watch.doctor
+            if (watch.optimizer is optimizer and not self.busy and doctor.step < doctor._quiet_until
+                    and not doctor._checked and watch.checked != self.backwards):
+                watch.checked = self.backwards
+                kept.append((watch.inputs, self.last_loss.detach(), tuple(watch.grads.values()), perf_counter(),
+                             optimizer.get_lr()))
+                doctor.step += 1
+                bare["step"] = True
+                return True
+        return before(self, optimizer)
+
+    def after_step(self: Any, optimizer: Any) -> None:
+        if not bare.get("step"):
+            after(self, optimizer)
+
+    Session.before_step, Session.after_step = before_step, after_step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workload", nargs="?", default="fast_mlp")
@@ -93,10 +133,12 @@ def main() -> None:
     steps = str(args.steps or w.steps)
     py = sys.executable
     plain = [py, str(w.plain), str(w.config), "--steps", steps]
+    run = [py, "-m", "nandoctor", "run", "--json", str(scratch / "run{run}.json"), "--"]
     sides = {
         "seams (forward, backward, step)": [py, __file__, "--child", "seams", *plain[1:]],
         "seams and the smallest tape": [py, __file__, "--child", "tape", *plain[1:]],
-        "nandoctor run": [py, "-m", "nandoctor", "run", "--json", str(scratch / "run{run}.json"), "--", *plain],
+        "run keeping only that tape": [*run, py, __file__, "--child", "bare", *plain[1:]],
+        "nandoctor run": [*run, *plain],
     }
     print(f"{args.workload}, {steps} steps, {args.runs} pair(s) each, each process alone on a core (CPU seconds)")
     try:

@@ -7,6 +7,7 @@ losses step for step), and the quick configs still point at the committed model 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -96,7 +97,7 @@ def test_probe_and_plain_loop_train_the_same_thing(tmp_path: Path) -> None:
     assert probe == pytest.approx(plain, rel=1e-5)
 
 
-FLOOR_STEPS = 7
+FLOOR_STEPS = 160  # past the first 64 steps, which `run` reads every one of: the rest may go unread
 
 
 @pytest.fixture(scope="module")
@@ -111,18 +112,26 @@ def plain_fast_mlp(tmp_path_factory: pytest.TempPathFactory) -> tuple[workloads.
     return w, json.loads((folder / "plain.json").read_text())["loss"]
 
 
-@pytest.mark.parametrize("mode", ["seams", "tape"])
+@pytest.mark.parametrize("mode", ["seams", "tape", "bare"])
 def test_the_floor_trains_what_the_plain_script_trains_and_keeps_its_steps(
         plain_fast_mlp: tuple[workloads.Workload, list[float]], tmp_path: Path, mode: str) -> None:
     """benchmarks/floor.py's seams leave the training as it was (same losses step for step), and its tape keeps
-    every step's inputs, loss and output gradient: a floor that trained differently would measure nothing."""
+    every step's inputs, loss and output gradient; under `nandoctor run` (`bare`), every unread step's and no
+    read one's: a floor that trained differently, or kept nothing, would measure nothing."""
     import json
 
+    from nandoctor.engine.watcher import READ_ALL_STEPS
+
     w, plain = plain_fast_mlp
-    floor = subprocess.run([sys.executable, str(BENCH / "floor.py"), "--child", mode, str(w.plain), str(w.config),
-                            "--steps", str(FLOOR_STEPS), "--json", str(tmp_path / "floor.json")], check=True,
-                           capture_output=True, text=True, timeout=120)
-    assert f"floor: {FLOOR_STEPS if mode == 'tape' else 0} step(s) kept" in floor.stderr
+    run = [sys.executable, "-m", "nandoctor", "run", "--json", str(tmp_path / "run.json"), "--"]
+    floor = subprocess.run([*(run if mode == "bare" else []), sys.executable, str(BENCH / "floor.py"), "--child",
+                            mode, str(w.plain), str(w.config), "--steps", str(FLOOR_STEPS), "--json",
+                            str(tmp_path / "floor.json")], check=True, capture_output=True, text=True, timeout=120)
+    kept = int(re.search(r"floor: (\d+) step\(s\) kept", floor.stderr)[1])
+    if mode == "bare":
+        assert 0 < kept <= FLOOR_STEPS - READ_ALL_STEPS
+    else:
+        assert kept == (FLOOR_STEPS if mode == "tape" else 0)
     assert json.loads((tmp_path / "floor.json").read_text())["loss"] == pytest.approx(plain, rel=1e-6)
 
 
