@@ -43,9 +43,15 @@ def _child(mode: str, script: str, argv: list[str]) -> None:
     kept: collections.deque = collections.deque(maxlen=KEEP_STEPS)
     if mode == "bare":
         _bare_run(kept)
-        runpy.run_path(script, run_name="__main__")
-        print(f"floor: {len(kept)} step(s) kept", file=sys.stderr)
-        return
+    else:
+        _floor_seams(mode == "tape", kept)
+    runpy.run_path(script, run_name="__main__")
+    print(f"floor: {len(kept)} step(s) kept", file=sys.stderr)  # (what tests/test_benchmarks.py checks)
+
+
+def _floor_seams(tape: bool, kept: collections.deque) -> None:
+    """The three seams any watch needs, on the plain script's model and Paddle's classes; with `tape`, each
+    step's inputs, detached loss and output gradient kept in `kept`."""
     import paddle
     import plain_loop
 
@@ -76,7 +82,7 @@ def _child(mode: str, script: str, argv: list[str]) -> None:
         return out
 
     def optimizer_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if mode == "tape":
+        if tape:
             out = last.get("out")
             grad = out.grad if isinstance(out, paddle.Tensor) else None
             kept.append((last.get("inputs"), last["loss"].detach(), grad))
@@ -85,8 +91,6 @@ def _child(mode: str, script: str, argv: list[str]) -> None:
     plain_loop.PlainTrainer.__init__ = trainer_init
     paddle.Tensor.backward = loss_backward
     paddle.optimizer.Optimizer.step = optimizer_step
-    runpy.run_path(script, run_name="__main__")
-    print(f"floor: {len(kept)} step(s) kept", file=sys.stderr)  # (what tests/test_benchmarks.py checks)
 
 
 def _bare_run(kept: collections.deque) -> None:
@@ -97,14 +101,14 @@ def _bare_run(kept: collections.deque) -> None:
     from nandoctor.zero_change.runtime import Session
 
     before, after = Session.before_step, Session.after_step
-    bare: dict[str, bool] = {}
+    bare = {"step": False}  # the update under way is a bare quiet step: run's after_step is left out too
 
     def before_step(self: Any, optimizer: Any) -> bool:
         bare["step"] = False
-        for watch in self.watches:
+        watch = None if self.busy else self._watch_of(optimizer)
+        if watch is not None:
             doctor = watch.doctor
-            if (watch.optimizer is optimizer and not self.busy and doctor.step < doctor._quiet_until
-                    and not doctor._checked and watch.checked != self.backwards):
+            if doctor.step < doctor._quiet_until and not doctor._checked and watch.checked != self.backwards:
                 watch.checked = self.backwards
                 kept.append((watch.inputs, self.last_loss.detach(), tuple(watch.grads.values()), perf_counter(),
                              optimizer.get_lr()))
@@ -114,7 +118,7 @@ def _bare_run(kept: collections.deque) -> None:
         return before(self, optimizer)
 
     def after_step(self: Any, optimizer: Any) -> None:
-        if not bare.get("step"):
+        if not bare["step"]:
             after(self, optimizer)
 
     Session.before_step, Session.after_step = before_step, after_step
